@@ -1,0 +1,70 @@
+"""The registry of LLM-stage backends, chosen by name.
+
+A backend runs the Qwen2 LLM stage of the speech path: it appends token ids to its context and returns
+the next-token logits and the post-final-norm hidden states (the TTS takes its speaker vector from
+them). Everything after the LLM (TTS head, DVAE, Vocos) is shared by all backends. Backends import
+their heavy dependencies only when created; an unknown name or a missing optional dependency is an
+error that says what to do, never a silent fallback to another backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from minicpm_cli.errors import BackendError
+
+if TYPE_CHECKING:
+    import torch
+
+    from minicpm_cli.checkpoint import Checkpoint
+
+
+class LLMStage(Protocol):
+    """What the pipeline needs from a backend."""
+
+    name: str
+
+    def reset(self) -> None:
+        """Start an empty context."""
+
+    def forward(self, ids: list[int]) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Append ids -> (float32 logits of the last one (vocab,), hidden states (len(ids), dim))."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    summary: str
+    module: str  # imported on first use: "backends.eager" defines create(...)
+    requires: tuple[str, ...] = ()  # importable modules that must be present
+    extra: str | None = None  # the pip extra that installs them
+    default_model: str = "openbmb/MiniCPM-o-2_6"
+
+    def check(self) -> None:
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            how = f"pip install 'minicpm-cli[{self.extra}]'" if self.extra else "install " + ", ".join(missing)
+            raise BackendError(f"backend '{self.name}' needs {', '.join(missing)}: {how}")
+
+    def create(self, ckpt: "Checkpoint", config: dict, *, device: "torch.device", dtype: "torch.dtype",
+               max_len: int) -> LLMStage:
+        self.check()
+        return importlib.import_module(self.module).create(ckpt, config, device=device, dtype=dtype, max_len=max_len)
+
+
+REGISTRY: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("eager", "bf16/fp32 PyTorch, no compilation (the reference-faithful baseline)", "backends.eager"),
+    )
+}
+
+
+def get(name: str) -> Backend:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise BackendError(f"unknown backend '{name}' (available: {', '.join(REGISTRY)})") from None

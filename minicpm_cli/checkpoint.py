@@ -1,0 +1,189 @@
+"""Finding and reading a checkpoint in the official MiniCPM-o 2.6 layout.
+
+`resolve(model)` turns a local directory or a Hugging Face repo id into a local directory, downloading
+from the hub only what the speech path needs (config, tokenizers, assets, and the safetensors shards
+that hold `llm.*` / `tts.*`). `Checkpoint` reads tensors by name from `model.safetensors` or from
+shards + `model.safetensors.index.json`; tensors of other modules (vision, audio encoder) are never
+read. Every failure is a `ModelNotFound` or `CheckpointError` naming the file or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .errors import CheckpointError, ModelNotFound
+
+DEFAULT_MODEL = "openbmb/MiniCPM-o-2_6"
+SPEECH_PREFIXES = ("llm.", "tts.")
+SMALL_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "assets/Vocos.pt",
+    "assets/chattts_tokenizer/tokenizer.json",
+    "assets/chattts_tokenizer/tokenizer_config.json",
+    "assets/chattts_tokenizer/special_tokens_map.json",
+    "assets/chattts_tokenizer/vocab.txt",
+)
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve(model: str, prefixes: Iterable[str] = SPEECH_PREFIXES) -> Path:
+    """A local checkpoint directory for `model` (a path, or a hub repo id `owner/name`)."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFound(f"model path is not a directory: {model}")
+        return path
+    if not _REPO_ID.match(model) or model.startswith((".", "/", "~")):
+        raise ModelNotFound(f"model directory not found: {model}")
+    return _download(model, tuple(prefixes))
+
+
+def _download(repo: str, prefixes: tuple[str, ...]) -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+    def get(name: str, required: bool = True) -> Path | None:
+        try:
+            return Path(hf_hub_download(repo, name))
+        except EntryNotFoundError:
+            if required:
+                raise ModelNotFound(f"{repo} has no file {name}") from None
+            return None
+        except RepositoryNotFoundError:
+            raise ModelNotFound(f"no such model repository on the hub: {repo}") from None
+        except LocalEntryNotFoundError:
+            if offline:
+                raise ModelNotFound(f"{repo} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set") from None
+            raise ModelNotFound(f"cannot download {repo}: the Hugging Face hub is unreachable and the model is not cached") from None
+        except OSError as e:
+            raise ModelNotFound(f"cannot download {repo}/{name}: {e}") from None
+
+    for name in SMALL_FILES:
+        get(name)
+    root = get("config.json").parent
+    index = get(INDEX, required=False)
+    if index is None:
+        get(SINGLE)
+    else:
+        weight_map = _read_index(index)
+        for shard in sorted({f for k, f in weight_map.items() if k.startswith(prefixes)}):
+            get(shard)
+    return root
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"cannot read {path}: weight_map is not an object")
+    return weight_map
+
+
+def read_config(root: Path) -> dict:
+    path = root / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"config.json missing in {root}") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+class Checkpoint:
+    """Tensor access by name over the safetensors file(s) of one checkpoint directory."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        if (root / INDEX).is_file():
+            self.weight_map = _read_index(root / INDEX)
+        elif (root / SINGLE).is_file():
+            self.weight_map = None
+        else:
+            raise CheckpointError(f"no {SINGLE} or {INDEX} in {root}")
+        self._files: dict[str, object] = {}
+        self._names: dict[str, str] | None = None
+
+    def _open(self, name: str):
+        if name not in self._files:
+            from safetensors import safe_open
+
+            path = self.root / name
+            try:
+                self._files[name] = safe_open(str(path), framework="pt")
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint file missing: {path}") from None
+            except Exception as e:  # safetensors raises SafetensorError for truncated/corrupt files
+                raise CheckpointError(f"cannot read {path} (truncated or corrupt?): {e}") from None
+        return self._files[name]
+
+    def _file_of(self, key: str) -> str:
+        if self.weight_map is None:
+            return SINGLE
+        try:
+            return self.weight_map[key]
+        except KeyError:
+            raise CheckpointError(f"tensor {key} is not in {self.root / INDEX}") from None
+
+    def keys(self, prefix: str) -> list[str]:
+        """Names under `prefix`, read from the index or the file header only."""
+        if self.weight_map is not None:
+            return sorted(k for k in self.weight_map if k.startswith(prefix))
+        return sorted(k for k in self._open(SINGLE).keys() if k.startswith(prefix))
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        f = self._open(self._file_of(key))
+        try:
+            return tuple(f.get_slice(key).get_shape())
+        except Exception:
+            raise CheckpointError(f"tensor {key} missing from {self.root / self._file_of(key)}") from None
+
+    def tensor(self, key: str, dtype: torch.dtype | None = None, device="cpu") -> Tensor:
+        name = self._file_of(key)
+        f = self._open(name)
+        try:
+            t = f.get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {key} from {self.root / name}: {e}") from None
+        return t.to(device=device, dtype=dtype or t.dtype)
+
+    def state_dict(self, prefix: str, dtype: torch.dtype | None = None, device="cpu",
+                   skip: tuple[str, ...] = ()) -> dict[str, Tensor]:
+        """{name without prefix: tensor} for every tensor under prefix (minus `skip` sub-prefixes)."""
+        return {
+            k[len(prefix):]: self.tensor(k, dtype, device)
+            for k in self.keys(prefix)
+            if not k[len(prefix):].startswith(skip)
+        }
+
+
+def load_module(module: torch.nn.Module, ckpt: Checkpoint, prefix: str, dtype: torch.dtype, device,
+                derived: dict[str, Tensor] | None = None) -> None:
+    """Fill a module built on the meta device from `prefix`-ed checkpoint tensors.
+
+    Names and shapes are checked against the file headers before any data is read. `derived`
+    supplies parameters that are computed rather than stored (e.g. folded weight-norm heads).
+    """
+    derived = derived or {}
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    for k, shape in expected.items():
+        got = tuple(derived[k].shape) if k in derived else ckpt.shape(prefix + k)
+        if got != shape:
+            raise CheckpointError(f"tensor {prefix}{k} has shape {list(got)}, expected {list(shape)}")
+    tensors = {k: derived[k] if k in derived else ckpt.tensor(prefix + k, dtype, device) for k in expected}
+    module.load_state_dict(tensors, strict=True, assign=True)

@@ -1,0 +1,29 @@
+"""Exceptions the CLI maps to one-line messages and exit codes (see `minicpm_cli.cli.main`)."""
+
+from __future__ import annotations
+
+
+class MinicpmError(Exception):
+    """A problem the user can act on: printed as one line, exit status `exit_code`."""
+
+    exit_code = 1
+
+
+class UsageError(MinicpmError):
+    """Invalid options or input (empty text, unknown format, ...)."""
+
+
+class ModelNotFound(MinicpmError):
+    """A model directory or hub repository that cannot be found or reached."""
+
+
+class CheckpointError(MinicpmError):
+    """A checkpoint that exists but cannot be read: truncated file, missing or misshapen tensor."""
+
+
+class BackendError(MinicpmError):
+    """Unknown backend, a missing optional dependency, or a backend that failed to start."""
+
+
+class DeviceError(MinicpmError):
+    """The requested device or dtype is not available here."""

@@ -1,0 +1,166 @@
+"""A Llama/Qwen2-style decoder stack over a static KV cache (gpt-fast style).
+
+Both the Qwen2 LLM and the ChatTTS backbone are this stack: RMSNorm, rotary attention with optional
+q/k/v biases and grouped KV heads, a SiLU-gated MLP, and a final RMSNorm. Parameter names follow the
+Hugging Face checkpoints (`layers.N.self_attn.q_proj.weight`, ...) so state dicts load unchanged.
+
+Contract: `Decoder.forward(x, input_pos, mask, kv_len)` takes embeddings `(B, T, dim)`, the absolute
+positions of those T tokens (also their KV-cache slots), a boolean mask `(1|B, 1, T, kv_len)` that is
+True where a query may attend a cache slot, and how many cache slots to attend over. It returns the
+post-final-norm hidden states. Without a cache (`setup_cache` not called) the T tokens attend only to
+each other. The module knows nothing about tokens, sampling or devices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate: int
+    rope_theta: float
+    norm_eps: float
+    qkv_bias: bool
+    max_positions: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 and cast back before the gain, as transformers' Llama/Qwen2 do.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+        super().__init__()
+        shape = (1, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor | None,
+                kv_len: int) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)
+            k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.dim, c.intermediate, bias=False)
+        self.up_proj = nn.Linear(c.dim, c.intermediate, bias=False)
+        self.down_proj = nn.Linear(c.intermediate, c.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: DecoderConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = FeedForward(c)
+        self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor | None,
+                kv_len: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, c: DecoderConfig, vocab_size: int | None = None):
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(vocab_size, c.dim) if vocab_size else None
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.rope_cos: Tensor | None = None
+        self.rope_sin: Tensor | None = None
+
+    def setup_rope(self, max_len: int, device) -> None:
+        """Tables of cos/sin per position, computed in float32 like transformers' rotary embedding."""
+        d = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        freqs = torch.arange(max_len, device=device).float()[:, None] * inv_freq[None, :]  # (S, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (S, D)
+        self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
+
+    def setup_cache(self, max_len: int, dtype: torch.dtype, device) -> None:
+        c = self.config
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(max_len, c.n_kv_heads, c.head_dim, dtype, device)
+
+    def reset_cache(self) -> None:
+        for layer in self.layers:
+            if layer.self_attn.kv_cache is not None:
+                layer.self_attn.kv_cache.k.zero_()
+                layer.self_attn.kv_cache.v.zero_()
+
+    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor | None = None, kv_len: int = 0) -> Tensor:
+        if self.rope_cos is None or self.rope_cos.device != x.device:
+            self.setup_rope(self.config.max_positions, x.device)
+        cos = self.rope_cos[input_pos].to(x.dtype)[None, None]  # (1, 1, T, D)
+        sin = self.rope_sin[input_pos].to(x.dtype)[None, None]
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, mask, kv_len)
+        return self.norm(x)
+
+
+def causal_mask(input_pos: Tensor, kv_len: int) -> Tensor:
+    """(1, 1, T, kv_len) boolean: query at position p sees cache slots 0..p."""
+    slots = torch.arange(kv_len, device=input_pos.device)
+    return (slots[None, :] <= input_pos[:, None])[None, None]
