@@ -46,6 +46,7 @@ class Tokenizers:
         except Exception as e:  # tokenizers raises plain Exceptions on malformed JSON
             raise CheckpointError(f"cannot read tokenizer: {e}") from e
         self.spk_id = self._llm_id("<|spk|>")
+        self.im_start_id = self._llm_id("<|im_start|>")
         self.im_end_id = self._llm_id("<|im_end|>")
         self.endoftext_id = self._llm_id("<|endoftext|>")
         self.tts_eos_id = self._llm_id("<|tts_eos|>")

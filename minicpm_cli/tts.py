@@ -65,12 +65,26 @@ class TTSRunner:
         mask = self.slots[None, :end] <= pos[:, None]
         self.model.model(x, pos, mask[None, None], end)
 
-    def _mask(self, p: int) -> Tensor:
+    def _mask(self, p: int, kv_len: int | None = None) -> Tensor:
+        """(1, 1, 1, kv_len) visibility for a query at position p (kv_len defaults to p + 1)."""
+        kv_len = kv_len or p + 1
         r = self.config.streaming_text_reserved_len
         visible = min(self.config.streaming_text_chunk_size * -(-(p - r) // AUDIO_CHUNK), r)
-        slots = self.slots[: p + 1]
         text = self.text_mask & (self.slots[: self.L] < visible + 2)
-        return torch.cat([text, slots[self.L:] >= 0])[None, None, None, : p + 1]
+        audio = self.slots[self.L : kv_len] >= 0
+        return torch.cat([text, audio])[None, None, None]
+
+    @torch.inference_mode()
+    def prefill_audio(self, frames: Tensor) -> None:
+        """Seed a continuation segment with frames carried over (spec §4.5 step 7): [Ptts] and all but
+        the last frame go through one forward whose single mask row (that of the [Ptts] query, with
+        the current text mask) is shared by every query, so they see each other in both directions.
+        The last frame becomes the input of the next generation step."""
+        x = torch.cat([self.bos_embed, self.model.embed_codes(frames[:-1])])[None]  # (1, k, hidden)
+        start, end = self.L - 1, self.L - 1 + len(frames)
+        self.model.model(x, self.slots[start:end], self._mask(start, end), end)
+        self.pos = end
+        self.last = frames[-1]
 
     @torch.inference_mode()
     def generate(self, generator: torch.Generator | None, n_steps: int = FRAMES_PER_CALL,

@@ -1,0 +1,195 @@
+"""Streaming TTS over a stream of text pieces: the reference's `_generate_mel_spec_audio_streaming`.
+
+Input: the speaker vector, the first text piece and an iterator of later pieces (LLM output for a
+reply, sentences of a text for `say`). Output: events, in order: `Frames` (new audio codes of the
+current segment, with the raw text read since the previous event) and `NewSegment` (a continuation
+starts, seeded with frames carried over from the previous one). Audio decoding is the caller's job.
+
+Per segment (spec §4.5): each later piece is appended (number-normalised for replies), the text is
+re-tokenised, and once it holds 10 more BERT tokens one text chunk is prefilled and 25 frames are
+generated (at most one chunk per piece). When the pieces end without an audio EOS, the rest of the
+text up to [Etts] is prefilled and frames are generated until EOS. Once the text reaches 120 tokens, a
+piece that ends a sentence cuts the segment; the next segment starts from a fresh cache seeded with
+the speaker vector, the last 5 text ids and the last 50 frames.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .text import Tokenizers
+from .tts import MAX_FRAMES, TTSRunner
+
+SEGMENT_CUT_TOKENS = 300 - 180  # the reference's streaming_text_reserved_len - shift_len
+SEED_TEXT_IDS = 5
+SEED_FRAMES = 50
+TTS_EOS_TEXT = "<|tts_eos|>"
+
+
+@dataclass(frozen=True)
+class Frames:
+    codes: Tensor  # (k, num_vq) new frames, on the device
+    text: str  # raw text read since the previous event
+
+
+@dataclass(frozen=True)
+class NewSegment:
+    carried: Tensor  # (<=50, num_vq) frames the new segment starts from (already emitted before)
+
+
+# --- text normalisation of streamed replies (the reference's NumberToTextConverter) ---------------
+
+_DIGITS_EN = "zero one two three four five six seven eight nine".split()
+_DIGITS_ZH = "零一二三四五六七八九"
+
+
+def detect_language(text: str) -> str:
+    zh = len(re.findall(r"[\u4e00-\u9fff]", text))
+    en = len(re.findall(r"[a-zA-Z]", text))
+    return "chinese" if zh >= en else "english"
+
+
+def spell_numbers(text: str, language: str) -> str:
+    """Every digit run spelled digit by digit, in place (first occurrence of each run, in order)."""
+    for num in re.findall(r"\d+", text):
+        if language == "chinese":
+            words = "".join(_DIGITS_ZH[int(d)] for d in num)
+        else:
+            words = " ".join(_DIGITS_EN[int(d)] for d in num)
+        text = text.replace(num, words, 1)
+    return text
+
+
+def sentence_end(piece: str) -> str:
+    """The reference's sentence_end: the first of . 。 ! ? ！ ？ found in the piece (in that order);
+    a first '.' that follows a digit does not count."""
+    for c in (".", "。", "!", "?", "！", "？"):
+        if c in piece:
+            i = piece.find(c)
+            if c == "." and i > 0 and piece[i - 1].isdigit():
+                continue
+            return c
+    return ""
+
+
+def reply_cut(piece: str, gen_text: str) -> int | None:
+    """Where a reply segment is cut: after the last occurrence of the piece's sentence end."""
+    c = sentence_end(piece)
+    return gen_text.rfind(c) + 1 if c else None
+
+
+def piece_cut(piece: str, gen_text: str) -> int | None:
+    """For read-aloud text split into sentence/clause pieces: cut after the piece."""
+    return len(gen_text)
+
+
+# --- the state machine --------------------------------------------------------------------------
+
+class StreamingTTS:
+    def __init__(self, runner: TTSRunner, tok: Tokenizers, spk: Tensor, generator: torch.Generator | None,
+                 *, normalize: bool, cut: Callable[[str, str], int | None]):
+        self.runner, self.tok, self.spk, self.generator = runner, tok, spk, generator
+        self.normalize, self.cut = normalize, cut
+        c = runner.config
+        self.chunk = c.streaming_text_chunk_size
+        self.reserved = c.streaming_text_reserved_len
+        self.segments = 0
+
+    def run(self, first_text: str, pieces: Iterator[str]) -> Iterator[Frames | NewSegment]:
+        seed = None
+        while True:
+            seed = yield from self._segment(first_text if seed is None else None, pieces, seed)
+            if seed is None:
+                return
+
+    def _generate(self) -> tuple[Tensor, bool]:
+        return self.runner.generate(self.generator)
+
+    def _segment(self, first_text: str | None, pieces: Iterator[str], seed):
+        r, tok = self.runner, self.tok
+        self.segments += 1
+        chunk_idx = 0
+        codes: list[Tensor] = []
+        last_ids: list[int] | None = None  # tokenisation used by the latest prefill
+        cond = None
+        if seed is None:
+            gen_text = first_text.split(TTS_EOS_TEXT)[0]
+            cond = tok.condition(gen_text, self.reserved)
+            r.start(cond.n)
+            gen_raw, emitted = gen_text, 0
+        else:
+            seed_ids, carried, text_left = seed
+            r.start(len(seed_ids))
+            r.prefill([tok.stts, tok.spk_emb] + seed_ids, 0, self.spk)
+            r.prefill_audio(carried)
+            codes.append(carried)
+            chunk_idx = len(seed_ids) // self.chunk
+            gen_text = tok.bert.decode(seed_ids) + text_left
+            gen_raw, emitted = gen_text, len(gen_text)
+            yield NewSegment(carried)
+        lang = None
+        new_segment = finished = False
+        text_left = ""
+        for t, piece in enumerate(pieces, start=1):
+            txt = piece.split(TTS_EOS_TEXT)[0]
+            gen_raw += txt
+            if t == 1 and txt == "" and seed is not None:
+                return None
+            if self.normalize:
+                if t <= 2:
+                    lang = detect_language(gen_raw)
+                txt_norm = spell_numbers(txt, lang).replace("*", "")
+            else:
+                txt_norm = txt
+            gen_text += txt_norm
+            cond = tok.condition(gen_text, self.reserved)
+            if cond.n >= SEGMENT_CUT_TOKENS:
+                at = self.cut(txt, gen_text)
+                if at:
+                    gen_text, text_left = gen_text[:at], gen_text[at:]
+                    cond = tok.condition(gen_text, self.reserved)
+                    new_segment = True
+                    break
+            if cond.n >= (chunk_idx + 1) * self.chunk:
+                begin = 0 if chunk_idx == 0 else chunk_idx * self.chunk + 2
+                end = min((chunk_idx + 1) * self.chunk + 2, r.L - 1)
+                r.prefill(cond.ids[begin:end], begin, self.spk if chunk_idx == 0 else None)
+                last_ids = cond.ids
+                r.set_text_len(cond.n)
+                new, finished = self._generate()
+                chunk_idx += 1
+                codes.append(new)
+                yield Frames(new, gen_raw[emitted:])
+                emitted = len(gen_raw)
+                if finished:
+                    break
+        if cond is None:  # a continuation whose pieces had already run out
+            return None
+        stop = False
+        end = cond.n + 3  # through [Etts]
+        if not finished:
+            begin = 0 if chunk_idx == 0 else chunk_idx * self.chunk + 2
+            if end > begin:
+                r.prefill(cond.ids[begin:end], begin, self.spk if chunk_idx == 0 else None)
+                last_ids = cond.ids
+                r.set_text_len(cond.n)
+            while True:
+                new, finished = self._generate()
+                codes.append(new)
+                yield Frames(new, gen_raw[emitted:])
+                emitted = len(gen_raw)
+                if finished:
+                    break
+                if sum(len(c) for c in codes) > MAX_FRAMES:
+                    stop = True
+                    break
+        if not new_segment or stop:
+            return None
+        seed_ids = (last_ids or cond.ids)[end - 1 - SEED_TEXT_IDS : end - 1]
+        carried = torch.cat(codes)[-SEED_FRAMES:]
+        return seed_ids, carried, text_left
