@@ -59,16 +59,16 @@ def _download(repo: str, prefixes: tuple[str, ...]) -> Path:
     def get(name: str, required: bool = True) -> Path | None:
         try:
             return Path(hf_hub_download(repo, name))
+        except LocalEntryNotFoundError:  # (a subclass of EntryNotFoundError: test it first)
+            if offline:
+                raise ModelNotFound(f"{repo} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set") from None
+            raise ModelNotFound(f"cannot download {repo}: the Hugging Face hub is unreachable and the model is not cached") from None
+        except RepositoryNotFoundError:
+            raise ModelNotFound(f"no such model repository on the hub: {repo}") from None
         except EntryNotFoundError:
             if required:
                 raise ModelNotFound(f"{repo} has no file {name}") from None
             return None
-        except RepositoryNotFoundError:
-            raise ModelNotFound(f"no such model repository on the hub: {repo}") from None
-        except LocalEntryNotFoundError:
-            if offline:
-                raise ModelNotFound(f"{repo} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set") from None
-            raise ModelNotFound(f"cannot download {repo}: the Hugging Face hub is unreachable and the model is not cached") from None
         except OSError as e:
             raise ModelNotFound(f"cannot download {repo}/{name}: {e}") from None
 

@@ -65,8 +65,8 @@ def say(
             raise UsageError("refusing to write audio to a terminal: give -o FILE, or pipe stdout (-o -)")
         output = "-"
     audio.check_output(output, pcm)
-    text = _read_text(text)
-    if not text.strip():
+    text = _read_text(text).strip()  # `echo text |` must speak the same as the argument "text"
+    if not text:
         raise UsageError("no text to speak")
 
     import backends as registry
@@ -106,7 +106,8 @@ def main() -> None:
     except MinicpmError as e:
         if os.environ.get("MINICPM_DEBUG"):
             raise
-        print(f"minicpm: error: {e}", file=sys.stderr)
+        message = " ".join(str(e).split())  # always one line, whatever the exception text holds
+        print(f"minicpm: error: {message}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("minicpm: interrupted", file=sys.stderr)

@@ -35,3 +35,17 @@ def manifest():
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     return TINY
+
+
+@pytest.fixture(scope="session")
+def codec():
+    """The tiny checkpoint's DVAE decoder (bf16 in the file, upcast) and Vocos, float32 on the CPU."""
+    from safetensors import safe_open
+
+    from minicpm_cli.codec import Codec
+
+    prefix = "tts.dvae."
+    with safe_open(TINY / "model.safetensors", framework="pt") as f:
+        dvae = {k[len(prefix):]: f.get_tensor(k).float() for k in f.keys() if k.startswith(prefix)}
+    vocos = torch.load(TINY / "assets" / "Vocos.pt", map_location="cpu", weights_only=True)
+    return Codec.from_tensors(dvae, vocos, "cpu")

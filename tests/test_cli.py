@@ -1,0 +1,152 @@
+"""The CLI as a user runs it: a subprocess, its exit status, its stdout bytes and its stderr lines."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, stdin: bytes | None = None, env: dict | None = None, cwd: Path | None = None):
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})}
+    e.pop("MINICPM_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "minicpm_cli", *args], input=stdin if stdin is not None else b"",
+                          capture_output=True, env=e, cwd=cwd, timeout=300)
+
+
+def assert_one_line_error(p, *needles: str):
+    err = p.stderr.decode()
+    assert p.returncode == 1, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("minicpm: error: "), err
+    for n in needles:
+        assert n in lines[0], err
+    assert p.stdout == b""
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys\nsys.argv = ['minicpm', '--help']\nfrom minicpm_cli.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch imported by --help'\nprint('ok', file=sys.stderr)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr.decode()
+    assert b"say" in p.stdout
+
+
+def test_say_reproduces_golden_waveform(tiny_dir, goldens, manifest, tmp_path):
+    """The exact command of the parity criterion: float32 WAV equal to the reference's waveform."""
+    text = manifest["read"][0]["text"]
+    out = tmp_path / "x.wav"
+    p = run("say", text, "--model", str(tiny_dir), "--greedy", "--device", "cpu", "--dtype", "float32",
+            "--pcm", "f32", "-o", str(out))
+    assert p.returncode == 0, p.stderr.decode()
+    assert p.stdout == b""
+    audio, sr = sf.read(out, dtype="float32")
+    info = sf.info(out)
+    assert (sr, info.subtype, info.channels) == (24000, "FLOAT", 1)
+    np.testing.assert_allclose(audio, goldens["read_short_wav"], atol=1e-4, rtol=0)
+    assert [f.name for f in tmp_path.iterdir()] == ["x.wav"]  # no temporary file left
+
+
+def test_say_stdin_to_stdout_s16_and_flac(tiny_dir, goldens, tmp_path):
+    p = run("say", "--model", str(tiny_dir), "--greedy", "--device", "cpu", "-o", "-", stdin=b"Hello world.\n")
+    assert p.returncode == 0, p.stderr.decode()
+    audio, sr = sf.read(io.BytesIO(p.stdout), dtype="int16")
+    assert sr == 24000 and audio.dtype == np.int16
+    expected = np.round(np.clip(goldens["read_short_wav"], -1, 1) * 32767).astype(np.int16)
+    assert np.abs(audio.astype(np.int32) - expected).max() <= 1
+    flac = tmp_path / "x.flac"
+    p = run("say", "Hello world.", "--model", str(tiny_dir), "--greedy", "--device", "cpu", "-o", str(flac))
+    assert p.returncode == 0, p.stderr.decode()
+    assert sf.info(flac).format == "FLAC"
+    np.testing.assert_array_equal(sf.read(flac, dtype="int16")[0], audio)
+
+
+def test_missing_model_directory(tmp_path):
+    out = tmp_path / "x.wav"
+    p = run("say", "Hi.", "--model", str(tmp_path / "nope"), "--device", "cpu", "-o", str(out))
+    assert_one_line_error(p, "model directory not found", "nope")
+    assert not out.exists()
+
+
+def test_uncached_repo_while_offline(tmp_path):
+    out = tmp_path / "x.wav"
+    p = run("say", "Hi.", "--model", "someone/not-cached", "--device", "cpu", "-o", str(out),
+            env={"HF_HOME": str(tmp_path / "hf")})
+    assert_one_line_error(p, "someone/not-cached", "HF_HUB_OFFLINE")
+    assert not out.exists()
+
+
+@pytest.fixture
+def broken_copy(tiny_dir, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, dst)
+    return dst
+
+
+def test_truncated_safetensors(broken_copy, tmp_path):
+    f = broken_copy / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "x.wav"
+    p = run("say", "Hi.", "--model", str(broken_copy), "--device", "cpu", "-o", str(out))
+    assert_one_line_error(p, "model.safetensors")
+    assert not out.exists()
+
+
+def test_tensor_of_wrong_shape(broken_copy, tmp_path):
+    f = broken_copy / "model.safetensors"
+    sd = load_file(f)
+    name = "tts.model.layers.1.mlp.up_proj.weight"
+    sd[name] = sd[name][:, :-1].contiguous()
+    save_file(sd, f, metadata={"format": "pt"})
+    out = tmp_path / "x.wav"
+    p = run("say", "Hi.", "--model", str(broken_copy), "--device", "cpu", "-o", str(out))
+    assert_one_line_error(p, name, "shape")
+    assert not out.exists()
+
+
+def test_missing_tensor(broken_copy, tmp_path):
+    f = broken_copy / "model.safetensors"
+    sd = load_file(f)
+    del sd["llm.model.layers.0.self_attn.k_proj.bias"]
+    save_file(sd, f, metadata={"format": "pt"})
+    p = run("say", "Hi.", "--model", str(broken_copy), "--device", "cpu", "-o", str(tmp_path / "x.wav"))
+    assert_one_line_error(p, "llm.model.layers.0.self_attn.k_proj.bias")
+
+
+@pytest.mark.parametrize("stdin", [b"", b"   \n\t\n"])
+def test_empty_text(tiny_dir, tmp_path, stdin):
+    out = tmp_path / "x.wav"
+    p = run("say", "--model", str(tiny_dir), "--device", "cpu", "-o", str(out), stdin=stdin)
+    assert_one_line_error(p, "no text")
+    assert not out.exists()
+
+
+def test_bad_options_are_one_line_errors(tiny_dir, tmp_path):
+    assert_one_line_error(run("say", "Hi.", "--model", str(tiny_dir), "-o", str(tmp_path / "x.mp3")), ".mp3")
+    assert_one_line_error(run("say", "Hi.", "--model", str(tiny_dir), "--pcm", "f32", "-o", str(tmp_path / "x.flac")), "FLAC")
+    assert_one_line_error(run("say", "Hi.", "--backend", "nope", "-o", str(tmp_path / "x.wav")), "unknown backend", "eager")
+    assert_one_line_error(run("say", "Hi.", "--model", str(tiny_dir), "--dtype", "int3", "--device", "cpu",
+                              "-o", str(tmp_path / "x.wav")), "int3")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parser_errors_exit_2():
+    p = run("say", "--no-such-option")
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr.decode()
