@@ -53,6 +53,10 @@ def resolve(model: str, prefixes: Iterable[str] = SPEECH_PREFIXES) -> Path:
 def _download(repo: str, prefixes: tuple[str, ...]) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.utils import logging as hf_logging
+
+    # Its retry warnings would add lines to stderr; a failure ends in one message of ours instead.
+    hf_logging.set_verbosity_error()
 
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
