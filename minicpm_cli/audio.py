@@ -1,16 +1,23 @@
-"""Writing audio: WAV/FLAC files (atomically: a complete file or none) and WAV bytes for stdout.
+"""Audio sinks: where the chunks of `Synthesizer.synthesize/reply` go, written as they arrive.
 
-Float samples are converted to 16-bit PCM here (clipped to [-1, 1], scaled by 32767, rounded) rather
-than by libsndfile, so the bytes do not depend on its clipping settings.
+- `FileSink`: a .wav or .flac file, written to a temporary name in the same directory and renamed
+  into place when complete, so an error, Ctrl-C or kill leaves no file or a complete one.
+- `WavStreamSink`: WAV to a byte stream (stdout): a header whose sizes say "unknown length"
+  (0xFFFFFFFF, as streaming tools write it), then samples, flushed per chunk.
+- `RawSink`: headerless PCM (s16le or f32le), flushed per chunk.
+
+Float samples become 16-bit PCM here (clipped to [-1, 1], scaled by 32767, rounded), not in
+libsndfile, so the bytes do not depend on its settings.
 """
 
 from __future__ import annotations
 
-import io
 import os
+import struct
 import sys
 import tempfile
 from pathlib import Path
+from typing import BinaryIO, Protocol
 
 import numpy as np
 
@@ -20,61 +27,117 @@ FORMATS = {".wav": "WAV", ".flac": "FLAC"}
 PCM = {"s16": "PCM_16", "f32": "FLOAT"}
 
 
+class Sink(Protocol):
+    def write(self, samples: np.ndarray) -> None: ...
+    def close(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+def check_pcm(pcm: str) -> None:
+    if pcm not in PCM:
+        raise UsageError(f"unknown --pcm '{pcm}' (use s16 or f32)")
+
+
 def file_format(path: str) -> str:
-    if path == "-":
-        return "WAV"
     fmt = FORMATS.get(Path(path).suffix.lower())
     if fmt is None:
         raise UsageError(f"cannot tell the audio format of '{path}': use a .wav or .flac name, or - for stdout")
     return fmt
 
 
-def check_output(path: str, pcm: str) -> str:
-    """Validate an output target before any work is done; returns the soundfile format."""
-    if pcm not in PCM:
-        raise UsageError(f"unknown --pcm '{pcm}' (use s16 or f32)")
-    fmt = file_format(path)
-    if fmt == "FLAC" and pcm == "f32":
-        raise UsageError("FLAC stores integer samples: use --pcm s16, or a .wav file for float samples")
-    if path != "-":
-        parent = Path(path).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise UsageError(f"output directory does not exist: {parent}")
-    return fmt
-
-
-def to_pcm(audio: np.ndarray, pcm: str) -> np.ndarray:
-    audio = np.asarray(audio, dtype=np.float32)
-    if pcm == "f32":
-        return audio
-    return np.round(np.clip(audio, -1.0, 1.0) * 32767.0).astype(np.int16)
-
-
-def encode(audio: np.ndarray, sample_rate: int, fmt: str, pcm: str) -> bytes:
-    import soundfile as sf
-
-    buf = io.BytesIO()
-    sf.write(buf, to_pcm(audio, pcm), sample_rate, format=fmt, subtype=PCM[pcm])
-    return buf.getvalue()
-
-
-def write(path: str, audio: np.ndarray, sample_rate: int, pcm: str = "s16") -> None:
-    """Write to `path` (or stdout for '-'): a temporary file renamed into place when complete."""
-    fmt = check_output(path, pcm)
-    data = encode(audio, sample_rate, fmt, pcm)
+def check_output(path: str, pcm: str, raw: bool = False) -> None:
+    """Validate an output target before any work is done."""
+    check_pcm(pcm)
     if path == "-":
-        sys.stdout.buffer.write(data)
-        sys.stdout.buffer.flush()
         return
-    target = Path(path).expanduser()
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.resolve().parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+    if not raw and file_format(path) == "FLAC" and pcm == "f32":
+        raise UsageError("FLAC stores integer samples: use --pcm s16, or a .wav file for float samples")
+    parent = Path(path).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"output directory does not exist: {parent}")
+
+
+def to_pcm(samples: np.ndarray, pcm: str) -> np.ndarray:
+    samples = np.asarray(samples, dtype=np.float32)
+    if pcm == "f32":
+        return samples
+    return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+def wav_header(sample_rate: int, pcm: str, data_bytes: int = 0xFFFFFFFF) -> bytes:
+    """A 44-byte WAV header; the default sizes mean "until the end of the stream"."""
+    fmt_tag, bits = (1, 16) if pcm == "s16" else (3, 32)
+    riff = 0xFFFFFFFF if data_bytes == 0xFFFFFFFF else 36 + data_bytes
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVE"
+            + b"fmt " + struct.pack("<IHHIIHH", 16, fmt_tag, 1, sample_rate, sample_rate * bits // 8, bits // 8, bits)
+            + b"data" + struct.pack("<I", data_bytes))
+
+
+class RawSink:
+    def __init__(self, stream: BinaryIO, pcm: str):
+        self.stream, self.pcm = stream, pcm
+
+    def write(self, samples: np.ndarray) -> None:
+        self.stream.write(to_pcm(samples, self.pcm).astype("<i2" if self.pcm == "s16" else "<f4").tobytes())
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.flush()
+
+    def abort(self) -> None:
+        pass
+
+
+class WavStreamSink(RawSink):
+    def __init__(self, stream: BinaryIO, pcm: str, sample_rate: int):
+        super().__init__(stream, pcm)
+        stream.write(wav_header(sample_rate, pcm))
+        stream.flush()
+
+
+class FileSink:
+    def __init__(self, path: str, pcm: str, sample_rate: int, raw: bool = False):
+        import soundfile as sf
+
+        self.target = Path(path).expanduser()
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".partial",
+                                        dir=self.target.resolve().parent)
+        os.close(fd)
+        self.pcm = pcm
+        if raw:
+            self.file = None
+            self.raw = RawSink(open(self.tmp, "wb"), pcm)
+        else:
+            self.raw = None
+            self.file = sf.SoundFile(self.tmp, "w", samplerate=sample_rate, channels=1,
+                                     format=file_format(path), subtype=PCM[pcm])
+
+    def write(self, samples: np.ndarray) -> None:
+        if self.raw:
+            self.raw.write(samples)
+        else:
+            self.file.write(to_pcm(samples, self.pcm))
+
+    def close(self) -> None:
+        if self.raw:
+            self.raw.stream.close()
+        else:
+            self.file.close()
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        os.chmod(self.tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
+        os.replace(self.tmp, self.target)
+
+    def abort(self) -> None:
+        try:
+            (self.raw.stream if self.raw else self.file).close()
+        finally:
+            Path(self.tmp).unlink(missing_ok=True)
+
+
+def open_sink(path: str, pcm: str, sample_rate: int, raw: bool = False) -> Sink:
+    check_output(path, pcm, raw)
+    if path == "-":
+        out = sys.stdout.buffer
+        return RawSink(out, pcm) if raw else WavStreamSink(out, pcm, sample_rate)
+    return FileSink(path, pcm, sample_rate, raw)

@@ -9,7 +9,9 @@ the commands so that `--help` stays fast.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -22,6 +24,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts contain [default: ...], which rich would eat as markup
 )
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Checkpoint directory or Hugging Face repo id [default: the backend's model, openbmb/MiniCPM-o-2_6].")]
@@ -33,61 +36,231 @@ GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Take the most likely 
 PcmOpt = Annotated[str, typer.Option("--pcm", help="Sample format: s16 (16-bit integer) or f32 (32-bit float, WAV only).")]
 
 
-def _stderr_is_tty() -> bool:
-    return sys.stderr.isatty()
+OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output .wav or .flac file, or - for stdout (the default when stdout is not a terminal).")]
+RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f32le with --pcm f32) instead of WAV.")]
+FirstChunkOpt = Annotated[Optional[int], typer.Option("--first-chunk", help="Audio frames (of 21.3 ms) in the first streamed chunk, 1-25 [default: 25].", show_default=False)]
 
 
-def _read_text(text: Optional[str]) -> str:
+def _load(model: Optional[str], backend: str, device: str, dtype: str):
+    import backends as registry
+
+    be = registry.get(backend)
+    be.check()
+    from .pipeline import Synthesizer
+
+    return Synthesizer.load(model or be.default_model, backend=backend, device=device, dtype=dtype)
+
+
+def _sampling(greedy: bool, seed: Optional[int]):
+    from .sampling import Sampling
+
+    return Sampling(greedy=greedy, seed=seed)
+
+
+def _first_chunk(frames: Optional[int]) -> int:
+    from .tts import FRAMES_PER_CALL
+
+    if frames is None:
+        return FRAMES_PER_CALL
+    if not 1 <= frames <= FRAMES_PER_CALL:
+        raise UsageError(f"--first-chunk must be between 1 and {FRAMES_PER_CALL} frames")
+    return frames
+
+
+def _output(output: Optional[str]) -> str:
+    if output is None:
+        if sys.stdout.isatty():
+            raise UsageError("refusing to write audio to a terminal: give -o FILE, or pipe the output (-o -)")
+        return "-"
+    return output
+
+
+def _read_all(text: Optional[str], file: Optional[str]) -> str:
+    if text is not None and file is not None:
+        raise UsageError("give the text as an argument or with -f, not both")
     if text is not None:
         return text
+    if file is not None and file != "-":
+        try:
+            return Path(file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"cannot read {file}: {e}") from None
     if sys.stdin is None or sys.stdin.isatty():
-        raise UsageError("no text: give it as an argument or on standard input")
+        raise UsageError("no text: give it as an argument, with -f FILE, or on standard input")
     return sys.stdin.read()
+
+
+def _lines(file: Optional[str]):
+    """Input lines as they arrive (stdin is read line by line, not to the end first)."""
+    if file is not None and file != "-":
+        try:
+            with open(file, encoding="utf-8") as f:
+                yield from f
+        except OSError as e:
+            raise UsageError(f"cannot read {file}: {e}") from None
+        return
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("--lines reads standard input or -f FILE")
+    yield from iter(sys.stdin.readline, "")
+
+
+def _play(chunks, sink, on_chunk=None) -> None:
+    """Write every chunk to the sink as it comes; on any failure or interrupt the sink is discarded."""
+    try:
+        for chunk in chunks:
+            if len(chunk.samples):
+                sink.write(chunk.samples)
+            if on_chunk:
+                on_chunk(chunk)
+    except BaseException:
+        sink.abort()
+        raise
+    sink.close()
+
+
+def _progress():
+    """A tqdm bar of audio seconds on stderr when it is a terminal, else None."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(desc="speaking", unit=" s audio", file=sys.stderr, leave=False,
+                bar_format="{desc}: {n:.1f}{unit} [{elapsed}, {rate_fmt}]")
 
 
 @app.command()
 def say(
-    text: Annotated[Optional[str], typer.Argument(help="Text to speak; read from stdin when omitted.", show_default=False)] = None,
-    output: Annotated[Optional[str], typer.Option("--output", "-o", help="Output .wav or .flac file, or - for stdout.")] = None,
+    text: Annotated[Optional[str], typer.Argument(help="Text to speak; read from -f FILE or stdin when omitted.", show_default=False)] = None,
+    output: OutputOpt = None,
+    file: Annotated[Optional[str], typer.Option("--file", "-f", help="Read the text from FILE (- for stdin).")] = None,
+    lines: Annotated[bool, typer.Option("--lines", help="Speak each input line as soon as it arrives.")] = False,
+    directory: Annotated[Optional[str], typer.Option("--dir", "-d", help="With --lines: one file per line in DIR (names printed on stderr).")] = None,
+    raw: RawOpt = False,
+    pcm: PcmOpt = "s16",
+    first_chunk: FirstChunkOpt = None,
     model: ModelOpt = None,
     backend: BackendOpt = "eager",
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
-    pcm: PcmOpt = "s16",
 ) -> None:
-    """Read TEXT aloud into an audio file (or stdout)."""
+    """Read text aloud: to an audio file, or streamed to stdout as it is generated.
+
+    A file gets each segment decoded in one piece (the reference's read-aloud waveform); stdout and
+    --raw get audio chunk by chunk as soon as it is generated.
+    """
     from . import audio
 
-    if output is None:
-        if sys.stdout.isatty():
-            raise UsageError("refusing to write audio to a terminal: give -o FILE, or pipe stdout (-o -)")
-        output = "-"
-    audio.check_output(output, pcm)
-    text = _read_text(text).strip()  # `echo text |` must speak the same as the argument "text"
-    if not text:
+    frames = _first_chunk(first_chunk)
+    if directory is not None:
+        if not lines:
+            raise UsageError("--dir writes one file per line: use it with --lines")
+        if output is not None:
+            raise UsageError("give either -o or --dir, not both")
+        if not Path(directory).is_dir():
+            raise UsageError(f"not a directory: {directory}")
+        audio.check_pcm(pcm)
+    else:
+        output = _output(output)
+        audio.check_output(output, pcm, raw)
+    whole = None if lines else _read_all(text, file).strip()
+    if lines and text is not None:
+        raise UsageError("--lines reads standard input or -f FILE, not an argument")
+    if whole is not None and not whole:
         raise UsageError("no text to speak")
 
-    import backends as registry
+    synth = _load(model, backend, device, dtype)
+    sampling = _sampling(greedy, seed)
+    bar = _progress()
+    advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
 
-    be = registry.get(backend)
-    be.check()
-    from .pipeline import Synthesizer
-    from .sampling import Sampling
+    def speak(t: str, sink, to_file: bool) -> None:
+        decode = "segment" if to_file else "stream"
+        _play(synth.synthesize(t, sampling, decode=decode, first_chunk=frames), sink, advance)
 
-    synth = Synthesizer.load(model or be.default_model, backend=backend, device=device, dtype=dtype)
-    bar = None
-    if _stderr_is_tty():
-        from tqdm import tqdm
-
-        bar = tqdm(desc="speaking", unit=" frames", file=sys.stderr, leave=False)
     try:
-        utt = synth.say(text, Sampling(greedy=greedy, seed=seed), progress=bar.update if bar else None)
+        if whole is not None:
+            speak(whole, audio.open_sink(output, pcm, synth.sample_rate, raw), output != "-" and not raw)
+        elif directory is not None:
+            count = 0
+            for line in _lines(file):
+                if line.strip():
+                    count += 1
+                    path = str(Path(directory) / f"line-{count:04d}{'.raw' if raw else '.wav'}")
+                    speak(line, audio.open_sink(path, pcm, synth.sample_rate, raw), not raw)
+                    print(path, file=sys.stderr, flush=True)
+        else:
+            sink = audio.open_sink(output, pcm, synth.sample_rate, raw)
+            try:
+                for line in _lines(file):
+                    if line.strip():
+                        for chunk in synth.synthesize(line, sampling, first_chunk=frames):
+                            if len(chunk.samples):
+                                sink.write(chunk.samples)
+                            if advance:
+                                advance(chunk)
+            except BaseException:
+                sink.abort()
+                raise
+            sink.close()
     finally:
         if bar:
             bar.close()
-    audio.write(output, utt.audio, utt.sample_rate, pcm)
+
+
+@app.command()
+def reply(
+    text: Annotated[Optional[str], typer.Argument(help="The user's message; read from stdin when omitted.", show_default=False)] = None,
+    output: OutputOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most LLM tokens in the reply.")] = 512,
+    text_out: Annotated[Optional[str], typer.Option("--text-out", help="Write the reply text to FILE instead of stderr.")] = None,
+    temperature: Annotated[float, typer.Option("--temperature", help="LLM sampling temperature.")] = 0.7,
+    raw: RawOpt = False,
+    pcm: PcmOpt = "s16",
+    first_chunk: FirstChunkOpt = None,
+    model: ModelOpt = None,
+    backend: BackendOpt = "eager",
+    seed: SeedOpt = None,
+    greedy: GreedyOpt = False,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Answer a message with speech, streamed as the LLM writes the answer.
+
+    The reply text goes to stderr as it is spoken (or to --text-out FILE); audio goes where `say`
+    would put it.
+    """
+    from . import audio
+    from .llm import LLMSampling
+
+    frames = _first_chunk(first_chunk)
+    output = _output(output)
+    audio.check_output(output, pcm, raw)
+    if temperature <= 0:
+        raise UsageError("--temperature must be positive (use --greedy for the most likely tokens)")
+    message = _read_all(text, None).strip()
+    if not message:
+        raise UsageError("no text to reply to")
+    if text_out is not None and not Path(text_out).expanduser().resolve().parent.is_dir():
+        raise UsageError(f"output directory does not exist: {Path(text_out).parent}")
+
+    synth = _load(model, backend, device, dtype)
+    said: list[str] = []
+
+    def show(chunk) -> None:
+        said.append(chunk.text)
+        if text_out is None and chunk.text:
+            sys.stderr.write(chunk.text)
+            sys.stderr.flush()
+
+    chunks = synth.reply(message, _sampling(greedy, seed), llm=LLMSampling(temperature=temperature),
+                         max_tokens=max_tokens, first_chunk=frames)
+    _play(chunks, audio.open_sink(output, pcm, synth.sample_rate, raw), show)
+    if text_out is None:
+        sys.stderr.write("\n")
+    else:
+        Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")
 
 
 @app.command("backends")
@@ -100,7 +273,13 @@ def list_backends() -> None:
         typer.echo(f"{b.name:8s} {b.summary}{extra}")
 
 
+def _terminate(signum, frame):
+    # SystemExit unwinds like an exception, so sinks discard their partial files on `kill`.
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         app()
     except MinicpmError as e:

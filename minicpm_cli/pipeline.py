@@ -8,7 +8,7 @@ over this module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +22,25 @@ from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, res
 from .codec import Codec
 from .errors import CheckpointError, DeviceError, UsageError
 from .models.chattts import ChatTTS, TTSConfig, fold_weight_norm
+from .codec import StreamDecoder
+from .llm import LLMSampling, reply_pieces
 from .sampling import Sampling
-from .text import Tokenizers, read_prompt
-from .tts import MAX_FRAMES, TTSRunner
+from .streaming import Frames, NewSegment, StreamingTTS, read_cut, reply_cut
+from .text import Tokenizers, read_pieces, read_prompt
+from .tts import FRAMES_PER_CALL, TTSRunner
 
 SAMPLE_RATE = 24000
 LLM_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    samples: np.ndarray  # float32 mono
+    sample_rate: int
+    text: str  # the text read since the previous chunk (the reply text, for `reply`)
+    codes: Tensor  # (k, num_vq) audio frames generated since the previous chunk, on the CPU
+    segment: int  # 0 for the first segment; continuations count up
+    final: bool = False  # the last chunk of the stream
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ class Synthesizer:
         self.tokenizers, self.llm, self.tts_model, self.codec = tokenizers, llm, tts, codec
         self.tts = TTSRunner(tts)
         self.device = tts.emb_text.weight.device
+        self.llm_context = LLM_CONTEXT
 
     @classmethod
     def load(cls, model: str = DEFAULT_MODEL, *, backend: str = "eager", device: str = "auto",
@@ -126,39 +140,104 @@ class Synthesizer:
         spk_pos = len(prompt_ids) - 1 - prompt_ids[::-1].index(self.tokenizers.spk_id)
         self.llm.reset()
         _, hidden = self.llm.forward(prompt_ids)
-        with torch.inference_mode():
-            return self.tts_model.speaker(hidden[spk_pos].to(self.tts.dtype))
+        return self._project(hidden[spk_pos])
 
-    def read_codes(self, text: str, sampling: Sampling = Sampling(),
-                   progress: Callable[[int], None] | None = None) -> Tensor:
-        """The reference's read-aloud codes (T, num_vq) for `text` (the caller's text, not an LLM rewrite)."""
-        if not text.strip():
+    def _project(self, hidden: Tensor) -> Tensor:
+        with torch.inference_mode():
+            return self.tts_model.speaker(hidden.to(self.tts.dtype))
+
+    def _read_prompt_ids(self, text: str) -> list[int]:
+        """The read-aloud prompt; a text longer than the LLM context keeps its beginning (the speaker
+        vector only needs the hidden state at <|spk|>, and one vector serves every segment)."""
+        tok = self.tokenizers
+        ids = tok.encode_llm(read_prompt(text))
+        room = self.llm_context - (len(ids) - len(tok.encode_llm(text)))
+        if len(ids) > self.llm_context:
+            head = tok.llm.decode(tok.encode_llm(text)[: room - 8])
+            ids = tok.encode_llm(read_prompt(head))
+        return ids
+
+    def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
+                   first_chunk: int = FRAMES_PER_CALL) -> Iterator[AudioChunk]:
+        """Read `text` aloud (spec §4.3: the caller's text, not an LLM rewrite), as audio chunks.
+
+        decode="stream": each generation call is decoded as soon as it exists, with the reference's
+        4-frame context and crossfade, and released at once (`first_chunk` frames first).
+        decode="segment": each segment is decoded in one call when complete: for text that fits one
+        segment (< 300 TTS tokens) this is exactly the reference's read-aloud waveform.
+        Text longer than one segment is cut at sentence ends into segments that continue each other
+        as the reference's streaming path does (spec §4.5 step 7); nothing is dropped.
+        """
+        text = text.strip()
+        if not text:
             raise UsageError("no text to speak")
         tok = self.tokenizers
-        reserved = self.tts.config.streaming_text_reserved_len
-        cond = tok.condition(text, reserved)
-        if cond.n == 0:
+        if not tok.encode_bert(text):
             raise UsageError("the text has nothing the TTS tokenizer can read")
-        if cond.n >= reserved:
-            raise UsageError(f"text too long: {cond.n}+ TTS tokens, at most {reserved - 1} fit one utterance")
-        spk = self.speaker(tok.encode_llm(read_prompt(text)))
-        generator = sampling.generator(self.device)
-        self.tts.start(cond.n)
-        self.tts.prefill(cond.ids[: self.tts.L - 1], 0, spk)
-        frames, total = [], 0
-        while True:
-            codes, finished = self.tts.generate(generator)
-            frames.append(codes)
-            total += len(codes)
-            if progress:
-                progress(len(codes))
-            if finished or total > MAX_FRAMES:
-                break
-        return torch.cat(frames).cpu()
+        spk = self.speaker(self._read_prompt_ids(text))
+        pieces = read_pieces(text, lambda t: len(tok.encode_bert(t)))
+        machine = StreamingTTS(self.tts, tok, spk, sampling.generator(self.device), normalize=False,
+                               cut=read_cut, first_chunk=first_chunk)
+        events = machine.run("", iter(pieces))
+        yield from self._audio(events, decode)
 
-    def say(self, text: str, sampling: Sampling = Sampling(),
-            progress: Callable[[int], None] | None = None) -> Utterance:
-        codes = self.read_codes(text, sampling, progress)
-        with torch.inference_mode():
-            audio = self.codec.decode(codes.to(self.device)) if len(codes) else torch.zeros(0)
-        return Utterance(codes=codes, audio=audio.float().cpu().numpy())
+    def reply(self, user_text: str, sampling: Sampling = Sampling(), *, llm: LLMSampling = LLMSampling(),
+              max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL) -> Iterator[AudioChunk]:
+        """The spoken answer to a user message (spec §4.5), streamed: LLM text pieces feed the TTS as
+        they are generated; each chunk carries the reply text it speaks."""
+        if not user_text.strip():
+            raise UsageError("no text to reply to")
+        if max_tokens < 1:
+            raise UsageError("--max-tokens must be at least 1")
+        generator = sampling.generator(self.device)
+        pieces = reply_pieces(self.llm, self.tokenizers, user_text, llm, generator, max_tokens)
+        first = next(pieces)
+        spk = self._project(first.spk_hidden)
+        machine = StreamingTTS(self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,
+                               first_chunk=first_chunk)
+        yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream")
+
+    def _audio(self, events: Iterator[Frames | NewSegment], decode: str) -> Iterator[AudioChunk]:
+        if decode not in ("stream", "segment"):
+            raise UsageError(f"unknown decode mode '{decode}' (stream or segment)")
+        text, codes, segment = "", [], 0
+        dec = StreamDecoder(self.codec, hold_first=False) if decode == "stream" else None
+        context = None  # segment mode: frames a continuation carried over
+        for ev in events:
+            if isinstance(ev, NewSegment):
+                audio = dec.flush() if dec else self._decode_segment(context, codes)
+                yield from self._chunk(audio, text, codes, segment)
+                text, codes, segment, context = "", [], segment + 1, ev.carried
+                if dec:
+                    dec.reset(ev.carried)
+                continue
+            text += ev.text
+            codes.append(ev.codes)
+            if dec:
+                out = dec.feed(ev.codes)
+                if out is not None:
+                    yield from self._chunk(out, text, codes, segment)
+                    text, codes = "", []
+        audio = dec.flush() if dec else self._decode_segment(context, codes)
+        yield from self._chunk(audio, text, codes, segment, final=True)
+
+    def _decode_segment(self, context: Tensor | None, frames: list[Tensor]) -> Tensor:
+        """One-call decode; a continuation is decoded after the frames it carried over (already heard),
+        whose audio is then dropped, so the segment starts with full left context."""
+        codes = torch.cat(frames) if frames else torch.zeros(0, self.codec.num_vq, dtype=torch.long)
+        if context is None:
+            return self.codec.decode(codes)
+        wav = self.codec.decode(torch.cat([context.to(codes.device), codes]))
+        return wav[len(context) * self.codec.samples_per_frame :]
+
+    def _chunk(self, audio: Tensor, text: str, codes: list[Tensor], segment: int,
+               final: bool = False) -> Iterator[AudioChunk]:
+        if len(audio) or text or codes or final:
+            frames = torch.cat(codes).cpu() if codes else torch.zeros(0, self.codec.num_vq, dtype=torch.long)
+            yield AudioChunk(audio.float().cpu().numpy(), self.sample_rate, text, frames, segment, final)
+
+    def say(self, text: str, sampling: Sampling = Sampling()) -> Utterance:
+        """The whole read-aloud utterance at once (decoded per segment, as the reference reads)."""
+        chunks = list(self.synthesize(text, sampling, decode="segment"))
+        return Utterance(codes=torch.cat([c.codes for c in chunks]),
+                         audio=np.concatenate([c.samples for c in chunks]))

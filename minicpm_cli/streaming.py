@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .text import Tokenizers
-from .tts import MAX_FRAMES, TTSRunner
+from .text import BOUNDARY_END, Tokenizers
+from .tts import FRAMES_PER_CALL, MAX_FRAMES, MIN_FRAMES_PER_CALL, TTSRunner
 
 SEGMENT_CUT_TOKENS = 300 - 180  # the reference's streaming_text_reserved_len - shift_len
 SEED_TEXT_IDS = 5
@@ -77,24 +77,34 @@ def sentence_end(piece: str) -> str:
     return ""
 
 
-def reply_cut(piece: str, gen_text: str) -> int | None:
+def reply_cut(piece: str, gen_text: str, n: int) -> int | None:
     """Where a reply segment is cut: after the last occurrence of the piece's sentence end."""
     c = sentence_end(piece)
     return gen_text.rfind(c) + 1 if c else None
 
 
-def piece_cut(piece: str, gen_text: str) -> int | None:
-    """For read-aloud text split into sentence/clause pieces: cut after the piece."""
-    return len(gen_text)
+FORCED_CUT_TOKENS = 240  # read-aloud pieces are <= 50 tokens, so a forced cut stays under 300
+
+
+def read_cut(piece: str, gen_text: str, n: int) -> int | None:
+    """For read-aloud text split by `text.read_pieces`: cut after a piece that ends a sentence or a
+    clause; past FORCED_CUT_TOKENS after any piece, so no text is ever dropped for lack of room."""
+    if BOUNDARY_END.search(piece) or n >= FORCED_CUT_TOKENS:
+        return len(gen_text)
+    return None
 
 
 # --- the state machine --------------------------------------------------------------------------
 
 class StreamingTTS:
     def __init__(self, runner: TTSRunner, tok: Tokenizers, spk: Tensor, generator: torch.Generator | None,
-                 *, normalize: bool, cut: Callable[[str, str], int | None]):
+                 *, normalize: bool, cut: Callable[[str, str, int], int | None], first_chunk: int = FRAMES_PER_CALL):
         self.runner, self.tok, self.spk, self.generator = runner, tok, spk, generator
         self.normalize, self.cut = normalize, cut
+        if not 1 <= first_chunk <= FRAMES_PER_CALL:
+            raise ValueError(f"first_chunk must be 1..{FRAMES_PER_CALL} frames")
+        self.first_chunk = first_chunk
+        self.calls = 0
         c = runner.config
         self.chunk = c.streaming_text_chunk_size
         self.reserved = c.streaming_text_reserved_len
@@ -107,8 +117,24 @@ class StreamingTTS:
             if seed is None:
                 return
 
-    def _generate(self) -> tuple[Tensor, bool]:
-        return self.runner.generate(self.generator)
+    def _generate(self, text: str):
+        """One reference generate() call as Frames events; returns whether it ended in EOS. The very
+        first call may be split so that its first frames reach the decoder sooner: the EOS rules
+        count steps across the split, so the codes are the same."""
+        first = self.calls == 0
+        self.calls += 1
+        if first and self.first_chunk < FRAMES_PER_CALL:
+            codes, finished = self.runner.generate(self.generator, self.first_chunk, MIN_FRAMES_PER_CALL)
+            yield Frames(codes, text)
+            if finished:
+                return codes, True
+            rest, finished = self.runner.generate(self.generator, FRAMES_PER_CALL - self.first_chunk,
+                                                  max(MIN_FRAMES_PER_CALL - self.first_chunk, 0))
+            yield Frames(rest, "")
+            return torch.cat([codes, rest]), finished
+        codes, finished = self.runner.generate(self.generator)
+        yield Frames(codes, text)
+        return codes, finished
 
     def _segment(self, first_text: str | None, pieces: Iterator[str], seed):
         r, tok = self.runner, self.tok
@@ -149,7 +175,7 @@ class StreamingTTS:
             gen_text += txt_norm
             cond = tok.condition(gen_text, self.reserved)
             if cond.n >= SEGMENT_CUT_TOKENS:
-                at = self.cut(txt, gen_text)
+                at = self.cut(txt, gen_text, cond.n)
                 if at:
                     gen_text, text_left = gen_text[:at], gen_text[at:]
                     cond = tok.condition(gen_text, self.reserved)
@@ -161,11 +187,10 @@ class StreamingTTS:
                 r.prefill(cond.ids[begin:end], begin, self.spk if chunk_idx == 0 else None)
                 last_ids = cond.ids
                 r.set_text_len(cond.n)
-                new, finished = self._generate()
+                new, finished = yield from self._generate(gen_raw[emitted:])
+                emitted = len(gen_raw)
                 chunk_idx += 1
                 codes.append(new)
-                yield Frames(new, gen_raw[emitted:])
-                emitted = len(gen_raw)
                 if finished:
                     break
         if cond is None:  # a continuation whose pieces had already run out
@@ -179,10 +204,9 @@ class StreamingTTS:
                 last_ids = cond.ids
                 r.set_text_len(cond.n)
             while True:
-                new, finished = self._generate()
-                codes.append(new)
-                yield Frames(new, gen_raw[emitted:])
+                new, finished = yield from self._generate(gen_raw[emitted:])
                 emitted = len(gen_raw)
+                codes.append(new)
                 if finished:
                     break
                 if sum(len(c) for c in codes) > MAX_FRAMES:

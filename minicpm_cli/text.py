@@ -7,6 +7,8 @@ differ between checkpoints. This module knows strings and ids, nothing about ten
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,43 @@ from .errors import CheckpointError
 
 READ_INSTRUCTION = "Please read the text below."
 ASSISTANT_TTS_PREFIX = "<|im_start|>assistant\n<|spk_bos|><|spk|><|spk_eos|><|tts_bos|>"
+
+
+# A run of sentence/clause punctuation (and closing quotes/brackets) followed by space or the end;
+# CJK full-width punctuation needs no space after it.
+_PUNCT = r"[.!?;:,\u2026]+[\"')\]\u201d\u2019\u00bb]*"
+_CJK_PUNCT = r"[\u3002\uff01\uff1f\uff1b\uff1a\uff0c]+"
+_BOUNDARY = re.compile(rf"{_PUNCT}(?:\s+|$)|{_CJK_PUNCT}\s*")
+BOUNDARY_END = re.compile(rf"(?:{_PUNCT}|{_CJK_PUNCT})\s*$")
+READ_PIECE_TOKENS = 50
+
+
+def read_pieces(text: str, count: Callable[[str], int], max_tokens: int = READ_PIECE_TOKENS) -> list[str]:
+    """Split text into pieces at sentence and clause ends, keeping every character (the pieces join
+    back to the text). A piece of more than `max_tokens` (by `count`) is split further between words,
+    or between characters where there are no spaces."""
+    pieces, start = [], 0
+    for m in _BOUNDARY.finditer(text):
+        pieces.append(text[start : m.end()])
+        start = m.end()
+    if start < len(text):
+        pieces.append(text[start:])
+    out: list[str] = []
+    for piece in pieces:
+        if count(piece) <= max_tokens:
+            out.append(piece)
+            continue
+        acc = ""
+        for word in re.findall(r"\S+\s*|\s+", piece):
+            units = [word] if count(word) <= max_tokens else list(word)
+            for u in units:
+                if acc and count(acc + u) > max_tokens:
+                    out.append(acc)
+                    acc = ""
+                acc += u
+        if acc:
+            out.append(acc)
+    return out
 
 
 def read_prompt(text: str) -> str:
