@@ -104,6 +104,10 @@ def _lines(file: Optional[str]):
     yield from iter(sys.stdin.readline, "")
 
 
+class ReaderGone(Exception):
+    """The reader of our stdout closed the pipe (not an OSError, so click leaves it to `main`)."""
+
+
 def _play(chunks, sink, on_chunk=None) -> None:
     """Write every chunk to the sink as it comes; on any failure or interrupt the sink is discarded."""
     try:
@@ -112,10 +116,13 @@ def _play(chunks, sink, on_chunk=None) -> None:
                 sink.write(chunk.samples)
             if on_chunk:
                 on_chunk(chunk)
+        sink.close()
+    except BrokenPipeError:
+        sink.abort()
+        raise ReaderGone() from None
     except BaseException:
         sink.abort()
         raise
-    sink.close()
 
 
 def _progress():
@@ -200,10 +207,13 @@ def say(
                                 sink.write(chunk.samples)
                             if advance:
                                 advance(chunk)
+                sink.close()
+            except BrokenPipeError:
+                sink.abort()
+                raise ReaderGone() from None
             except BaseException:
                 sink.abort()
                 raise
-            sink.close()
     finally:
         if bar:
             bar.close()
@@ -291,7 +301,7 @@ def main() -> None:
     except KeyboardInterrupt:
         print("minicpm: interrupted", file=sys.stderr)
         sys.exit(130)
-    except BrokenPipeError:
+    except (ReaderGone, BrokenPipeError):
         # The reader went away (e.g. `| head`): not an error. Point stdout at devnull so the
         # interpreter's final flush does not complain.
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -177,7 +177,7 @@ class Synthesizer:
         spk = self.speaker(self._read_prompt_ids(text))
         pieces = read_pieces(text, lambda t: len(tok.encode_bert(t)))
         machine = StreamingTTS(self.tts, tok, spk, sampling.generator(self.device), normalize=False,
-                               cut=read_cut, first_chunk=first_chunk)
+                               cut=read_cut, read_all=True, first_chunk=first_chunk)
         events = machine.run("", iter(pieces))
         yield from self._audio(events, decode)
 

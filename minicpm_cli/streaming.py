@@ -94,13 +94,33 @@ def read_cut(piece: str, gen_text: str, n: int) -> int | None:
     return None
 
 
+class _Peekable:
+    def __init__(self, it: Iterator[str]):
+        self.it, self.buf = iter(it), []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return self.buf.pop() if self.buf else next(self.it)
+
+    def has_more(self) -> bool:
+        if not self.buf:
+            try:
+                self.buf.append(next(self.it))
+            except StopIteration:
+                return False
+        return True
+
+
 # --- the state machine --------------------------------------------------------------------------
 
 class StreamingTTS:
     def __init__(self, runner: TTSRunner, tok: Tokenizers, spk: Tensor, generator: torch.Generator | None,
-                 *, normalize: bool, cut: Callable[[str, str, int], int | None], first_chunk: int = FRAMES_PER_CALL):
+                 *, normalize: bool, cut: Callable[[str, str, int], int | None], read_all: bool = False,
+                 first_chunk: int = FRAMES_PER_CALL):
         self.runner, self.tok, self.spk, self.generator = runner, tok, spk, generator
-        self.normalize, self.cut = normalize, cut
+        self.normalize, self.cut, self.read_all = normalize, cut, read_all
         if not 1 <= first_chunk <= FRAMES_PER_CALL:
             raise ValueError(f"first_chunk must be 1..{FRAMES_PER_CALL} frames")
         self.first_chunk = first_chunk
@@ -111,6 +131,7 @@ class StreamingTTS:
         self.segments = 0
 
     def run(self, first_text: str, pieces: Iterator[str]) -> Iterator[Frames | NewSegment]:
+        pieces = _Peekable(pieces)
         seed = None
         while True:
             seed = yield from self._segment(first_text if seed is None else None, pieces, seed)
@@ -157,6 +178,8 @@ class StreamingTTS:
             chunk_idx = len(seed_ids) // self.chunk
             gen_text = tok.bert.decode(seed_ids) + text_left
             gen_raw, emitted = gen_text, len(gen_text)
+            if self.read_all:  # the carried-over text is read even if no piece follows
+                cond = tok.condition(gen_text, self.reserved)
             yield NewSegment(carried)
         lang = None
         new_segment = finished = False
@@ -212,8 +235,27 @@ class StreamingTTS:
                 if sum(len(c) for c in codes) > MAX_FRAMES:
                     stop = True
                     break
+        carried = torch.cat(codes)[-SEED_FRAMES:]
+        if self.read_all:
+            return self._read_on(cond, gen_text, text_left, carried, pieces, new_segment)
         if not new_segment or stop:
             return None
         seed_ids = (last_ids or cond.ids)[end - 1 - SEED_TEXT_IDS : end - 1]
-        carried = torch.cat(codes)[-SEED_FRAMES:]
         return seed_ids, carried, text_left
+
+    def _read_on(self, cond, gen_text: str, text_left: str, carried: Tensor, pieces: "_Peekable", cut: bool):
+        """Read-aloud never drops text between segments: when a segment ends (EOS, frame cap or a
+        cut) while text remains, the next segment starts right after the text its last frame could
+        see, seeded like a reference continuation. The last segment ends as the reference's read path
+        does, at its EOS. (A reply instead ends at the first EOS and drops the rest of the LLM text,
+        as the reference does.)"""
+        if not cut and not pieces.has_more():
+            return None
+        covered = min(self.runner.visible_text(self.runner.pos - 1), cond.n)
+        offsets = self.tok.bert_offsets(gen_text)
+        at = offsets[covered - 1][1] if covered else 0
+        left = gen_text[at:] + text_left
+        if not left.strip() and not pieces.has_more():
+            return None
+        seed_ids = cond.ids[2 + max(covered - SEED_TEXT_IDS, 0) : 2 + covered]
+        return seed_ids, carried, left

@@ -114,6 +114,10 @@ class Tokenizers:
     def encode_bert(self, text: str) -> list[int]:
         return self.bert.encode(text, add_special_tokens=False)
 
+    def bert_offsets(self, text: str) -> list[tuple[int, int]]:
+        """(start, end) character span of each BERT token of `text`."""
+        return self.bert(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+
     def condition(self, text: str, reserved: int) -> Condition:
         """prepare_tts_text: [Stts][spk_emb] text [Etts] [PAD]... [Ptts], `reserved` + 3 ids.
 

@@ -65,12 +65,15 @@ class TTSRunner:
         mask = self.slots[None, :end] <= pos[:, None]
         self.model.model(x, pos, mask[None, None], end)
 
+    def visible_text(self, p: int) -> int:
+        """V(p): how many text slots (after [Stts][spk_emb]) a query at position p may see."""
+        r = self.config.streaming_text_reserved_len
+        return min(self.config.streaming_text_chunk_size * -(-(p - r) // AUDIO_CHUNK), r)
+
     def _mask(self, p: int, kv_len: int | None = None) -> Tensor:
         """(1, 1, 1, kv_len) visibility for a query at position p (kv_len defaults to p + 1)."""
         kv_len = kv_len or p + 1
-        r = self.config.streaming_text_reserved_len
-        visible = min(self.config.streaming_text_chunk_size * -(-(p - r) // AUDIO_CHUNK), r)
-        text = self.text_mask & (self.slots[: self.L] < visible + 2)
+        text = self.text_mask & (self.slots[: self.L] < self.visible_text(p) + 2)
         audio = self.slots[self.L : kv_len] >= 0
         return torch.cat([text, audio])[None, None, None]
 
