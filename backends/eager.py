@@ -20,6 +20,10 @@ class EagerLLM:
         self.max_len = max_len
         model.model.setup_cache(max_len, model.lm_head.weight.dtype, self.device)
         self.pos = 0
+        self.version = f"torch {torch.__version__}"
+        # bytes a decode step reads: every weight but the embedding table (one row of it)
+        self.weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                                if not n.startswith("model.embed_tokens"))
 
     def reset(self) -> None:
         self.pos = 0  # stale cache slots past pos are masked until overwritten

@@ -273,6 +273,46 @@ def reply(
         Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")
 
 
+@app.command()
+def bench(
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends to compare.")] = "eager",
+    workload: Annotated[str, typer.Option("--workload", help="read (say of 3 texts), reply (6 prompts) or all.")] = "all",
+    runs: Annotated[int, typer.Option("--runs", help="Timed runs over each workload.")] = 5,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up requests per workload (compilation happens here).")] = 1,
+    random_weights: Annotated[bool, typer.Option("--random-weights", help="Full-size model with random weights drawn on the device (no checkpoint); lengths forced.")] = False,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write every sample as JSON to FILE.")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most LLM tokens per reply (with a real checkpoint).")] = 512,
+    first_chunk: FirstChunkOpt = None,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+) -> None:
+    """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
+    import backends as registry
+
+    names = tuple(b.strip() for b in backend.split(",") if b.strip())
+    if not names:
+        raise UsageError("--backend needs at least one name")
+    for name in names:
+        registry.get(name).check()
+    workloads = {"read": ("read",), "reply": ("reply",), "all": ("read", "reply")}.get(workload)
+    if workloads is None:
+        raise UsageError(f"unknown workload '{workload}' (read, reply or all)")
+    if runs < 1 or warmup < 0:
+        raise UsageError("--runs must be at least 1 and --warmup at least 0")
+    if json_out is not None and not Path(json_out).expanduser().resolve().parent.is_dir():
+        raise UsageError(f"output directory does not exist: {Path(json_out).parent}")
+    from . import bench as b
+
+    opts = b.BenchOptions(backends=names, workloads=workloads, runs=runs, warmup=warmup,
+                          random_weights=random_weights, model=model, device=device, dtype=dtype,
+                          max_tokens=max_tokens, first_chunk=_first_chunk(first_chunk))
+    result = b.run(opts)
+    if json_out:
+        b.write_json(result, json_out)
+    sys.stdout.write(b.table(result))
+
+
 @app.command("backends")
 def list_backends() -> None:
     """List the LLM-stage backends."""

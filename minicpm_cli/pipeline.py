@@ -30,6 +30,7 @@ from .text import Tokenizers, read_pieces, read_prompt
 from .tts import FRAMES_PER_CALL, TTSRunner
 
 SAMPLE_RATE = 24000
+BUNDLED_TOKENIZERS = Path(__file__).parent / "data" / "tiny-tokenizers"
 LLM_CONTEXT = 4096
 
 
@@ -93,14 +94,17 @@ def build_tts(ckpt: Checkpoint, config: dict, *, device, dtype) -> ChatTTS:
     return model.eval()
 
 
-def build_codec(ckpt: Checkpoint, root: Path, *, device) -> Codec:
-    vocos_path = root / "assets" / "Vocos.pt"
+def read_vocos(root: Path) -> dict[str, Tensor]:
+    path = root / "assets" / "Vocos.pt"
     try:
-        vocos = torch.load(vocos_path, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
-        raise CheckpointError(f"vocoder weights missing: {vocos_path}") from None
+        raise CheckpointError(f"vocoder weights missing: {path}") from None
     except Exception as e:
-        raise CheckpointError(f"cannot read {vocos_path}: {e}") from None
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+
+
+def build_codec(ckpt: Checkpoint, vocos: dict[str, Tensor], *, device) -> Codec:
     dvae = ckpt.state_dict("tts.dvae.", torch.float32, skip=("encoder.", "downsample_conv."))
     try:
         return Codec.from_tensors(dvae, vocos, device)
@@ -120,18 +124,28 @@ class Synthesizer:
         self.llm_context = LLM_CONTEXT
 
     @classmethod
-    def load(cls, model: str = DEFAULT_MODEL, *, backend: str = "eager", device: str = "auto",
-             dtype: str = "auto") -> "Synthesizer":
+    def load(cls, model: str | None = DEFAULT_MODEL, *, backend: str = "eager", device: str = "auto",
+             dtype: str = "auto", random_weights: bool = False, seed: int = 0,
+             spec=None) -> "Synthesizer":
+        """From a checkpoint (directory or hub repo id), or with `random_weights` the full-size model
+        drawn directly on the device (for speed work; tokenizers from `model` if it is a directory,
+        else the bundled ones of the tiny test checkpoint)."""
         be = backends.get(backend)
         be.check()
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        root = resolve(model)
-        config = read_config(root)
-        tokenizers = Tokenizers(root)
-        ckpt = Checkpoint(root)
+        if random_weights:
+            from .synthetic import RandomCheckpoint, SyntheticSpec
+
+            ckpt = RandomCheckpoint(spec or SyntheticSpec.full(), seed=seed)
+            config, vocos = ckpt.config, ckpt.vocos_state()
+            tokenizers = Tokenizers(Path(model) if model and Path(model).is_dir() else BUNDLED_TOKENIZERS)
+        else:
+            root = resolve(model or DEFAULT_MODEL)
+            config, tokenizers, ckpt = read_config(root), Tokenizers(root), Checkpoint(root)
+            vocos = read_vocos(root)
         tts = build_tts(ckpt, config, device=dev, dtype=dt)
-        codec = build_codec(ckpt, root, device=dev)
+        codec = build_codec(ckpt, vocos, device=dev)
         llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT)
         return cls(tokenizers, llm, tts, codec)
 
@@ -158,7 +172,7 @@ class Synthesizer:
         return ids
 
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
-                   first_chunk: int = FRAMES_PER_CALL) -> Iterator[AudioChunk]:
+                   first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None) -> Iterator[AudioChunk]:
         """Read `text` aloud (spec §4.3: the caller's text, not an LLM rewrite), as audio chunks.
 
         decode="stream": each generation call is decoded as soon as it exists, with the reference's
@@ -177,12 +191,14 @@ class Synthesizer:
         spk = self.speaker(self._read_prompt_ids(text))
         pieces = read_pieces(text, lambda t: len(tok.encode_bert(t)))
         machine = StreamingTTS(self.tts, tok, spk, sampling.generator(self.device), normalize=False,
-                               cut=read_cut, read_all=True, first_chunk=first_chunk)
+                               cut=read_cut, read_all=True, first_chunk=first_chunk,
+                               frames_per_token=frames_per_token)
         events = machine.run("", iter(pieces))
         yield from self._audio(events, decode)
 
     def reply(self, user_text: str, sampling: Sampling = Sampling(), *, llm: LLMSampling = LLMSampling(),
-              max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL) -> Iterator[AudioChunk]:
+              max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL,
+              frames_per_token: int | None = None) -> Iterator[AudioChunk]:
         """The spoken answer to a user message (spec §4.5), streamed: LLM text pieces feed the TTS as
         they are generated; each chunk carries the reply text it speaks."""
         if not user_text.strip():
@@ -190,11 +206,12 @@ class Synthesizer:
         if max_tokens < 1:
             raise UsageError("--max-tokens must be at least 1")
         generator = sampling.generator(self.device)
-        pieces = reply_pieces(self.llm, self.tokenizers, user_text, llm, generator, max_tokens)
+        pieces = reply_pieces(self.llm, self.tokenizers, user_text, llm, generator, max_tokens,
+                              force_length=frames_per_token is not None)
         first = next(pieces)
         spk = self._project(first.spk_hidden)
         machine = StreamingTTS(self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,
-                               first_chunk=first_chunk)
+                               first_chunk=first_chunk, frames_per_token=frames_per_token)
         yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream")
 
     def _audio(self, events: Iterator[Frames | NewSegment], decode: str) -> Iterator[AudioChunk]:

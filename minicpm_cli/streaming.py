@@ -118,12 +118,15 @@ class _Peekable:
 class StreamingTTS:
     def __init__(self, runner: TTSRunner, tok: Tokenizers, spk: Tensor, generator: torch.Generator | None,
                  *, normalize: bool, cut: Callable[[str, str, int], int | None], read_all: bool = False,
-                 first_chunk: int = FRAMES_PER_CALL):
+                 first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None):
         self.runner, self.tok, self.spk, self.generator = runner, tok, spk, generator
         self.normalize, self.cut, self.read_all = normalize, cut, read_all
         if not 1 <= first_chunk <= FRAMES_PER_CALL:
             raise ValueError(f"first_chunk must be 1..{FRAMES_PER_CALL} frames")
         self.first_chunk = first_chunk
+        # Benchmarks with random weights force the length: EOS is never sampled, and a segment ends
+        # after exactly frames_per_token frames per text token, so runs compare.
+        self.frames_per_token = frames_per_token
         self.calls = 0
         c = runner.config
         self.chunk = c.streaming_text_chunk_size
@@ -138,22 +141,23 @@ class StreamingTTS:
             if seed is None:
                 return
 
-    def _generate(self, text: str):
-        """One reference generate() call as Frames events; returns whether it ended in EOS. The very
+    def _generate(self, text: str, steps: int = FRAMES_PER_CALL):
+        """One reference generate() call as Frames events; returns (codes, ended in EOS). The very
         first call may be split so that its first frames reach the decoder sooner: the EOS rules
         count steps across the split, so the codes are the same."""
+        r, g, eos = self.runner, self.generator, self.frames_per_token is None
         first = self.calls == 0
         self.calls += 1
-        if first and self.first_chunk < FRAMES_PER_CALL:
-            codes, finished = self.runner.generate(self.generator, self.first_chunk, MIN_FRAMES_PER_CALL)
+        if first and self.first_chunk < steps:
+            codes, finished = r.generate(g, self.first_chunk, MIN_FRAMES_PER_CALL, eos)
             yield Frames(codes, text)
             if finished:
                 return codes, True
-            rest, finished = self.runner.generate(self.generator, FRAMES_PER_CALL - self.first_chunk,
-                                                  max(MIN_FRAMES_PER_CALL - self.first_chunk, 0))
+            rest, finished = r.generate(g, steps - self.first_chunk,
+                                        max(MIN_FRAMES_PER_CALL - self.first_chunk, 0), eos)
             yield Frames(rest, "")
             return torch.cat([codes, rest]), finished
-        codes, finished = self.runner.generate(self.generator)
+        codes, finished = r.generate(g, steps, MIN_FRAMES_PER_CALL, eos)
         yield Frames(codes, text)
         return codes, finished
 
@@ -226,8 +230,13 @@ class StreamingTTS:
                 r.prefill(cond.ids[begin:end], begin, self.spk if chunk_idx == 0 else None)
                 last_ids = cond.ids
                 r.set_text_len(cond.n)
+            target = None if self.frames_per_token is None else self.frames_per_token * cond.n
             while True:
-                new, finished = yield from self._generate(gen_raw[emitted:])
+                made = sum(len(c) for c in codes)
+                if target is not None and made >= target:
+                    break
+                steps = FRAMES_PER_CALL if target is None else min(FRAMES_PER_CALL, target - made)
+                new, finished = yield from self._generate(gen_raw[emitted:], steps)
                 emitted = len(gen_raw)
                 codes.append(new)
                 if finished:

@@ -207,6 +207,14 @@ def _draw(name: str, shape: tuple[int, ...], init: Init, seed: int, device: torc
     return init(shape, g, device)
 
 
+def _tensor(spec: SyntheticSpec, name: str, shape: tuple[int, ...], init: Init, seed: int,
+            device: torch.device) -> Tensor:
+    t = _draw(name, shape, init, seed, device)
+    if name == "tts.head_code.0.parametrizations.weight.original0":
+        t[spec.num_audio_tokens - 1] = 1.5  # larger EOS gain so random-weight runs do end
+    return t
+
+
 def random_tensors(spec: SyntheticSpec, *, seed: int, dtype: torch.dtype = torch.bfloat16,
                    device: str | torch.device = "cpu", include_unused: bool = True,
                    include_vision_audio: bool = False) -> Iterator[tuple[str, Tensor]]:
@@ -214,10 +222,36 @@ def random_tensors(spec: SyntheticSpec, *, seed: int, dtype: torch.dtype = torch
     device = torch.device(device)
     for name, shape, init in tensor_plan(spec, include_unused=include_unused,
                                          include_vision_audio=include_vision_audio):
-        t = _draw(name, shape, init, seed, device)
-        if name == "tts.head_code.0.parametrizations.weight.original0":
-            t[spec.num_audio_tokens - 1] = 1.5  # larger EOS gain so random-weight runs do end
-        yield name, t.to(dtype)
+        yield name, _tensor(spec, name, shape, init, seed, device).to(dtype)
+
+
+class RandomCheckpoint:
+    """The `Checkpoint` interface over random tensors drawn on demand (no files): the same values
+    `write_checkpoint` would write for this spec and seed, made directly on the target device."""
+
+    def __init__(self, spec: SyntheticSpec, *, seed: int = 0):
+        self.spec, self.seed = spec, seed
+        self.root = Path(f"<random weights, seed {seed}>")
+        self.plan = {name: (shape, init) for name, shape, init in tensor_plan(spec, include_unused=False)}
+        self.config = _config(spec, torch.bfloat16, 0, 0)
+
+    def keys(self, prefix: str) -> list[str]:
+        return sorted(k for k in self.plan if k.startswith(prefix))
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.plan[key][0]
+
+    def tensor(self, key: str, dtype: torch.dtype | None = None, device="cpu") -> Tensor:
+        shape, init = self.plan[key]
+        return _tensor(self.spec, key, shape, init, self.seed, torch.device(device)).to(dtype or torch.float32)
+
+    def state_dict(self, prefix: str, dtype: torch.dtype | None = None, device="cpu",
+                   skip: tuple[str, ...] = ()) -> dict[str, Tensor]:
+        return {k[len(prefix):]: self.tensor(k, dtype, device) for k in self.keys(prefix)
+                if not k[len(prefix):].startswith(skip)}
+
+    def vocos_state(self) -> dict[str, Tensor]:
+        return random_vocos_state(self.spec, self.seed)
 
 
 def _mel_filterbank(s: SyntheticSpec) -> Tensor:

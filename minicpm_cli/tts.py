@@ -91,8 +91,11 @@ class TTSRunner:
 
     @torch.inference_mode()
     def generate(self, generator: torch.Generator | None, n_steps: int = FRAMES_PER_CALL,
-                 min_new: int = MIN_FRAMES_PER_CALL) -> tuple[Tensor, bool]:
-        """Up to n_steps frames -> (codes (k, num_vq) without the EOS row, finished)."""
+                 min_new: int = MIN_FRAMES_PER_CALL, allow_eos: bool = True) -> tuple[Tensor, bool]:
+        """Up to n_steps frames -> (codes (k, num_vq) without the EOS row, finished).
+        `allow_eos=False` blocks EOS in every step (for runs of a forced length)."""
+        if not allow_eos:
+            min_new = n_steps
         c = self.config
         eos = c.eos_code
         out = torch.empty(n_steps, c.num_vq, dtype=torch.long, device=self.device)

@@ -1,0 +1,268 @@
+"""`minicpm bench`: time to first audio, real-time factor and per-stage costs, per backend.
+
+Timed pass: each request runs exactly as users run it (`Synthesizer.synthesize` / `reply`, chunks
+consumed as a sink would); time to first audio (TTFA) is the time from the call to the first chunk
+with samples, RTF the total time over the audio's duration. Stage pass: the same requests again with
+the LLM forward, the TTS generation calls and the codec wrapped in device-synchronised timers, so
+the timed pass is not slowed by synchronisation. Load, and warm-up (compilation included), are
+reported apart from the steady state. With `random_weights` the full-size model is drawn on the
+device and lengths are forced (24 LLM tokens per reply, 10 audio frames per TTS text token).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .llm import LLMSampling
+from .sampling import Sampling
+
+READ_TEXTS = (
+    "Hi, how are you?",
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the old wooden porch, sipping coffee.",
+    "Autumn arrived early that year. The maples along the river turned red and gold within a week, and "
+    "every morning the fields were white with frost. The children walked to school through drifts of "
+    "leaves, collecting the brightest ones for their teacher, who pressed them between the pages of a "
+    "heavy dictionary and hung them in the windows of the classroom.",
+)
+REPLY_PROMPTS = ("I'm fine, thank you!", "What's your name?", "My name is John Doe",
+                 "What's your favorite color?", "My favorite color is blue", "What's your favorite food?")
+REPLY_WARMUP = "Hi, how are you?"
+REPLY_TEMPERATURE = 0.1  # the original benchmark's streaming_generate(temperature=0.1)
+FORCED_REPLY_TOKENS = 24
+FORCED_FRAMES_PER_TOKEN = 10
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    backends: tuple[str, ...] = ("eager",)
+    workloads: tuple[str, ...] = ("read", "reply")
+    runs: int = 5
+    warmup: int = 1
+    random_weights: bool = False
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_tokens: int = 512  # reply length bound with a real checkpoint
+    first_chunk: int = 25  # frames of the first streamed chunk
+
+    def __post_init__(self):
+        if self.runs < 1 or self.warmup < 0:
+            raise ValueError("--runs must be at least 1 and --warmup at least 0")
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+class Clock:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+
+class StageTimers:
+    """Wraps the stages of a loaded Synthesizer with synchronised timers (stage pass only)."""
+
+    def __init__(self, synth, clock: Clock):
+        self.synth, self.clock = synth, clock
+        self.prefill: list[tuple[int, float]] = []  # (tokens, ms)
+        self.decode: list[float] = []  # ms per single-token LLM forward
+        self.tts: list[tuple[int, float]] = []  # (steps, ms) per generation call
+        self.codec: list[float] = []  # ms per decode call
+
+    def _wrap(self, obj, name: str, record):
+        original = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            self.clock.sync()
+            t = self.clock.now()
+            out = original(*args, **kwargs)
+            self.clock.sync()
+            record((self.clock.now() - t) * 1e3, args, kwargs)
+            return out
+
+        setattr(obj, name, timed)
+        return lambda: delattr(obj, name) if name in vars(obj) else None
+
+    def __enter__(self):
+        s = self.synth
+
+        def llm(ms, args, kw):
+            ids = args[0]
+            (self.decode.append(ms) if len(ids) == 1 else self.prefill.append((len(ids), ms)))
+
+        def tts(ms, args, kw):
+            steps = args[1] if len(args) > 1 else kw.get("n_steps", 25)
+            self.tts.append((steps, ms))
+
+        self._undo = [self._wrap(s.llm, "forward", llm), self._wrap(s.tts, "generate", tts),
+                      self._wrap(s.codec, "decode", lambda ms, a, k: self.codec.append(ms))]
+        return self
+
+    def __exit__(self, *exc):
+        for undo in self._undo:
+            undo()
+
+
+def _requests(workload: str):
+    return READ_TEXTS if workload == "read" else REPLY_PROMPTS
+
+
+def _stream(synth, workload: str, item: str, seed: int, opts: BenchOptions):
+    forced = FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
+    sampling = Sampling(seed=seed)
+    if workload == "read":
+        return synth.synthesize(item, sampling, frames_per_token=forced, first_chunk=opts.first_chunk)
+    tokens = FORCED_REPLY_TOKENS if opts.random_weights else opts.max_tokens
+    return synth.reply(item, sampling, llm=LLMSampling(temperature=REPLY_TEMPERATURE), max_tokens=tokens,
+                       frames_per_token=forced, first_chunk=opts.first_chunk)
+
+
+def _one(synth, workload: str, item: str, seed: int, opts: BenchOptions, clock: Clock) -> dict:
+    clock.sync()
+    t0 = clock.now()
+    ttfa, samples, frames = None, 0, 0
+    for chunk in _stream(synth, workload, item, seed, opts):
+        if ttfa is None and len(chunk.samples):
+            ttfa = clock.now() - t0
+        samples += len(chunk.samples)
+        frames += len(chunk.codes)
+    total = clock.now() - t0
+    audio = samples / synth.sample_rate
+    return {"text": item, "seed": seed, "ttfa_ms": None if ttfa is None else ttfa * 1e3, "total_s": total,
+            "audio_s": audio, "rtf": total / audio if audio else None, "frames": frames}
+
+
+def environment(device: torch.device) -> dict:
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "device": "cpu", "driver": None, "commit": None}
+    if device.type == "cuda":
+        env["device"] = torch.cuda.get_device_name(device)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.split("\n")[0].strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    else:
+        env["device"] = platform.processor() or platform.machine()
+    try:
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return env
+
+
+def _log(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def run(opts: BenchOptions) -> dict:
+    from .pipeline import Synthesizer, resolve_device
+
+    device = resolve_device(opts.device)
+    clock = Clock(device)
+    result = {"environment": environment(device), "options": {**opts.__dict__},
+              "forced_lengths": opts.random_weights, "results": []}
+    if opts.random_weights:
+        result["forced_lengths_note"] = (f"random weights: each reply is exactly {FORCED_REPLY_TOKENS} LLM tokens and the "
+                                         f"TTS makes {FORCED_FRAMES_PER_TOKEN} frames per TTS text token (EOS ignored)")
+    for backend in opts.backends:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        _log(f"{backend}: loading")
+        t = clock.now()
+        synth = Synthesizer.load(opts.model, backend=backend, device=opts.device, dtype=opts.dtype,
+                                 random_weights=opts.random_weights)
+        clock.sync()
+        load_s = clock.now() - t
+        result["environment"].setdefault("backend_versions", {})[backend] = getattr(synth.llm, "version", None)
+        weight_bytes = getattr(synth.llm, "weight_bytes", None)
+        for workload in opts.workloads:
+            entry = {"backend": backend, "workload": workload, "load_s": load_s}
+            t = clock.now()
+            warm = [REPLY_WARMUP] if workload == "reply" else list(READ_TEXTS[:1])
+            for i in range(opts.warmup):
+                for item in warm:
+                    _one(synth, workload, item, 10_000 + i, opts, clock)
+            entry["warmup_s"] = clock.now() - t
+            samples = []
+            for r in range(opts.runs):
+                for item in _requests(workload):
+                    samples.append(_one(synth, workload, item, r, opts, clock))
+                _log(f"{backend} {workload}: run {r + 1}/{opts.runs}")
+            with StageTimers(synth, clock) as st:
+                for item in _requests(workload):
+                    _one(synth, workload, item, 0, opts, clock)
+            ttfa = [s["ttfa_ms"] for s in samples if s["ttfa_ms"] is not None]
+            rtf = [s["rtf"] for s in samples if s["rtf"] is not None]
+            decode_ms = _pct(st.decode, 0.5)
+            entry.update({
+                "samples": samples,
+                "ttfa_ms": {"p50": _pct(ttfa, 0.5), "p90": _pct(ttfa, 0.9)},
+                "rtf": {"p50": _pct(rtf, 0.5), "p90": _pct(rtf, 0.9)},
+                "llm_prefill_ms": _pct([ms for _, ms in st.prefill], 0.5),
+                "llm_prefill_samples": st.prefill,
+                "llm_ms_per_token": decode_ms,
+                "llm_decode_samples_ms": st.decode,
+                "llm_weight_bytes_per_token": weight_bytes,
+                "llm_gb_per_s": weight_bytes / decode_ms / 1e6 if weight_bytes and decode_ms else None,
+                "tts_ms_per_step": _pct([ms / n for n, ms in st.tts if n], 0.5),
+                "tts_call_samples": st.tts,
+                "codec_ms_per_chunk": _pct(st.codec, 0.5),
+                "codec_samples_ms": st.codec,
+                "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+            })
+            result["results"].append(entry)
+        del synth
+    return result
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def table(result: dict) -> str:
+    env = result["environment"]
+    lines = [
+        f"Device: {env['device']} (driver {env['driver'] or '-'}), torch {env['torch']}, CUDA {env['cuda'] or '-'}, "
+        f"commit {env['commit'] or '-'}, {env['date']}",
+        "",
+        "| backend | workload | TTFA p50 / p90 (ms) | RTF p50 / p90 | LLM prefill (ms) | LLM ms/token | LLM GB/s "
+        "| TTS ms/step | codec ms/chunk | peak GPU (GiB) | load (s) | warm-up (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in result["results"]:
+        lines.append(
+            f"| {e['backend']} | {e['workload']} | {_f(e['ttfa_ms']['p50'], '.1f')} / {_f(e['ttfa_ms']['p90'], '.1f')} "
+            f"| {_f(e['rtf']['p50'], '.3f')} / {_f(e['rtf']['p90'], '.3f')} | {_f(e['llm_prefill_ms'], '.1f')} "
+            f"| {_f(e['llm_ms_per_token'], '.2f')} | {_f(e['llm_gb_per_s'], '.0f')} | {_f(e['tts_ms_per_step'], '.2f')} "
+            f"| {_f(e['codec_ms_per_chunk'], '.1f')} | {_f(e['peak_gpu_gib'], '.1f')} | {e['load_s']:.1f} "
+            f"| {e['warmup_s']:.1f} |")
+    if result.get("forced_lengths_note"):
+        lines += ["", f"Forced lengths: {result['forced_lengths_note']}."]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(result: dict, path: str) -> None:
+    Path(path).write_text(json.dumps(result, indent=1) + "\n")
