@@ -47,11 +47,14 @@ class Piece:
 
 
 def next_token(logits: Tensor, window: list[int], s: LLMSampling, generator: torch.Generator | None,
-               banned: list[int] | None = None) -> Tensor:
-    """transformers' order: repetition penalty, temperature, top-k, top-p, then a draw (or argmax)."""
+               banned: list[int] | None = None, vocab: int | None = None) -> Tensor:
+    """transformers' order: repetition penalty, temperature, top-k, top-p, then a draw (or argmax).
+    `banned` ids and ids from `vocab` on are never chosen (forced-length benchmark runs)."""
     scores = logits.float()[None]
     if banned:
         scores = scores.index_fill(1, torch.tensor(banned, device=scores.device), float("-inf"))
+    if vocab is not None and vocab < scores.shape[1]:
+        scores = torch.cat([scores[:, :vocab], torch.full_like(scores[:, vocab:], float("-inf"))], dim=1)
     if s.repetition_penalty != 1.0:
         ids = torch.tensor(window, device=scores.device)[None]
         picked = scores.gather(1, ids)
@@ -65,9 +68,11 @@ def next_token(logits: Tensor, window: list[int], s: LLMSampling, generator: tor
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,
                  max_tokens: int, force_length: bool = False) -> Iterator[Piece]:
     """`force_length` (benchmarks with random weights): the end tokens are never sampled, so the
-    reply has exactly max_tokens tokens."""
+    reply has exactly max_tokens tokens, and only ids the tokenizer can decode are (random weights
+    may come with a smaller test tokenizer)."""
     terminators = {tok.im_end_id, tok.endoftext_id}
     banned = sorted(terminators | {tok.tts_eos_id}) if force_length else None
+    vocab = len(tok.llm) if force_length else None
     llm.reset()
     llm.forward(tok.encode_llm(user_turn(user_text)))
     inputs = tok.encode_llm(GENERATE_PROMPT)
@@ -82,7 +87,7 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
         new: list[int] = []
         ended = False
         for k in range(TOKENS_PER_PIECE):
-            t = int(next_token(logits, window, s, generator, banned))
+            t = int(next_token(logits, window, s, generator, banned, vocab))
             new.append(t)
             window.append(t)
             if t in terminators:

@@ -244,6 +244,8 @@ class StreamingTTS:
                 if sum(len(c) for c in codes) > MAX_FRAMES:
                     stop = True
                     break
+        if not codes:  # nothing was generated (an empty text with forced lengths): nothing to carry
+            return None
         carried = torch.cat(codes)[-SEED_FRAMES:]
         if self.read_all:
             return self._read_on(cond, gen_text, text_left, carried, pieces, new_segment)
