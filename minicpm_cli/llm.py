@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sampling import choose, top_k, top_p
+from .sampling import choose, noise, top_k, top_p
 from .text import ASSISTANT_TTS_PREFIX, Tokenizers
 
 # streaming_generate appends this after the user turn; with a text-only first turn the context holds
@@ -62,7 +62,7 @@ def next_token(logits: Tensor, window: list[int], s: LLMSampling, generator: tor
         scores = scores.scatter(1, ids, picked)
     scores = scores / s.temperature
     scores = top_p(top_k(scores, s.top_k), s.top_p)
-    return choose(scores.softmax(-1), generator)[0]
+    return choose(scores.softmax(-1), noise(scores.shape, generator, scores.device))[0]
 
 
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,

@@ -47,9 +47,15 @@ def top_k(logits: Tensor, k: int, min_keep: int = 1) -> Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def choose(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """probs (..., V) -> indices (...,): argmax when generator is None, else one draw per row."""
+def noise(shape: tuple[int, ...], generator: torch.Generator | None, device) -> Tensor | None:
+    """Exp(1) noise for `choose`, drawn ahead (one kernel for many steps); None when greedy."""
     if generator is None:
+        return None
+    return torch.empty(shape, device=device).exponential_(1, generator=generator)
+
+
+def choose(probs: Tensor, q: Tensor | None) -> Tensor:
+    """probs (..., V) -> indices (...,): argmax when q is None, else a draw per row: argmax(p / q)."""
+    if q is None:
         return probs.argmax(dim=-1)
-    q = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / q).argmax(dim=-1)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .models.chattts import ChatTTS
-from .sampling import choose, top_k, top_p
+from .sampling import choose, noise, top_k, top_p
 
 # Per-codebook temperatures hard-coded by every caller in the reference.
 TEMPERATURES = (0.1, 0.3, 0.1, 0.3)
@@ -30,17 +30,30 @@ MAX_FRAMES = 2048  # the reference stops once a segment has more frames than thi
 
 
 class TTSRunner:
-    def __init__(self, model: ChatTTS, *, max_frames: int = MAX_FRAMES):
+    """Eager generation. Per-step state lives in small device tensors that `_step` only reads, so a
+    backend can capture `_step` as a CUDA graph (see backends/compile.py) and get the same results."""
+
+    def __init__(self, model: ChatTTS, *, max_frames: int = MAX_FRAMES, block_fns: tuple | None = None):
         c = model.config
-        self.model, self.config = model, c
-        self.device = model.emb_text.weight.device
+        self.model, self.config, self.block_fns = model, c, block_fns
+        dev = self.device = model.emb_text.weight.device
         self.dtype = model.emb_text.weight.dtype
         self.L = c.condition_length
         self.max_len = min(c.decoder.max_positions, self.L + max_frames + 2 * FRAMES_PER_CALL)
-        model.model.setup_cache(self.max_len, self.dtype, self.device)
-        self.slots = torch.arange(self.max_len, device=self.device)
-        self.temps = torch.tensor(TEMPERATURES, device=self.device)[:, None]
-        self.bos_embed = model.emb_text(torch.tensor([c.audio_bos_token_id], device=self.device))
+        model.model.setup_cache(self.max_len, self.dtype, dev)
+        self.slots = torch.arange(self.max_len, device=dev)
+        self.temps = torch.tensor(TEMPERATURES, device=dev)[:, None]
+        with torch.inference_mode():
+            self.bos_embed = model.emb_text(torch.tensor([c.audio_bos_token_id], device=dev))  # (1, hidden)
+        self.is_eos = self.slots[: c.num_audio_tokens] == c.eos_code
+        # step inputs (written by the host loop between steps) and outputs (written by _step)
+        self.last_t = torch.zeros(c.num_vq, dtype=torch.long, device=dev)
+        self.bos_t = torch.ones(1, dtype=torch.bool, device=dev)
+        self.pos_t = torch.zeros(1, dtype=torch.long, device=dev)
+        self.block_eos_t = torch.zeros(1, dtype=torch.bool, device=dev)
+        self.noise_t = torch.ones(c.num_vq, c.num_audio_tokens, device=dev)
+        self.code_t = torch.zeros(c.num_vq, dtype=torch.long, device=dev)
+        self.text_mask = torch.zeros(self.L, dtype=torch.bool, device=dev)
         self.trace: list[tuple[Tensor, Tensor]] | None = None  # (raw logits, probs) per step, for tests
         self.start(0)
 
@@ -48,34 +61,43 @@ class TTSRunner:
         """A new segment with n text tokens: zero cache, next query at the [Ptts] slot."""
         self.model.model.reset_cache()
         self.pos = self.L - 1
-        self.last: Tensor | None = None
+        self.bos_t.fill_(True)
         self.set_text_len(n)
 
     def set_text_len(self, n: int) -> None:
         """_build_streaming_mask(n): [Stts], [spk_emb], n text tokens and [Etts] visible; [PAD]s not."""
-        self.text_mask = self.slots[: self.L] <= n + 2
+        self.text_mask.copy_(self.slots[: self.L] <= n + 2)
         self.text_mask[self.L - 1] = True
+
+    def _prefill(self, ids: Tensor, begin: int, spk: Tensor | None) -> None:
+        end = begin + len(ids)
+        x = self.model.embed_text(ids, spk)
+        pos = self.slots[begin:end]
+        mask = self.slots[None, :end] <= pos[:, None]
+        self.model.model(x, pos, mask[None, None], end)
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         """Write the K/V of condition slots begin..begin+len(ids)-1 (plain causal attention)."""
-        end = begin + len(ids)
-        x = self.model.embed_text(torch.tensor(ids, device=self.device), spk)
-        pos = self.slots[begin:end]
-        mask = self.slots[None, :end] <= pos[:, None]
-        self.model.model(x, pos, mask[None, None], end)
+        self._prefill(torch.tensor(ids, device=self.device), begin, spk)
 
     def visible_text(self, p: int) -> int:
         """V(p): how many text slots (after [Stts][spk_emb]) a query at position p may see."""
         r = self.config.streaming_text_reserved_len
         return min(self.config.streaming_text_chunk_size * -(-(p - r) // AUDIO_CHUNK), r)
 
-    def _mask(self, p: int, kv_len: int | None = None) -> Tensor:
-        """(1, 1, 1, kv_len) visibility for a query at position p (kv_len defaults to p + 1)."""
-        kv_len = kv_len or p + 1
-        text = self.text_mask & (self.slots[: self.L] < self.visible_text(p) + 2)
-        audio = self.slots[self.L : kv_len] >= 0
-        return torch.cat([text, audio])[None, None, None]
+    def _visibility(self, pos: Tensor, kv_len: int, audio_upto: Tensor | None = None) -> Tensor:
+        """(1, 1, 1, kv_len) mask for a query at position `pos` (a 1-element device tensor): text
+        slots 2..V(pos)+1 minus [PAD]s, [Stts]/[spk_emb], audio slots up to `audio_upto` (default pos).
+        Tensor ops only: no host synchronisation, capturable in a CUDA graph."""
+        c = self.config
+        r = c.streaming_text_reserved_len
+        visible = torch.clamp(torch.div(pos - r + AUDIO_CHUNK - 1, AUDIO_CHUNK, rounding_mode="floor")
+                              * c.streaming_text_chunk_size, max=r)
+        slots = self.slots[:kv_len]
+        text = (slots < self.L) & self.text_mask[slots.clamp(max=self.L - 1)] & (slots < visible + 2)
+        audio = (slots >= self.L) & (slots <= (pos if audio_upto is None else audio_upto))
+        return (text | audio)[None, None, None]
 
     @torch.inference_mode()
     def prefill_audio(self, frames: Tensor) -> None:
@@ -85,9 +107,28 @@ class TTSRunner:
         The last frame becomes the input of the next generation step."""
         x = torch.cat([self.bos_embed, self.model.embed_codes(frames[:-1])])[None]  # (1, k, hidden)
         start, end = self.L - 1, self.L - 1 + len(frames)
-        self.model.model(x, self.slots[start:end], self._mask(start, end), end)
+        pos = self.slots[start:end]
+        self.model.model(x, pos, self._visibility(pos[:1], end, pos[-1:]), end)
         self.pos = end
-        self.last = frames[-1]
+        self.last_t.copy_(frames[-1])
+        self.bos_t.fill_(False)
+
+    def _step(self, kv_len: int, sampled: bool) -> tuple[Tensor, Tensor]:
+        """One audio frame from the step tensors -> code_t; returns (raw logits, probs)."""
+        c, m = self.config, self.model
+        x = torch.where(self.bos_t, self.bos_embed[0], m.embed_codes(self.last_t))  # (hidden,)
+        h = m.model(x[None, None], self.pos_t, self._visibility(self.pos_t, kv_len), kv_len, self.block_fns)
+        raw = m.logits(h[0, -1])  # (num_vq, num_audio_tokens)
+        logits = raw / self.temps
+        # the BOS step samples from the plain distribution; later steps after top-p then top-k
+        logits = torch.where(self.bos_t, logits, top_k(top_p(logits, c.top_p, MIN_KEEP), c.top_k, MIN_KEEP))
+        logits = logits.masked_fill(self.is_eos & self.block_eos_t, float("-inf"))
+        probs = F.softmax(logits, dim=-1)
+        self.code_t.copy_(choose(probs, self.noise_t if sampled else None))
+        return raw, probs
+
+    def _run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
+        return self._step(self.pos + 1, sampled)
 
     @torch.inference_mode()
     def generate(self, generator: torch.Generator | None, n_steps: int = FRAMES_PER_CALL,
@@ -97,28 +138,24 @@ class TTSRunner:
         if not allow_eos:
             min_new = n_steps
         c = self.config
-        eos = c.eos_code
         out = torch.empty(n_steps, c.num_vq, dtype=torch.long, device=self.device)
         steps = min(n_steps, self.max_len - self.pos)
+        q = noise((n_steps, c.num_vq, c.num_audio_tokens), generator, self.device)
         for i in range(steps):
-            bos = self.last is None
-            x = self.bos_embed if bos else self.model.embed_codes(self.last)[None]
-            p = self.pos
-            h = self.model.model(x[None], self.slots[p : p + 1], self._mask(p), p + 1)
-            raw = self.model.logits(h[0, -1])  # (num_vq, num_audio_tokens)
-            logits = raw / self.temps
-            if not bos:
-                logits = top_k(top_p(logits, c.top_p, MIN_KEEP), c.top_k, MIN_KEEP)
-            if i < min_new:
-                logits[:, eos] = float("-inf")
-            probs = F.softmax(logits, dim=-1)
+            self.pos_t.fill_(self.pos)
+            self.block_eos_t.fill_(i < min_new)
+            if q is not None:
+                self.noise_t.copy_(q[i])
+            raw, probs = self._run_step(q is not None)
             if self.trace is not None:
-                self.trace.append((raw, probs))
-            out[i] = self.last = choose(probs, generator)
+                self.trace.append((raw.clone(), probs.clone()))
+            out[i].copy_(self.code_t)
+            self.last_t.copy_(self.code_t)
+            self.bos_t.fill_(False)
             self.pos += 1
         # One host round trip per call: frames after the first EOS were computed but are dropped;
         # nothing reads the cache past an EOS.
-        hits = (out[:steps] == eos).any(1).nonzero()
+        hits = (out[:steps] == c.eos_code).any(1).nonzero()
         if len(hits):
             return out[: int(hits[0])], True
         return out[:steps], steps < n_steps

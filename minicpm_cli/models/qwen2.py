@@ -49,8 +49,9 @@ class Qwen2LM(nn.Module):
         self.lm_head = nn.Linear(c.decoder.dim, c.vocab_size, bias=False)
 
     def forward(self, ids: Tensor, input_pos: Tensor, mask: Tensor | None = None, kv_len: int = 0,
-                logits_at: slice | None = slice(-1, None)) -> tuple[Tensor | None, Tensor]:
+                logits_at: slice | None = slice(-1, None), block_fns: tuple | None = None
+                ) -> tuple[Tensor | None, Tensor]:
         """ids (B, T) -> logits (B, T', vocab) for the positions in `logits_at`, hidden (B, T, dim)."""
-        hidden = self.model(self.model.embed_tokens(ids), input_pos, mask, kv_len)
+        hidden = self.model(self.model.embed_tokens(ids), input_pos, mask, kv_len, block_fns)
         logits = None if logits_at is None else self.lm_head(hidden[:, logits_at]).float()
         return logits, hidden

@@ -81,16 +81,36 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse(): one matmul instead of three
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor | None,
-                kv_len: int) -> Tensor:
+    def fuse(self) -> None:
+        """Replace q/k/v by one projection with the concatenated weights (same results)."""
+        q, k, v = self.q_proj, self.k_proj, self.v_proj
+        fused = nn.Linear(q.in_features, q.out_features + 2 * k.out_features, bias=q.bias is not None,
+                          device=q.weight.device, dtype=q.weight.dtype)
+        fused.weight.data = torch.cat([q.weight, k.weight, v.weight])
+        if q.bias is not None:
+            fused.bias.data = torch.cat([q.bias, k.bias, v.bias])
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, dim) -> rotated q (B, H, T, D), rotated k and v (B, Hkv, T, D)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if self.qkv_proj is not None:
+            nq, nk = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([nq, nk, nk], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Tensor | None, kv_len: int) -> Tensor:
+        """Write k/v at input_pos, attend over cache slots [0, kv_len) -> (B, T, H*D) before o_proj."""
+        B, _, T, _ = q.shape
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
             k, v = k[:, :, :kv_len], v[:, :, :kv_len]
@@ -98,7 +118,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return y.transpose(1, 2).reshape(B, T, -1)
 
 
 class FeedForward(nn.Module):
@@ -107,8 +127,19 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(c.dim, c.intermediate, bias=False)
         self.up_proj = nn.Linear(c.dim, c.intermediate, bias=False)
         self.down_proj = nn.Linear(c.intermediate, c.dim, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        g, u = self.gate_proj, self.up_proj
+        fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False, device=g.weight.device, dtype=g.weight.dtype)
+        fused.weight.data = torch.cat([g.weight, u.weight])
+        self.gate_up_proj = fused
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -120,10 +151,15 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
         self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, input_pos: Tensor, mask: Tensor | None,
-                kv_len: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, mask, kv_len)
+    # The layer is split around attention so that a backend can compile the two halves, whose
+    # shapes never change, and keep the KV-length-dependent attention out of the compiled code.
+    def pre_attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def post_attention(self, x: Tensor, y: Tensor) -> Tensor:
+        x = x + self.self_attn.o_proj(y)
         return x + self.mlp(self.post_attention_layernorm(x))
+
 
 
 class Decoder(nn.Module):
@@ -149,20 +185,30 @@ class Decoder(nn.Module):
         for layer in self.layers:
             layer.self_attn.kv_cache = KVCache(max_len, c.n_kv_heads, c.head_dim, dtype, device)
 
+    def fuse(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def reset_cache(self) -> None:
         for layer in self.layers:
             if layer.self_attn.kv_cache is not None:
                 layer.self_attn.kv_cache.k.zero_()
                 layer.self_attn.kv_cache.v.zero_()
 
-    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor | None = None, kv_len: int = 0) -> Tensor:
+    def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor | None = None, kv_len: int = 0,
+                block_fns: tuple | None = None) -> Tensor:
+        """`block_fns` = (pre_attention, post_attention) replacements, e.g. compiled versions of
+        Block's own methods, called as fn(layer, ...)."""
         if self.rope_cos is None or self.rope_cos.device != x.device:
             self.setup_rope(self.config.max_positions, x.device)
         cos = self.rope_cos[input_pos].to(x.dtype)[None, None]  # (1, 1, T, D)
         sin = self.rope_sin[input_pos].to(x.dtype)[None, None]
+        pre, post = block_fns or (Block.pre_attention, Block.post_attention)
         with sdpa_kernel(SDPA_BACKENDS):
             for layer in self.layers:
-                x = layer(x, cos, sin, input_pos, mask, kv_len)
+                q, k, v = pre(layer, x, cos, sin)
+                x = post(layer, x, layer.self_attn.attend(q, k, v, input_pos, mask, kv_len))
         return self.norm(x)
 
 
