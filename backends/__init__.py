@@ -55,10 +55,22 @@ class Backend:
         return importlib.import_module(self.module).create(ckpt, config, device=device, dtype=dtype, max_len=max_len)
 
 
+    def tts_runner(self, model):
+        """The TTS runner this backend brings (compile: CUDA graphs), else the eager one."""
+        make = getattr(importlib.import_module(self.module), "tts_runner", None)
+        if make is None:
+            from minicpm_cli.tts import TTSRunner
+
+            return TTSRunner(model)
+        return make(model)
+
+
 REGISTRY: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("eager", "bf16/fp32 PyTorch, no compilation (the reference-faithful baseline)", "backends.eager"),
+        Backend("compile", "static KV caches, fused projections, torch.compile and CUDA graphs (LLM and TTS)",
+                "backends.compile"),
     )
 }
 

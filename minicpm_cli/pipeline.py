@@ -117,9 +117,10 @@ class Synthesizer:
 
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, tokenizers: Tokenizers, llm: backends.LLMStage, tts: ChatTTS, codec: Codec):
+    def __init__(self, tokenizers: Tokenizers, llm: backends.LLMStage, tts: ChatTTS, codec: Codec,
+                 tts_runner: TTSRunner | None = None):
         self.tokenizers, self.llm, self.tts_model, self.codec = tokenizers, llm, tts, codec
-        self.tts = TTSRunner(tts)
+        self.tts = tts_runner or TTSRunner(tts)
         self.device = tts.emb_text.weight.device
         self.llm_context = LLM_CONTEXT
 
@@ -147,7 +148,7 @@ class Synthesizer:
         tts = build_tts(ckpt, config, device=dev, dtype=dt)
         codec = build_codec(ckpt, vocos, device=dev)
         llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT)
-        return cls(tokenizers, llm, tts, codec)
+        return cls(tokenizers, llm, tts, codec, be.tts_runner(tts))
 
     def speaker(self, prompt_ids: list[int]) -> Tensor:
         """Run the LLM over a prompt; the projected hidden state at its last <|spk|> (hidden,)."""

@@ -1,0 +1,171 @@
+"""`compile`: the same model with fused projections, compiled layer halves and CUDA graphs.
+
+The model is transformed, not forked: q/k/v and gate/up projections are concatenated
+(`Decoder.fuse`), the per-layer halves around attention (`Block.pre_attention/post_attention`,
+fixed shapes for one token) are compiled with torch.compile, and every step (an LLM decode token, a
+TTS audio frame, and the prefills) runs as a CUDA graph captured once per shape: attention runs over
+the KV cache up to a bucketed length, so one graph serves every position in its bucket. Inputs reach
+a graph through small device tensors written between replays; nothing synchronises with the host
+except the one end-of-call check of the TTS runner. On a CPU the same code runs without graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from minicpm_cli.checkpoint import Checkpoint
+from minicpm_cli.errors import BackendError, UsageError
+from minicpm_cli.models.chattts import ChatTTS
+from minicpm_cli.models.transformer import Block
+from minicpm_cli.tts import TTSRunner
+
+from .eager import build
+
+LLM_BUCKET = 256  # KV length granularity of the LLM graphs
+TTS_BUCKET = 128
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_compiled: tuple | None = None
+
+
+def block_fns() -> tuple:
+    """torch.compile'd Block halves for one-token steps (shared by every layer of both models)."""
+    global _compiled
+    if _compiled is None:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        try:
+            _compiled = (torch.compile(Block.pre_attention, fullgraph=True, dynamic=False),
+                         torch.compile(Block.post_attention, fullgraph=True, dynamic=False))
+        except Exception as e:  # no silent fallback: say which backend failed
+            raise BackendError(f"backend 'compile': torch.compile failed: {e}") from None
+    return _compiled
+
+
+class Graphs:
+    """Replays `fn()` (reading and writing static tensors only) as one CUDA graph per key, captured
+    on first use after two warm-up runs; on a CPU it simply calls fn."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.graphs: dict = {}
+        self.pool = None
+
+    def run(self, key, fn):
+        if not self.cuda:
+            return fn()
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        fn()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = fn()
+            except Exception as e:
+                raise BackendError(f"backend 'compile': capturing a CUDA graph failed: {e}") from None
+            self.pool = graph.pool()
+            entry = self.graphs[key] = (graph, out)
+        entry[0].replay()
+        return entry[1]
+
+
+def _bucket(n: int, step: int, cap: int) -> int:
+    return min(-(-n // step) * step, cap)
+
+
+class CompiledLLM:
+    name = "compile"
+
+    def __init__(self, model, max_len: int):
+        self.model = model
+        dev = self.device = model.lm_head.weight.device
+        self.max_len = max_len
+        model.model.fuse()
+        model.model.setup_cache(max_len, model.lm_head.weight.dtype, dev)
+        model.model.setup_rope(model.config.decoder.max_positions, dev)
+        self.slots = torch.arange(max_len, device=dev)
+        self.ids = torch.zeros(max_len, dtype=torch.long, device=dev)
+        self.pos0 = torch.zeros(1, dtype=torch.long, device=dev)
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.graphs = Graphs(dev)
+        self.fns = block_fns()
+        self.pos = 0
+        self.version = f"torch {torch.__version__} (inductor + CUDA graphs)"
+        self.weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                                if not n.startswith("model.embed_tokens"))
+
+    def reset(self) -> None:
+        self.pos = 0
+
+    def _run(self, t: int, kv: int) -> tuple[Tensor, Tensor]:
+        """t tokens from ids[:t] at positions pos0.. (static t and kv) -> (logits at `last`, hidden)."""
+        pos = self.pos0 + self.slots[:t]
+        mask = (self.slots[None, :kv] <= pos[:, None])[None, None]
+        logits, hidden = self.model(self.ids[None, :t], pos, mask, kv, logits_at=None,
+                                    block_fns=self.fns if t == 1 else None)
+        return self.model.lm_head(hidden[0].index_select(0, self.last)).float()[0], hidden[0]
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int]) -> tuple[Tensor, Tensor]:
+        n = len(ids)
+        end = self.pos + n
+        if end > self.max_len:
+            raise UsageError(f"LLM context full: {end} tokens > {self.max_len}")
+        t = n if n == 1 else next((b for b in PREFILL_BUCKETS if b >= n), n)
+        if self.pos + t > self.max_len:  # padding would run past the cache: exact length
+            t = n
+        kv = _bucket(self.pos + t, LLM_BUCKET, self.max_len)
+        if n == 1:
+            self.ids[:1].fill_(ids[0])  # no host-to-device copy (and no sync) per decoded token
+        else:
+            self.ids[:n].copy_(torch.tensor(ids, device=self.device))
+        self.pos0.fill_(self.pos)
+        self.last.fill_(n - 1)
+        logits, hidden = self.graphs.run((t, kv), lambda: self._run(t, kv))
+        self.pos = end
+        return logits.clone(), hidden[:n].clone()
+
+
+class GraphTTSRunner(TTSRunner):
+    """TTSRunner whose steps and prefills replay CUDA graphs over bucketed KV lengths."""
+
+    def __init__(self, model: ChatTTS):
+        model.model.fuse()
+        super().__init__(model, block_fns=block_fns())
+        model.model.setup_rope(model.config.decoder.max_positions, self.device)
+        self.graphs = Graphs(self.device)
+        self.ids = torch.zeros(self.L, dtype=torch.long, device=self.device)
+        self.spk = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
+        self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
+
+    def _run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
+        kv = _bucket(self.pos + 1, TTS_BUCKET, self.max_len)
+        return self.graphs.run(("step", kv, sampled), lambda: self._step(kv, sampled))
+
+    def _prefill_static(self, t: int, kv: int, with_spk: bool) -> None:
+        x = self.model.embed_text(self.ids[:t], self.spk if with_spk else None)
+        pos = self.begin + self.slots[:t]
+        mask = self.slots[None, :kv] <= pos[:, None]
+        self.model.model(x, pos, mask[None, None], kv)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
+        t = len(ids)
+        kv = _bucket(begin + t, TTS_BUCKET, self.max_len)
+        self.ids[:t].copy_(torch.tensor(ids, device=self.device))
+        self.begin.fill_(begin)
+        if spk is not None:
+            self.spk.copy_(spk)
+        self.graphs.run(("prefill", t, kv, spk is not None), lambda: self._prefill_static(t, kv, spk is not None))
+
+
+def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int) -> CompiledLLM:
+    return CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len)
+
+
+def tts_runner(model: ChatTTS) -> GraphTTSRunner:
+    return GraphTTSRunner(model)
