@@ -65,6 +65,13 @@ class Backend:
         return make(model)
 
 
+    def wrap_codec(self, codec) -> None:
+        """Let the backend speed up the codec too (compile: CUDA graphs); a no-op for others."""
+        wrap = getattr(importlib.import_module(self.module), "wrap_codec", None)
+        if wrap is not None:
+            wrap(codec)
+
+
 REGISTRY: dict[str, Backend] = {
     b.name: b
     for b in (

@@ -163,9 +163,36 @@ class GraphTTSRunner(TTSRunner):
         self.graphs.run(("prefill", t, kv, spk is not None), lambda: self._prefill_static(t, kv, spk is not None))
 
 
+class GraphCodec:
+    """Wraps a Codec so that each decode length replays a CUDA graph (the DVAE and Vocos launch
+    some hundred small kernels per chunk; in a graph they cost GPU time only)."""
+
+    MAX_FRAMES = 4096
+
+    def __init__(self, codec):
+        self.codec = codec
+        self.decode_eager = codec.decode
+        self.codes = torch.zeros(self.MAX_FRAMES, codec.num_vq, dtype=torch.long, device=codec.device)
+        self.graphs = Graphs(codec.device)
+
+    @torch.inference_mode()
+    def decode(self, codes: Tensor) -> Tensor:
+        t = len(codes)
+        if t == 0 or t > self.MAX_FRAMES:
+            return self.decode_eager(codes)
+        self.codes[:t].copy_(codes)
+        return self.graphs.run(t, lambda: self.decode_eager(self.codes[:t])).clone()
+
+
 def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int) -> CompiledLLM:
     return CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len)
 
 
 def tts_runner(model: ChatTTS) -> GraphTTSRunner:
     return GraphTTSRunner(model)
+
+
+def wrap_codec(codec) -> None:
+    """Route `codec.decode` through CUDA graphs (on a CPU nothing changes)."""
+    if codec.device.type == "cuda":
+        codec.decode = GraphCodec(codec).decode

@@ -201,7 +201,9 @@ def run(opts: BenchOptions) -> dict:
         for workload in opts.workloads:
             entry = {"backend": backend, "workload": workload, "load_s": load_s}
             t = clock.now()
-            warm = [REPLY_WARMUP] if workload == "reply" else list(READ_TEXTS[:1])
+            # Warm-up: the original benchmark's warm-up request, then every request of the workload
+            # once, so that compilation and graph captures for every length happen here.
+            warm = ([REPLY_WARMUP] if workload == "reply" else []) + list(_requests(workload))
             for i in range(opts.warmup):
                 for item in warm:
                     _one(synth, workload, item, 10_000 + i, opts, clock)

@@ -147,6 +147,7 @@ class Synthesizer:
             vocos = read_vocos(root)
         tts = build_tts(ckpt, config, device=dev, dtype=dt)
         codec = build_codec(ckpt, vocos, device=dev)
+        be.wrap_codec(codec)
         llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT)
         return cls(tokenizers, llm, tts, codec, be.tts_runner(tts))
 

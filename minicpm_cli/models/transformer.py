@@ -114,10 +114,17 @@ class Attention(nn.Module):
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v)
             k, v = k[:, :, :kv_len], v[:, :, :kv_len]
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+        if T == 1 and mask is not None:
+            # One query: attend per KV head with the query heads of its group stacked, i.e. GQA
+            # without repeating K/V (SDPA's masked GQA path repeats them and takes the math kernel).
+            H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+            s = q.view(B, Hkv, H // Hkv, D) @ k.transpose(-1, -2) * D**-0.5  # (B, Hkv, H/Hkv, S)
+            s = s.float().masked_fill(~mask[:, :, 0], float("-inf"))
+            y = (s.softmax(-1).to(v.dtype) @ v).view(B, H, 1, D)  # (B, H, 1, D)
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_heads != self.n_heads)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
         return y.transpose(1, 2).reshape(B, T, -1)
 
 
