@@ -43,6 +43,9 @@ class Backend:
     extra: str | None = None  # the pip extra that installs them
     default_model: str = "openbmb/MiniCPM-o-2_6"
 
+    def available(self) -> bool:
+        return all(importlib.util.find_spec(m) is not None for m in self.requires)
+
     def check(self) -> None:
         missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
         if missing:

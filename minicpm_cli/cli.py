@@ -275,7 +275,7 @@ def reply(
 
 @app.command()
 def bench(
-    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends to compare.")] = "eager",
+    backend: Annotated[Optional[str], typer.Option("--backend", "-b", help="Comma-separated backends to compare [default: every backend whose dependencies are installed].", show_default=False)] = None,
     workload: Annotated[str, typer.Option("--workload", help="read (say of 3 texts), reply (6 prompts) or all.")] = "all",
     runs: Annotated[int, typer.Option("--runs", help="Timed runs over each workload.")] = 5,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed warm-up requests per workload (compilation happens here).")] = 1,
@@ -290,7 +290,10 @@ def bench(
     """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
     import backends as registry
 
-    names = tuple(b.strip() for b in backend.split(",") if b.strip())
+    if backend is None:
+        names = tuple(name for name, b in registry.REGISTRY.items() if b.available())
+    else:
+        names = tuple(b.strip() for b in backend.split(",") if b.strip())
     if not names:
         raise UsageError("--backend needs at least one name")
     for name in names:
