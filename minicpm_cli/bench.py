@@ -12,6 +12,7 @@ device and lengths are forced (24 LLM tokens per reply, 10 audio frames per TTS 
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import platform
 import subprocess
@@ -236,7 +237,8 @@ def run(opts: BenchOptions) -> dict:
                 "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
             })
             result["results"].append(entry)
-        del synth
+        del synth, st
+        gc.collect()  # free this backend's model before the next one is measured
     return result
 
 
