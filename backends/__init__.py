@@ -81,6 +81,8 @@ REGISTRY: dict[str, Backend] = {
         Backend("eager", "bf16/fp32 PyTorch, no compilation (the reference-faithful baseline)", "backends.eager"),
         Backend("compile", "static KV caches, fused projections, torch.compile and CUDA graphs (LLM and TTS)",
                 "backends.compile"),
+        Backend("int4", "the GPTQ int4 checkpoint on torch's int4 kernel, on the compile path",
+                "backends.int4", default_model="openbmb/MiniCPM-o-2_6-int4"),
     )
 }
 

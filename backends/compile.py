@@ -80,11 +80,12 @@ def _bucket(n: int, step: int, cap: int) -> int:
 class CompiledLLM:
     name = "compile"
 
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, max_len: int, fuse: bool = True):
         self.model = model
         dev = self.device = model.lm_head.weight.device
         self.max_len = max_len
-        model.model.fuse()
+        if fuse:
+            model.model.fuse()
         model.model.setup_cache(max_len, model.lm_head.weight.dtype, dev)
         model.model.setup_rope(model.config.decoder.max_positions, dev)
         self.slots = torch.arange(max_len, device=dev)
@@ -95,8 +96,12 @@ class CompiledLLM:
         self.fns = block_fns()
         self.pos = 0
         self.version = f"torch {torch.__version__} (inductor + CUDA graphs)"
-        self.weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                                if not n.startswith("model.embed_tokens"))
+        # bytes a decode step reads: the weights (quantized ones included), but not the embedding
+        # table (one row of it), the KV cache or index buffers
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        self.weight_bytes = sum(t.numel() * t.element_size() for n, t in tensors
+                                if not n.startswith("model.embed_tokens") and "kv_cache" not in n
+                                and not n.endswith("perm"))
 
     def reset(self) -> None:
         self.pos = 0

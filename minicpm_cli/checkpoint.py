@@ -78,6 +78,7 @@ def _download(repo: str, prefixes: tuple[str, ...]) -> Path:
 
     for name in SMALL_FILES:
         get(name)
+    get("quantize_config.json", required=False)  # GPTQ checkpoints only
     root = get("config.json").parent
     index = get(INDEX, required=False)
     if index is None:

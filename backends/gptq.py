@@ -1,0 +1,135 @@
+"""The GPTQ checkpoint format (AutoGPTQ "gptq" v1) and a 4-bit Linear that runs it with torch's kernel.
+
+Format, per quantized Linear with `in` inputs and `out` outputs (spec §5): `qweight` int32
+[in/8, out], eight 4-bit values packed along the input dim, value k of a word in bits 4k..4k+3;
+`qzeros` int32 [groups, out/8], packed the same way along the output dim and stored minus one;
+`scales` [groups, out]; `g_idx` int32 [in], the group of each input (act-order permutes them);
+`bias` where the layer has one. The weight is W[i, o] = scales[g, o] * (q[i, o] - (zeros[g, o] + 1))
+with g = g_idx[i]. `group_size` -1 means one group for all inputs.
+
+`Int4Linear` repacks this for `aten._weight_int4pack_mm` (CUDA) or its `_for_cpu` twin: inputs are
+permuted so that every group is contiguous, a per-channel group (-1) is repeated over 128-wide
+groups (exact), and the zero point becomes the kernel's additive form, W = (q - 8) * s + s * (8 - z).
+Nothing here depends on AutoGPTQ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+BITS = 4
+PACK = 32 // BITS  # values per int32
+KERNEL_GROUPS = (32, 64, 128, 256)
+INNER_K_TILES = 8
+SHIFTS = torch.arange(0, 32, BITS, dtype=torch.int32)
+
+
+def unpack_rows(packed: Tensor) -> Tensor:
+    """int32 [r, c] -> int32 [r * 8, c]: value k of word [r, c] becomes row r * 8 + k."""
+    v = (packed[:, None, :] >> SHIFTS.to(packed.device)[None, :, None]) & 0xF  # (r, 8, c)
+    return v.reshape(-1, packed.shape[1])
+
+
+def pack_rows(values: Tensor) -> Tensor:
+    """Inverse of unpack_rows: int [r * 8, c] with values 0..15 -> int32 [r, c] (bit 31 may be set:
+    the word is the same 32 bits reinterpreted as signed, as AutoGPTQ writes it)."""
+    v = values.to(torch.int64).reshape(-1, PACK, values.shape[1])  # (r, 8, c)
+    acc = torch.zeros(v.shape[0], v.shape[2], dtype=torch.int64, device=v.device)
+    for k in range(PACK):
+        acc |= v[:, k] << (BITS * k)
+    return torch.where(acc >= 2**31, acc - 2**32, acc).to(torch.int32)
+
+
+def unpack(qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> q [in, out] (0..15), zeros [groups, out] (true zero points, stored value + 1), scales, g_idx."""
+    q = unpack_rows(qweight)
+    zeros = unpack_rows(qzeros.T.contiguous()).T + 1  # packed along out: unpack the transpose
+    return q, zeros, scales, g_idx.long()
+
+
+def dequantize(qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor) -> Tensor:
+    """-> W [out, in] in float32 (the layout of nn.Linear.weight)."""
+    q, zeros, s, g = unpack(qweight, qzeros, scales, g_idx)
+    return (s.float()[g] * (q.float() - zeros.float()[g])).T.contiguous()
+
+
+def quantize(w: Tensor, group_size: int, *, sym: bool = True, g_idx: Tensor | None = None) -> dict[str, Tensor]:
+    """Round-to-nearest quantization of W [out, in] into the GPTQ tensors (for synthetic checkpoints
+    and tests; the real checkpoints come from the GPTQ algorithm, same format)."""
+    out, n_in = w.shape
+    if g_idx is None:
+        g_idx = torch.arange(n_in) // (group_size if group_size > 0 else n_in)
+    groups = int(g_idx.max()) + 1
+    wt = w.T.float()  # (in, out)
+    scales = torch.zeros(groups, out)
+    zeros = torch.zeros(groups, out, dtype=torch.int32)
+    for gi in range(groups):
+        rows = wt[g_idx == gi]
+        if sym:
+            s = rows.abs().amax(0).clamp(min=1e-8) / 7.5
+            z = torch.full((out,), 8, dtype=torch.int32)
+        else:
+            lo, hi = rows.amin(0), rows.amax(0)
+            s = ((hi - lo) / 15).clamp(min=1e-8)
+            # z = 0 would be stored as -1, which v1 readers (AutoGPTQ's and ours) read back as 16
+            z = torch.round(-lo / s).clamp(1, 15).to(torch.int32)
+        scales[gi], zeros[gi] = s, z
+    q = torch.round(wt / scales[g_idx] + zeros[g_idx]).clamp(0, 15).to(torch.int32)
+    # zero points are stored minus one ("gptq" v1), in 4 bits, packed along the output dim
+    stored = ((zeros - 1) & 0xF).T.contiguous()  # (out, groups)
+    return {"qweight": pack_rows(q), "qzeros": pack_rows(stored).T.contiguous(),
+            "scales": scales.half(), "g_idx": g_idx.to(torch.int32)}
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W in 4 bits, on torch's int4 matmul kernel (CUDA or CPU)."""
+
+    def __init__(self, qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bias: Tensor | None,
+                 dtype: torch.dtype, device):
+        super().__init__()
+        q, zeros, s, g = (t.to(device) for t in unpack(qweight, qzeros, scales, g_idx))
+        n_in, n_out = q.shape
+        # Make groups contiguous along the input dim (act-order stores them interleaved).
+        perm = torch.argsort(g, stable=True)
+        self.register_buffer("perm", None if torch.equal(perm, torch.arange(n_in, device=device)) else perm,
+                             persistent=False)
+        g = g[perm]
+        counts = torch.bincount(g)
+        group = int(counts[0])
+        if not torch.all(counts == group):
+            raise ValueError("GPTQ groups of unequal size are not supported")
+        kernel_group = group if group in KERNEL_GROUPS else (128 if group % 128 == 0 else None)
+        if kernel_group is None:
+            raise ValueError(f"GPTQ group size {group} is not supported by the int4 kernel")
+        # per-(kernel)group scale and additive zero, (in/kernel_group, out, 2)
+        rows = torch.arange(0, n_in, kernel_group, device=device)
+        s_rows, z_rows = s.float()[g[rows]], zeros.float()[g[rows]]
+        sz = torch.stack([s_rows, s_rows * (8 - z_rows)], dim=-1).to(dtype).contiguous()
+        wq = q[perm].T.contiguous()  # (out, in), values 0..15
+        self.cuda_kernel = wq.device.type == "cuda"
+        if self.cuda_kernel:
+            packed = torch.ops.aten._convert_weight_to_int4pack(
+                (wq[:, ::2] << 4 | wq[:, 1::2]).to(torch.uint8), INNER_K_TILES)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(wq.to(torch.int32), INNER_K_TILES)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_and_zeros", sz, persistent=False)
+        self.group = kernel_group
+        self.in_features, self.out_features = n_in, n_out
+        self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        mm = torch.ops.aten._weight_int4pack_mm if self.cuda_kernel else torch.ops.aten._weight_int4pack_mm_for_cpu
+        y = mm(x.contiguous(), self.packed, self.group, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * 2
