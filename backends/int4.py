@@ -15,7 +15,7 @@ import json
 import torch
 
 from minicpm_cli.checkpoint import Checkpoint, load_module
-from minicpm_cli.errors import CheckpointError
+from minicpm_cli.errors import BackendError, CheckpointError
 from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
 
 from . import compile as compiled
@@ -39,6 +39,8 @@ def quantize_config(ckpt: Checkpoint) -> dict | None:
 
 
 def build(ckpt: Checkpoint, config: dict, *, device, dtype) -> Qwen2LM:
+    if torch.device(device).type == "cuda" and dtype != torch.bfloat16:
+        raise BackendError("backend 'int4' on CUDA runs in bfloat16 (torch's int4 kernel): use --dtype bfloat16")
     has_gptq = bool(ckpt.keys("llm.model.layers.0.self_attn.q_proj.qweight"))
     if has_gptq:
         quantize_config(ckpt)

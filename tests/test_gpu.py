@@ -37,3 +37,17 @@ def test_sampling_runs_in_bf16(tiny_dir):
     a = s.say("Hello world.", Sampling(seed=3))
     b = s.say("Hello world.", Sampling(seed=3))
     assert torch.equal(a.codes, b.codes) and len(a.audio) == 512 * len(a.codes)
+
+
+def test_int4_on_cuda_matches_dequantized(tiny_dir, tmp_path):
+    from minicpm_cli.synthetic import write_gptq_checkpoint
+
+    write_gptq_checkpoint(tiny_dir, tmp_path / "int4", dequantized_to=tmp_path / "deq")
+    a = Synthesizer.load(str(tmp_path / "int4"), backend="int4", device="cuda", dtype="bfloat16")
+    b = Synthesizer.load(str(tmp_path / "deq"), backend="eager", device="cuda", dtype="bfloat16")
+    ids = a.tokenizers.encode_llm("<|im_start|>user\nHello world.<|im_end|>\n")
+    for s in (a, b):
+        s.llm.reset()
+    (la, ha), (lb, hb) = a.llm.forward(ids), b.llm.forward(ids)
+    assert (ha.float() - hb.float()).abs().max() <= 0.05 * hb.float().abs().max()  # bf16 on both sides
+    assert len(a.say("Hello world.", Sampling(seed=1)).codes) > 0
