@@ -21,7 +21,6 @@ from torch import Tensor, nn
 BITS = 4
 PACK = 32 // BITS  # values per int32
 KERNEL_GROUPS = (32, 64, 128, 256)
-INNER_K_TILES = 8
 SHIFTS = torch.arange(0, 32, BITS, dtype=torch.int32)
 
 
@@ -58,17 +57,19 @@ def quantize(w: Tensor, group_size: int, *, sym: bool = True, g_idx: Tensor | No
     """Round-to-nearest quantization of W [out, in] into the GPTQ tensors (for synthetic checkpoints
     and tests; the real checkpoints come from the GPTQ algorithm, same format)."""
     out, n_in = w.shape
+    dev = w.device
     if g_idx is None:
-        g_idx = torch.arange(n_in) // (group_size if group_size > 0 else n_in)
+        g_idx = torch.arange(n_in, device=dev) // (group_size if group_size > 0 else n_in)
+    g_idx = g_idx.to(dev)
     groups = int(g_idx.max()) + 1
     wt = w.T.float()  # (in, out)
-    scales = torch.zeros(groups, out)
-    zeros = torch.zeros(groups, out, dtype=torch.int32)
+    scales = torch.zeros(groups, out, device=dev)
+    zeros = torch.zeros(groups, out, dtype=torch.int32, device=dev)
     for gi in range(groups):
         rows = wt[g_idx == gi]
         if sym:
             s = rows.abs().amax(0).clamp(min=1e-8) / 7.5
-            z = torch.full((out,), 8, dtype=torch.int32)
+            z = torch.full((out,), 8, dtype=torch.int32, device=dev)
         else:
             lo, hi = rows.amin(0), rows.amax(0)
             s = ((hi - lo) / 15).clamp(min=1e-8)
@@ -108,11 +109,12 @@ class Int4Linear(nn.Module):
         sz = torch.stack([s_rows, s_rows * (8 - z_rows)], dim=-1).to(dtype).contiguous()
         wq = q[perm].T.contiguous()  # (out, in), values 0..15
         self.cuda_kernel = wq.device.type == "cuda"
+        tiles = next(t for t in (8, 4, 2) if n_in % (t * 16) == 0)  # the CUDA layout's K tiling
         if self.cuda_kernel:
             packed = torch.ops.aten._convert_weight_to_int4pack(
-                (wq[:, ::2] << 4 | wq[:, 1::2]).to(torch.uint8), INNER_K_TILES)
+                (wq[:, ::2] << 4 | wq[:, 1::2]).to(torch.uint8), tiles)
         else:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(wq.to(torch.int32), INNER_K_TILES)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(wq.to(torch.int32), tiles)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_and_zeros", sz, persistent=False)
         self.group = kernel_group
