@@ -198,22 +198,10 @@ def say(
                     speak(line, audio.open_sink(path, pcm, synth.sample_rate, raw), not raw)
                     print(path, file=sys.stderr, flush=True)
         else:
-            sink = audio.open_sink(output, pcm, synth.sample_rate, raw)
-            try:
-                for line in _lines(file):
-                    if line.strip():
-                        for chunk in synth.synthesize(line, sampling, first_chunk=frames):
-                            if len(chunk.samples):
-                                sink.write(chunk.samples)
-                            if advance:
-                                advance(chunk)
-                sink.close()
-            except BrokenPipeError:
-                sink.abort()
-                raise ReaderGone() from None
-            except BaseException:
-                sink.abort()
-                raise
+            # every line into one stream, each line's chunks as soon as they exist
+            chunks = (chunk for line in _lines(file) if line.strip()
+                      for chunk in synth.synthesize(line, sampling, first_chunk=frames))
+            _play(chunks, audio.open_sink(output, pcm, synth.sample_rate, raw), advance)
     finally:
         if bar:
             bar.close()
