@@ -164,3 +164,24 @@ def test_parser_errors_exit_2():
     p = run("say", "--no-such-option")
     assert p.returncode == 2
     assert "Traceback" not in p.stderr.decode()
+
+
+def test_vision_and_audio_weights_are_never_read(tiny_dir, tmp_path):
+    """A sharded checkpoint whose vision/audio-encoder shard is gone still speaks: that shard is
+    never opened (the index alone tells which shards hold llm.* and tts.*)."""
+    import json as _json
+
+    from minicpm_cli.synthetic import SyntheticSpec, write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", SyntheticSpec.tiny(), tokenizer_from=tiny_dir,
+                            max_shard_bytes=4 << 20, include_vision_audio=True)
+    index = _json.loads((ckpt / "model.safetensors.index.json").read_text())["weight_map"]
+    other = {f for k, f in index.items() if not k.startswith(("llm.", "tts."))}
+    speech = {f for k, f in index.items() if k.startswith(("llm.", "tts."))}
+    assert other and not other & speech
+    for f in other:
+        (ckpt / f).unlink()
+    out = tmp_path / "x.wav"
+    p = run("say", "Hello world.", "--model", str(ckpt), "--greedy", "--device", "cpu", "-o", str(out))
+    assert p.returncode == 0, p.stderr.decode()
+    assert sf.info(out).frames > 0
