@@ -42,6 +42,7 @@ class Backend:
     requires: tuple[str, ...] = ()  # importable modules that must be present
     extra: str | None = None  # the pip extra that installs them
     default_model: str = "openbmb/MiniCPM-o-2_6"
+    prefixes: tuple[str, ...] = ("llm.", "tts.")  # checkpoint tensors it needs (what is downloaded)
 
     def available(self) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in self.requires)
@@ -53,9 +54,12 @@ class Backend:
             raise BackendError(f"backend '{self.name}' needs {', '.join(missing)}: {how}")
 
     def create(self, ckpt: "Checkpoint", config: dict, *, device: "torch.device", dtype: "torch.dtype",
-               max_len: int) -> LLMStage:
+               max_len: int, **options) -> LLMStage:
+        """`options`: backend-specific settings (gguf: the GGUF file); None values are dropped."""
         self.check()
-        return importlib.import_module(self.module).create(ckpt, config, device=device, dtype=dtype, max_len=max_len)
+        options = {k: v for k, v in options.items() if v is not None}
+        return importlib.import_module(self.module).create(ckpt, config, device=device, dtype=dtype,
+                                                           max_len=max_len, **options)
 
 
     def tts_runner(self, model):
@@ -83,6 +87,8 @@ REGISTRY: dict[str, Backend] = {
                 "backends.compile"),
         Backend("int4", "the GPTQ int4 checkpoint on torch's int4 kernel, on the compile path",
                 "backends.int4", default_model="openbmb/MiniCPM-o-2_6-int4"),
+        Backend("gguf", "llama.cpp runs the LLM from a GGUF file (--gguf); TTS, DVAE and Vocos stay ours",
+                "backends.gguf", requires=("llama_cpp",), extra="gguf", prefixes=("tts.",)),
     )
 }
 

@@ -189,7 +189,7 @@ class GraphCodec:
         return self.graphs.run(t, lambda: self.decode_eager(self.codes[:t])).clone()
 
 
-def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int) -> CompiledLLM:
+def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, **options) -> CompiledLLM:
     return CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len)
 
 

@@ -48,5 +48,5 @@ def build(ckpt: Checkpoint, config: dict, *, device, dtype) -> Qwen2LM:
     return model.eval()
 
 
-def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int) -> EagerLLM:
+def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, **options) -> EagerLLM:
     return EagerLLM(build(ckpt, config, device=device, dtype=dtype), max_len)

@@ -64,7 +64,7 @@ def build(ckpt: Checkpoint, config: dict, *, device, dtype) -> Qwen2LM:
     return model.eval()
 
 
-def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int) -> compiled.CompiledLLM:
+def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, **options) -> compiled.CompiledLLM:
     llm = compiled.CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len, fuse=False)
     llm.name = "int4"
     return llm

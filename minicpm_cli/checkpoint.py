@@ -50,43 +50,43 @@ def resolve(model: str, prefixes: Iterable[str] = SPEECH_PREFIXES) -> Path:
     return _download(model, tuple(prefixes))
 
 
-def _download(repo: str, prefixes: tuple[str, ...]) -> Path:
+def hub_file(repo: str, name: str, required: bool = True) -> Path | None:
+    """One file of a hub repo, from the standard cache or downloaded (with a progress bar)."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
     from huggingface_hub.utils import logging as hf_logging
 
     # Its retry warnings would add lines to stderr; a failure ends in one message of ours instead.
     hf_logging.set_verbosity_error()
-
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        return Path(hf_hub_download(repo, name))
+    except LocalEntryNotFoundError:  # (a subclass of EntryNotFoundError: test it first)
+        if offline:
+            raise ModelNotFound(f"{repo} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set") from None
+        raise ModelNotFound(f"cannot download {repo}: the Hugging Face hub is unreachable and the model is not cached") from None
+    except RepositoryNotFoundError:
+        raise ModelNotFound(f"no such model repository on the hub: {repo}") from None
+    except EntryNotFoundError:
+        if required:
+            raise ModelNotFound(f"{repo} has no file {name}") from None
+        return None
+    except OSError as e:
+        raise ModelNotFound(f"cannot download {repo}/{name}: {e}") from None
 
-    def get(name: str, required: bool = True) -> Path | None:
-        try:
-            return Path(hf_hub_download(repo, name))
-        except LocalEntryNotFoundError:  # (a subclass of EntryNotFoundError: test it first)
-            if offline:
-                raise ModelNotFound(f"{repo} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set") from None
-            raise ModelNotFound(f"cannot download {repo}: the Hugging Face hub is unreachable and the model is not cached") from None
-        except RepositoryNotFoundError:
-            raise ModelNotFound(f"no such model repository on the hub: {repo}") from None
-        except EntryNotFoundError:
-            if required:
-                raise ModelNotFound(f"{repo} has no file {name}") from None
-            return None
-        except OSError as e:
-            raise ModelNotFound(f"cannot download {repo}/{name}: {e}") from None
 
+def _download(repo: str, prefixes: tuple[str, ...]) -> Path:
     for name in SMALL_FILES:
-        get(name)
-    get("quantize_config.json", required=False)  # GPTQ checkpoints only
-    root = get("config.json").parent
-    index = get(INDEX, required=False)
+        hub_file(repo, name)
+    hub_file(repo, "quantize_config.json", required=False)  # GPTQ checkpoints only
+    root = hub_file(repo, "config.json").parent
+    index = hub_file(repo, INDEX, required=False)
     if index is None:
-        get(SINGLE)
+        hub_file(repo, SINGLE)
     else:
         weight_map = _read_index(index)
         for shard in sorted({f for k, f in weight_map.items() if k.startswith(prefixes)}):
-            get(shard)
+            hub_file(repo, shard)
     return root
 
 

@@ -127,7 +127,7 @@ class Synthesizer:
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, *, backend: str = "eager", device: str = "auto",
              dtype: str = "auto", random_weights: bool = False, seed: int = 0,
-             spec=None) -> "Synthesizer":
+             spec=None, gguf: str | None = None) -> "Synthesizer":
         """From a checkpoint (directory or hub repo id), or with `random_weights` the full-size model
         drawn directly on the device (for speed work; tokenizers from `model` if it is a directory,
         else the bundled ones of the tiny test checkpoint)."""
@@ -142,13 +142,13 @@ class Synthesizer:
             config, vocos = ckpt.config, ckpt.vocos_state()
             tokenizers = Tokenizers(Path(model) if model and Path(model).is_dir() else BUNDLED_TOKENIZERS)
         else:
-            root = resolve(model or DEFAULT_MODEL)
+            root = resolve(model or DEFAULT_MODEL, be.prefixes)
             config, tokenizers, ckpt = read_config(root), Tokenizers(root), Checkpoint(root)
             vocos = read_vocos(root)
         tts = build_tts(ckpt, config, device=dev, dtype=dt)
         codec = build_codec(ckpt, vocos, device=dev)
         be.wrap_codec(codec)
-        llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT)
+        llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf)
         return cls(tokenizers, llm, tts, codec, be.tts_runner(tts))
 
     def speaker(self, prompt_ids: list[int]) -> Tensor:

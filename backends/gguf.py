@@ -1,0 +1,97 @@
+"""`gguf`: llama.cpp runs the LLM stage from a GGUF file; the TTS head, DVAE and Vocos stay ours.
+
+The GGUF holds MiniCPM-o 2.6's LLM as a `qwen2` model (OpenBMB's files, or ones written by
+`minicpm_cli.gguf_export`). Token ids come from our tokenizer, so every backend sees the same ids.
+Each `forward` appends the ids to llama.cpp's KV cache in one batch and reads back the last token's
+logits and every token's output embedding, which for a causal model is the post-final-norm hidden
+state (what the TTS takes its speaker vector from). Sampling stays in `minicpm_cli.llm`, so
+`--greedy` and the sampling options mean the same on every backend. llama-cpp-python is imported
+when the backend is created (the `gguf` extra).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from minicpm_cli.errors import BackendError, ModelNotFound, UsageError
+
+DEFAULT_REPO = "openbmb/MiniCPM-o-2_6-gguf"
+DEFAULT_FILE = "Model-7.6B-Q4_K_M.gguf"
+
+
+def resolve_gguf(spec: str | None) -> Path:
+    """A local .gguf path, or `REPO:FILE` / `REPO` (default file) fetched into the HF cache."""
+    spec = spec or f"{DEFAULT_REPO}:{DEFAULT_FILE}"
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    if spec.endswith(".gguf") and ":" not in spec and spec.count("/") != 1:
+        raise ModelNotFound(f"GGUF file not found: {spec}")
+    repo, _, name = spec.partition(":")
+    from minicpm_cli.checkpoint import hub_file
+
+    return hub_file(repo, name or DEFAULT_FILE)
+
+
+class GGUFLLM:
+    name = "gguf"
+
+    def __init__(self, path: Path, max_len: int, gpu: bool):
+        import llama_cpp
+
+        self.lib = llama_cpp
+        try:
+            self.llama = llama_cpp.Llama(model_path=str(path), n_ctx=max_len, n_batch=max_len, n_ubatch=512,
+                                         n_gpu_layers=-1 if gpu else 0, embedding=True, verbose=False)
+        except (ValueError, RuntimeError) as e:
+            raise BackendError(f"backend 'gguf': llama.cpp cannot load {path}: {e}") from None
+        self.ctx = self.llama._ctx.ctx
+        self.n_embd = self.llama.n_embd()
+        self.n_vocab = self.llama.n_vocab()
+        self.max_len = max_len
+        self.batch = llama_cpp.llama_batch_init(max_len, 0, 1)
+        self.pos = 0
+        self.version = f"llama-cpp-python {llama_cpp.__version__}"
+        self.weight_bytes = os.path.getsize(path)
+
+    def reset(self) -> None:
+        mem = self.lib.llama_get_memory(self.ctx)
+        self.lib.llama_memory_clear(mem, True)
+        self.pos = 0
+
+    def forward(self, ids: list[int]) -> tuple[Tensor, Tensor]:
+        n = len(ids)
+        if self.pos + n > self.max_len:
+            raise UsageError(f"LLM context full: {self.pos + n} tokens > {self.max_len}")
+        b = self.batch
+        b.n_tokens = n
+        for i, t in enumerate(ids):
+            b.token[i] = t
+            b.pos[i] = self.pos + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = True  # every token outputs: its embedding is the hidden state we need
+        rc = self.lib.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise BackendError(f"backend 'gguf': llama_decode failed (code {rc})")
+        self.pos += n
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, n - 1), shape=(self.n_vocab,))
+        hidden = np.stack([np.ctypeslib.as_array(self.lib.llama_get_embeddings_ith(self.ctx, i), shape=(self.n_embd,))
+                           for i in range(n)])
+        return torch.from_numpy(logits.copy()), torch.from_numpy(hidden.copy())
+
+    def __del__(self):
+        batch = getattr(self, "batch", None)
+        if batch is not None:
+            self.lib.llama_batch_free(batch)
+
+
+def create(ckpt, config: dict, *, device, dtype, max_len: int, gguf: str | None = None) -> GGUFLLM:
+    path = resolve_gguf(gguf)
+    return GGUFLLM(path, max_len, torch.device(device).type == "cuda")
