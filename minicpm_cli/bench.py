@@ -54,6 +54,7 @@ class BenchOptions:
     dtype: str = "auto"
     max_tokens: int = 512  # reply length bound with a real checkpoint
     first_chunk: int = 25  # frames of the first streamed chunk
+    gguf: str | None = None  # the GGUF file of the gguf backend
 
     def __post_init__(self):
         if self.runs < 1 or self.warmup < 0:
@@ -194,7 +195,7 @@ def run(opts: BenchOptions) -> dict:
         _log(f"{backend}: loading")
         t = clock.now()
         synth = Synthesizer.load(opts.model, backend=backend, device=opts.device, dtype=opts.dtype,
-                                 random_weights=opts.random_weights)
+                                 random_weights=opts.random_weights, gguf=opts.gguf if backend == "gguf" else None)
         clock.sync()
         load_s = clock.now() - t
         result["environment"].setdefault("backend_versions", {})[backend] = getattr(synth.llm, "version", None)

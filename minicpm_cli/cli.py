@@ -38,17 +38,24 @@ PcmOpt = Annotated[str, typer.Option("--pcm", help="Sample format: s16 (16-bit i
 
 OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output .wav or .flac file, or - for stdout (the default when stdout is not a terminal).")]
 RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f32le with --pcm f32) instead of WAV.")]
+GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
 FirstChunkOpt = Annotated[Optional[int], typer.Option("--first-chunk", help="Audio frames (of 21.3 ms) in the first streamed chunk, 1-25 [default: 25].", show_default=False)]
 
 
-def _load(model: Optional[str], backend: str, device: str, dtype: str):
+def _load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None):
     import backends as registry
 
     be = registry.get(backend)
+    _check_gguf(backend, gguf)
     be.check()
     from .pipeline import Synthesizer
 
-    return Synthesizer.load(model or be.default_model, backend=backend, device=device, dtype=dtype)
+    return Synthesizer.load(model or be.default_model, backend=backend, device=device, dtype=dtype, gguf=gguf)
+
+
+def _check_gguf(backend: str, gguf: Optional[str]) -> None:
+    if gguf is not None and "gguf" not in backend.split(","):
+        raise UsageError("--gguf is for --backend gguf")
 
 
 def _sampling(greedy: bool, seed: Optional[int]):
@@ -147,6 +154,7 @@ def say(
     first_chunk: FirstChunkOpt = None,
     model: ModelOpt = None,
     backend: BackendOpt = "eager",
+    gguf: GgufOpt = None,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     device: DeviceOpt = "auto",
@@ -177,7 +185,7 @@ def say(
     if whole is not None and not whole:
         raise UsageError("no text to speak")
 
-    synth = _load(model, backend, device, dtype)
+    synth = _load(model, backend, device, dtype, gguf)
     sampling = _sampling(greedy, seed)
     bar = _progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
@@ -219,6 +227,7 @@ def reply(
     first_chunk: FirstChunkOpt = None,
     model: ModelOpt = None,
     backend: BackendOpt = "eager",
+    gguf: GgufOpt = None,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     device: DeviceOpt = "auto",
@@ -243,7 +252,7 @@ def reply(
     if text_out is not None and not Path(text_out).expanduser().resolve().parent.is_dir():
         raise UsageError(f"output directory does not exist: {Path(text_out).parent}")
 
-    synth = _load(model, backend, device, dtype)
+    synth = _load(model, backend, device, dtype, gguf)
     said: list[str] = []
 
     def show(chunk) -> None:
@@ -272,6 +281,7 @@ def bench(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most LLM tokens per reply (with a real checkpoint).")] = 512,
     first_chunk: FirstChunkOpt = None,
     model: ModelOpt = None,
+    gguf: GgufOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
 ) -> None:
@@ -286,6 +296,7 @@ def bench(
         raise UsageError("--backend needs at least one name")
     for name in names:
         registry.get(name).check()
+    _check_gguf(",".join(names), gguf)
     workloads = {"read": ("read",), "reply": ("reply",), "all": ("read", "reply")}.get(workload)
     if workloads is None:
         raise UsageError(f"unknown workload '{workload}' (read, reply or all)")
@@ -297,7 +308,7 @@ def bench(
 
     opts = b.BenchOptions(backends=names, workloads=workloads, runs=runs, warmup=warmup,
                           random_weights=random_weights, model=model, device=device, dtype=dtype,
-                          max_tokens=max_tokens, first_chunk=_first_chunk(first_chunk))
+                          max_tokens=max_tokens, first_chunk=_first_chunk(first_chunk), gguf=gguf)
     result = b.run(opts)
     if json_out:
         b.write_json(result, json_out)

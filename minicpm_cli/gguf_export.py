@@ -83,7 +83,7 @@ def write(path: str | Path, config: dict, tensors, tokenizer_json: str | Path) -
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    for key, tok in (("bos", "<|im_start|>"), ("eos", "<|im_end|>"), ("padding", "<|endoftext|>")):
+    for key, tok in (("bos", "<|im_start|>"), ("eos", "<|im_end|>"), ("pad", "<|endoftext|>")):
         if tok in special:
             getattr(w, f"add_{key}_token_id")(special[tok])
     for name, t in tensors:
