@@ -288,8 +288,9 @@ def bench(
     """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
     import backends as registry
 
-    if backend is None:
-        names = tuple(name for name, b in registry.REGISTRY.items() if b.available())
+    if backend is None:  # every installed backend (gguf only when given a GGUF file to run)
+        names = tuple(name for name, b in registry.REGISTRY.items()
+                      if b.available() and (name != "gguf" or gguf is not None))
     else:
         names = tuple(b.strip() for b in backend.split(",") if b.strip())
     if not names:
