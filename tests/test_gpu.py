@@ -50,4 +50,5 @@ def test_int4_on_cuda_matches_dequantized(tiny_dir, tmp_path):
         s.llm.reset()
     (la, ha), (lb, hb) = a.llm.forward(ids), b.llm.forward(ids)
     assert (ha.float() - hb.float()).abs().max() <= 0.05 * hb.float().abs().max()  # bf16 on both sides
+    assert (la - lb).abs().max() <= 0.05 * lb.abs().max()
     assert len(a.say("Hello world.", Sampling(seed=1)).codes) > 0
