@@ -167,11 +167,11 @@ class Synthesizer:
         vector only needs the hidden state at <|spk|>, and one vector serves every segment)."""
         tok = self.tokenizers
         ids = tok.encode_llm(read_prompt(text))
-        room = self.llm_context - (len(ids) - len(tok.encode_llm(text)))
-        if len(ids) > self.llm_context:
-            head = tok.llm.decode(tok.encode_llm(text)[: room - 8])
-            ids = tok.encode_llm(read_prompt(head))
-        return ids
+        if len(ids) <= self.llm_context:
+            return ids
+        text_ids = tok.encode_llm(text)
+        room = self.llm_context - (len(ids) - len(text_ids)) - 8  # 8: re-tokenisation at the cut
+        return tok.encode_llm(read_prompt(tok.llm.decode(text_ids[:room])))
 
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
                    first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None) -> Iterator[AudioChunk]:

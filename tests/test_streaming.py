@@ -248,3 +248,14 @@ def test_memory_does_not_grow_with_text_length(tiny_dir, tmp_path):
         frames = sf.info(tmp_path / "o.wav").frames
         assert frames > 0
     assert peaks[1] - peaks[0] < 40_000, peaks  # KiB; the longer text makes ~4x the audio
+
+
+def test_text_longer_than_the_llm_context_keeps_its_beginning_in_the_prompt(synth):
+    text = long_text(300)
+    synth.llm_context = 200
+    try:
+        ids = synth._read_prompt_ids(text)
+    finally:
+        synth.llm_context = 4096
+    assert len(ids) <= 200 and ids.count(synth.tokenizers.spk_id) == 1
+    assert synth.tokenizers.llm.decode(ids).startswith("<|im_start|>user\nPlease read the text below.\nthe leaves")
