@@ -54,6 +54,15 @@ class TTSRunner:
         self.noise_t = torch.ones(c.num_vq, c.num_audio_tokens, device=dev)
         self.code_t = torch.zeros(c.num_vq, dtype=torch.long, device=dev)
         self.text_mask = torch.zeros(self.L, dtype=torch.bool, device=dev)
+        # Position from which each cache slot is visible (spec §4.1): a text slot s once
+        # V(p) >= s - 1, an audio slot once written (p >= s), [Ptts] and [PAD]s never. A query's
+        # mask is then one comparison, `visible_from <= p`.
+        r, chunk = c.streaming_text_reserved_len, c.streaming_text_chunk_size
+        s_ = self.slots[: self.L]
+        self._text_from = torch.where(s_ < 2, 0, r + 1 + AUDIO_CHUNK * (torch.div(s_ - 1 + chunk - 1, chunk,
+                                                                               rounding_mode="floor") - 1))
+        self.visible_from = self.slots.clone()
+        self.never = self.max_len + AUDIO_CHUNK * r  # beyond any position
         self.trace: list[tuple[Tensor, Tensor]] | None = None  # (raw logits, probs) per step, for tests
         self.start(0)
 
@@ -68,6 +77,8 @@ class TTSRunner:
         """_build_streaming_mask(n): [Stts], [spk_emb], n text tokens and [Etts] visible; [PAD]s not."""
         self.text_mask.copy_(self.slots[: self.L] <= n + 2)
         self.text_mask[self.L - 1] = True
+        visible = self.text_mask & (self.slots[: self.L] < self.L - 1)  # [Ptts]'s own slot: never
+        self.visible_from[: self.L].copy_(torch.where(visible, self._text_from, self.never))
 
     def _prefill(self, ids: Tensor, begin: int, spk: Tensor | None) -> None:
         end = begin + len(ids)
@@ -90,14 +101,11 @@ class TTSRunner:
         """(1, 1, 1, kv_len) mask for a query at position `pos` (a 1-element device tensor): text
         slots 2..V(pos)+1 minus [PAD]s, [Stts]/[spk_emb], audio slots up to `audio_upto` (default pos).
         Tensor ops only: no host synchronisation, capturable in a CUDA graph."""
-        c = self.config
-        r = c.streaming_text_reserved_len
-        visible = torch.clamp(torch.div(pos - r + AUDIO_CHUNK - 1, AUDIO_CHUNK, rounding_mode="floor")
-                              * c.streaming_text_chunk_size, max=r)
-        slots = self.slots[:kv_len]
-        text = (slots < self.L) & self.text_mask[slots.clamp(max=self.L - 1)] & (slots < visible + 2)
-        audio = (slots >= self.L) & (slots <= (pos if audio_upto is None else audio_upto))
-        return (text | audio)[None, None, None]
+        seen = self.visible_from[:kv_len] <= pos
+        if audio_upto is not None:
+            slots = self.slots[:kv_len]
+            seen = seen | ((slots >= self.L) & (slots <= audio_upto))
+        return seen[None, None, None]
 
     @torch.inference_mode()
     def prefill_audio(self, frames: Tensor) -> None:
