@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -171,6 +172,8 @@ def environment(device: torch.device) -> dict:
                                        cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         pass
+    # a copied tree (e.g. on a remote GPU machine) has no .git: let the caller say which commit it is
+    env["commit"] = env["commit"] or os.environ.get("MINICPM_COMMIT") or None
     return env
 
 
