@@ -151,12 +151,6 @@ class GraphTTSRunner(TTSRunner):
         kv = _bucket(self.pos + 1, TTS_BUCKET, self.max_len)
         return self.graphs.run(("step", kv, sampled), lambda: self._step(kv, sampled))
 
-    def _prefill_static(self, t: int, kv: int, with_spk: bool) -> None:
-        x = self.model.embed_text(self.ids[:t], self.spk if with_spk else None)
-        pos = self.begin + self.slots[:t]
-        mask = self.slots[None, :kv] <= pos[:, None]
-        self.model.model(x, pos, mask[None, None], kv)
-
     @torch.inference_mode()
     def prefill(self, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         t = len(ids)
@@ -165,7 +159,8 @@ class GraphTTSRunner(TTSRunner):
         self.begin.fill_(begin)
         if spk is not None:
             self.spk.copy_(spk)
-        self.graphs.run(("prefill", t, kv, spk is not None), lambda: self._prefill_static(t, kv, spk is not None))
+        spk_in = self.spk if spk is not None else None
+        self.graphs.run(("prefill", t, kv, spk is not None), lambda: self._prefill(self.ids[:t], self.begin, kv, spk_in))
 
 
 class GraphCodec:

@@ -131,7 +131,6 @@ class StreamingTTS:
         c = runner.config
         self.chunk = c.streaming_text_chunk_size
         self.reserved = c.streaming_text_reserved_len
-        self.segments = 0
 
     def run(self, first_text: str, pieces: Iterator[str]) -> Iterator[Frames | NewSegment]:
         pieces = _Peekable(pieces)
@@ -163,7 +162,6 @@ class StreamingTTS:
 
     def _segment(self, first_text: str | None, pieces: Iterator[str], seed):
         r, tok = self.runner, self.tok
-        self.segments += 1
         chunk_idx = 0
         codes: list[Tensor] = []
         last_ids: list[int] | None = None  # tokenisation used by the latest prefill
@@ -231,17 +229,16 @@ class StreamingTTS:
                 last_ids = cond.ids
                 r.set_text_len(cond.n)
             target = None if self.frames_per_token is None else self.frames_per_token * cond.n
-            while True:
-                made = sum(len(c) for c in codes)
-                if target is not None and made >= target:
-                    break
+            made = sum(len(c) for c in codes)
+            while target is None or made < target:
                 steps = FRAMES_PER_CALL if target is None else min(FRAMES_PER_CALL, target - made)
                 new, finished = yield from self._generate(gen_raw[emitted:], steps)
                 emitted = len(gen_raw)
                 codes.append(new)
+                made += len(new)
                 if finished:
                     break
-                if sum(len(c) for c in codes) > MAX_FRAMES:
+                if made > MAX_FRAMES:
                     stop = True
                     break
         if not codes:  # nothing was generated (an empty text with forced lengths): nothing to carry

@@ -53,7 +53,6 @@ class TTSRunner:
         self.block_eos_t = torch.zeros(1, dtype=torch.bool, device=dev)
         self.noise_t = torch.ones(c.num_vq, c.num_audio_tokens, device=dev)
         self.code_t = torch.zeros(c.num_vq, dtype=torch.long, device=dev)
-        self.text_mask = torch.zeros(self.L, dtype=torch.bool, device=dev)
         # Position from which each cache slot is visible (spec §4.1): a text slot s once
         # V(p) >= s - 1, an audio slot once written (p >= s), [Ptts] and [PAD]s never. A query's
         # mask is then one comparison, `visible_from <= p`.
@@ -75,22 +74,22 @@ class TTSRunner:
 
     def set_text_len(self, n: int) -> None:
         """_build_streaming_mask(n): [Stts], [spk_emb], n text tokens and [Etts] visible; [PAD]s not."""
-        self.text_mask.copy_(self.slots[: self.L] <= n + 2)
-        self.text_mask[self.L - 1] = True
-        visible = self.text_mask & (self.slots[: self.L] < self.L - 1)  # [Ptts]'s own slot: never
+        s = self.slots[: self.L]
+        visible = (s <= n + 2) & (s < self.L - 1)  # the reference's mask also marks [Ptts], but no query sees it
         self.visible_from[: self.L].copy_(torch.where(visible, self._text_from, self.never))
 
-    def _prefill(self, ids: Tensor, begin: int, spk: Tensor | None) -> None:
-        end = begin + len(ids)
+    def _prefill(self, ids: Tensor, begin: Tensor, kv_len: int, spk: Tensor | None) -> None:
+        """ids at positions begin.. (`begin` a 1-element device tensor, so a graph can replay this
+        for any start), attending causally over cache slots [0, kv_len)."""
         x = self.model.embed_text(ids, spk)
-        pos = self.slots[begin:end]
-        mask = self.slots[None, :end] <= pos[:, None]
-        self.model.model(x, pos, mask[None, None], end)
+        pos = begin + self.slots[: len(ids)]
+        mask = self.slots[None, :kv_len] <= pos[:, None]
+        self.model.model(x, pos, mask[None, None], kv_len)
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         """Write the K/V of condition slots begin..begin+len(ids)-1 (plain causal attention)."""
-        self._prefill(torch.tensor(ids, device=self.device), begin, spk)
+        self._prefill(torch.tensor(ids, device=self.device), self.slots[begin : begin + 1], begin + len(ids), spk)
 
     def visible_text(self, p: int) -> int:
         """V(p): how many text slots (after [Stts][spk_emb]) a query at position p may see."""
