@@ -1,10 +1,11 @@
 """`compile`: the same model with fused projections, compiled layer halves and CUDA graphs.
 
 The model is transformed, not forked: q/k/v and gate/up projections are concatenated
-(`Decoder.fuse`), the per-layer halves around attention (`Block.pre_attention/post_attention`,
-fixed shapes for one token) are compiled with torch.compile, and every step (an LLM decode token, a
-TTS audio frame, and the prefills) runs as a CUDA graph captured once per shape: attention runs over
-the KV cache up to a bucketed length, so one graph serves every position in its bucket. Inputs reach
+(`Decoder.fuse`). On CUDA a one-token step (an LLM decode token, a TTS audio frame) runs the layers
+on Triton kernels (backends/kernels.py: five launches per layer, the position read on the device, so
+one CUDA graph serves every position). Prefills, and one-token steps on a CPU or with int4 weights,
+run the layer halves around attention (`Block.pre_attention/post_attention`) compiled with
+torch.compile, as CUDA graphs captured per shape with attention over a bucketed KV length. Inputs reach
 a graph through small device tensors written between replays; nothing synchronises with the host
 except the one end-of-call check of the TTS runner. On a CPU the same code runs without graphs.
 """
@@ -39,6 +40,15 @@ def block_fns() -> tuple:
         except Exception as e:  # no silent fallback: say which backend failed
             raise BackendError(f"backend 'compile': torch.compile failed: {e}") from None
     return _compiled
+
+
+def _kernels():
+    """backends.kernels, which needs Triton (part of PyTorch's CUDA builds on Linux)."""
+    try:
+        from . import kernels
+    except ImportError as e:
+        raise BackendError(f"backend 'compile' on CUDA needs Triton ({e}): pip install triton") from None
+    return kernels
 
 
 class Graphs:
@@ -80,7 +90,7 @@ def _bucket(n: int, step: int, cap: int) -> int:
 class CompiledLLM:
     name = "compile"
 
-    def __init__(self, model, max_len: int, fuse: bool = True):
+    def __init__(self, model, max_len: int, fuse: bool = True, use_triton: bool | None = None):
         self.model = model
         dev = self.device = model.lm_head.weight.device
         self.max_len = max_len
@@ -94,6 +104,10 @@ class CompiledLLM:
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.graphs = Graphs(dev)
         self.fns = block_fns()
+        # decode tokens on the Triton kernels where the projections are fused bf16/fp32 Linears
+        self.triton = None
+        if fuse and (use_triton if use_triton is not None else dev.type == "cuda"):  # (tests: interpreter)
+            self.triton = _kernels().TritonDecode(model.model)
         self.pos = 0
         self.version = f"torch {torch.__version__} (inductor + CUDA graphs)"
         # bytes a decode step reads: the weights (quantized ones included), but not the embedding
@@ -114,6 +128,12 @@ class CompiledLLM:
                                     block_fns=self.fns if t == 1 else None)
         return self.model.lm_head(hidden[0].index_select(0, self.last)).float()[0], hidden[0]
 
+    def _decode(self) -> tuple[Tensor, Tensor]:
+        """One token ids[0] at position pos0 on the Triton kernels -> (logits, hidden (1, dim))."""
+        m = self.model
+        hidden = m.model.norm(self.triton(m.model.embed_tokens(self.ids[:1])[0], self.pos0))
+        return m.lm_head(hidden).float(), hidden[None]
+
     @torch.inference_mode()
     def forward(self, ids: list[int]) -> tuple[Tensor, Tensor]:
         n = len(ids)
@@ -130,15 +150,20 @@ class CompiledLLM:
             self.ids[:n].copy_(torch.tensor(ids, device=self.device))
         self.pos0.fill_(self.pos)
         self.last.fill_(n - 1)
-        logits, hidden = self.graphs.run((t, kv), lambda: self._run(t, kv))
+        if n == 1 and self.triton is not None:  # the position is read on the device: one graph
+            logits, hidden = self.graphs.run("decode", self._decode)
+        else:
+            logits, hidden = self.graphs.run((t, kv), lambda: self._run(t, kv))
         self.pos = end
         return logits.clone(), hidden[:n].clone()
 
 
 class GraphTTSRunner(TTSRunner):
-    """TTSRunner whose steps and prefills replay CUDA graphs over bucketed KV lengths."""
+    """TTSRunner whose steps and prefills replay CUDA graphs. On CUDA a step runs the backbone with
+    the Triton decode kernels (backends/kernels.py: five per layer, attention bounded by the position
+    read on the device, so one graph serves every position); on a CPU, the compiled layer halves."""
 
-    def __init__(self, model: ChatTTS):
+    def __init__(self, model: ChatTTS, use_triton: bool | None = None):
         model.model.fuse()
         super().__init__(model, block_fns=block_fns())
         model.model.setup_rope(model.config.decoder.max_positions, self.device)
@@ -146,8 +171,18 @@ class GraphTTSRunner(TTSRunner):
         self.ids = torch.zeros(self.L, dtype=torch.long, device=self.device)
         self.spk = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.triton = None
+        if use_triton if use_triton is not None else self.device.type == "cuda":  # (tests: the interpreter)
+            self.triton = _kernels().TritonDecode(model.model, self.visible_from)
+
+    def _decode(self, x: Tensor, kv_len: int) -> Tensor:
+        if self.triton is None:
+            return super()._decode(x, kv_len)
+        return self.model.model.norm(self.triton(x, self.pos_t))
 
     def _run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
+        if self.triton is not None:  # attention reads the position on the device: no KV buckets
+            return self.graphs.run(("step", sampled), lambda: self._step(self.max_len, sampled))
         kv = _bucket(self.pos + 1, TTS_BUCKET, self.max_len)
         return self.graphs.run(("step", kv, sampled), lambda: self._step(kv, sampled))
 

@@ -124,8 +124,7 @@ class TTSRunner:
         """One audio frame from the step tensors -> code_t; returns (raw logits, probs)."""
         c, m = self.config, self.model
         x = torch.where(self.bos_t, self.bos_embed[0], m.embed_codes(self.last_t))  # (hidden,)
-        h = m.model(x[None, None], self.pos_t, self._visibility(self.pos_t, kv_len), kv_len, self.block_fns)
-        raw = m.logits(h[0, -1])  # (num_vq, num_audio_tokens)
+        raw = m.logits(self._decode(x, kv_len))  # (num_vq, num_audio_tokens)
         logits = raw / self.temps
         # the BOS step samples from the plain distribution; later steps after top-p then top-k
         logits = torch.where(self.bos_t, logits, top_k(top_p(logits, c.top_p, MIN_KEEP), c.top_k, MIN_KEEP))
@@ -133,6 +132,11 @@ class TTSRunner:
         probs = F.softmax(logits, dim=-1)
         self.code_t.copy_(choose(probs, self.noise_t if sampled else None))
         return raw, probs
+
+    def _decode(self, x: Tensor, kv_len: int) -> Tensor:
+        """The backbone on one input embedding (hidden,) at pos_t -> final hidden state (hidden,)."""
+        h = self.model.model(x[None, None], self.pos_t, self._visibility(self.pos_t, kv_len), kv_len, self.block_fns)
+        return h[0, -1]
 
     def _run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
         return self._step(self.pos + 1, sampled)

@@ -85,7 +85,9 @@ class Attention(nn.Module):
         self.kv_cache: KVCache | None = None
 
     def fuse(self) -> None:
-        """Replace q/k/v by one projection with the concatenated weights (same results)."""
+        """Replace q/k/v by one projection with the concatenated weights (same results); idempotent."""
+        if self.qkv_proj is not None:
+            return
         q, k, v = self.q_proj, self.k_proj, self.v_proj
         fused = nn.Linear(q.in_features, q.out_features + 2 * k.out_features, bias=q.bias is not None,
                           device=q.weight.device, dtype=q.weight.dtype)
@@ -137,6 +139,8 @@ class FeedForward(nn.Module):
         self.gate_up_proj: nn.Linear | None = None  # set by fuse()
 
     def fuse(self) -> None:
+        if self.gate_up_proj is not None:
+            return
         g, u = self.gate_proj, self.up_proj
         fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False, device=g.weight.device, dtype=g.weight.dtype)
         fused.weight.data = torch.cat([g.weight, u.weight])

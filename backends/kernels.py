@@ -1,0 +1,254 @@
+"""Triton kernels for one-token decode steps: five kernels per layer instead of some eighteen.
+
+A decode step of a small model (the TTS head: 20 layers x 768) is bound by the latency of its
+kernels, not by arithmetic or bandwidth, so the layer is fused into five launches:
+
+1. `_rms_qkv_rope`: RMSNorm of the residual stream, the fused q/k/v projection (+ bias), rotary
+   embedding at the current position, q to a scratch buffer and k/v straight into the KV cache;
+2. `_attend`: single-query attention over cache slots 0..pos (the position is read on the device,
+   so one CUDA graph serves every position), masked by per-slot "visible from" positions when given
+   (the TTS chunk mask) or causally (the LLM); the slots are split over programs and merged by the
+   last one to finish;
+3. `_gemv_residual`: o_proj, added to the residual stream in place;
+4. `_rms_gate_up`: RMSNorm, the fused gate/up projection and SiLU(gate) * up;
+5. `_gemv_residual` again: down_proj, added to the residual stream.
+
+Arithmetic is float32 inside a kernel; results are rounded to the model dtype where the eager code
+rounds them (after each projection, around the rotary products, after the activation). The RMSNorm
+before a projection is folded into it (the normalised input is not rounded on its own), so in bf16
+the kernels differ from `minicpm_cli.models.transformer` by about its own rounding error; in float32
+by summation order only. Triton is imported only
+when a runner is built; under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from minicpm_cli.models.transformer import Decoder
+
+
+@triton.jit
+def _rnd(v, dtype: tl.constexpr):
+    """Round a float32 value to the model dtype (and back), as an eager op's output would be."""
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gained(x_ptr, nw_ptr, cols, DIM: tl.constexpr):
+    """(g * x)[cols] and x[cols] in float32. RMSNorm(x) @ W^T = inv_rms(x) * ((g * x) @ W^T), so the
+    norm costs no pass of its own: the sum of squares accumulates alongside the products."""
+    m = cols < DIM
+    xk = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    return tl.load(nw_ptr + cols, mask=m, other=0.0).to(tl.float32) * xk, xk
+
+
+@triton.jit
+def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+                  eps, max_len, DIM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (head, j): rows j*BLOCK_R.. of the head's first half and the matching second-half
+    # rows, which the rotation pairs up
+    head = tl.program_id(0)
+    j = tl.program_id(1)
+    dtype = x_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr)
+    d = j * BLOCK_R + tl.arange(0, BLOCK_R)
+    r1 = head * D + d
+    r2 = r1 + D // 2
+    acc1 = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, DIM, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        gx, xk = _gained(x_ptr, nw_ptr, cols, DIM)
+        ss += xk * xk
+        m = (cols < DIM)[None, :]
+        acc1 += tl.load(w_ptr + r1[:, None] * DIM + cols[None, :], mask=m, other=0.0).to(tl.float32) * gx[None, :]
+        acc2 += tl.load(w_ptr + r2[:, None] * DIM + cols[None, :], mask=m, other=0.0).to(tl.float32) * gx[None, :]
+    inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
+    y1 = tl.sum(acc1, 1) * inv
+    y2 = tl.sum(acc2, 1) * inv
+    if HAS_BIAS:
+        y1 += tl.load(b_ptr + r1).to(tl.float32)
+        y2 += tl.load(b_ptr + r2).to(tl.float32)
+    y1 = _rnd(y1, dtype)
+    y2 = _rnd(y2, dtype)
+    if head < HQ + HKV:  # q and k heads rotate: x * cos + rotate_half(x) * sin
+        c = _rnd(tl.load(cos_ptr + pos * D + d), dtype)
+        s = _rnd(tl.load(sin_ptr + pos * D + d), dtype)
+        o1 = _rnd(_rnd(y1 * c, dtype) - _rnd(y2 * s, dtype), dtype)
+        o2 = _rnd(_rnd(y2 * c, dtype) + _rnd(y1 * s, dtype), dtype)
+    else:
+        o1 = y1
+        o2 = y2
+    if head < HQ:
+        base = q_ptr + head * D
+    elif head < HQ + HKV:
+        base = kc_ptr + ((head - HQ) * max_len + pos) * D
+    else:
+        base = vc_ptr + ((head - HQ - HKV) * max_len + pos) * D
+    tl.store(base + d, o1.to(dtype))
+    tl.store(base + d + D // 2, o2.to(dtype))
+
+
+@triton.jit
+def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len,
+            SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
+            BLOCK_S: tl.constexpr):
+    """Program (h, j): query head h against cache slots j*BLOCK_S.. (split-K "flash decoding");
+    each split leaves (unnormalised output, max, sum) in `part`, and the head's last split to finish
+    (counted with an atomic, reset for the next step) merges them in a fixed order."""
+    h = tl.program_id(0)
+    j = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    n_used = pos // BLOCK_S + 1
+    if j < n_used:
+        hk = h // GROUP
+        dd = tl.arange(0, D)
+        q = tl.load(q_ptr + h * D + dd).to(tl.float32)
+        s = j * BLOCK_S + tl.arange(0, BLOCK_S)
+        used = s <= pos
+        seen = used
+        if HAS_VIS:
+            seen = used & (tl.load(vis_ptr + s, mask=used, other=0) <= pos)
+        off = (hk * max_len + s)[:, None] * D + dd[None, :]
+        k = tl.load(kc_ptr + off, mask=used[:, None], other=0.0).to(tl.float32)
+        v = tl.load(vc_ptr + off, mask=used[:, None], other=0.0).to(tl.float32)
+        sc = tl.where(seen, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+        m = tl.maximum(tl.max(sc, 0), -1e30)  # finite even when no slot of the split is seen
+        p = tl.exp(sc - m)
+        base = part_ptr + (h * SPLITS + j) * (D + 2)
+        tl.store(base + dd, tl.sum(p[:, None] * v, 0))
+        tl.store(base + D, m)
+        tl.store(base + D + 1, tl.sum(p, 0))
+        tl.debug_barrier()  # every thread's partials are written before the count goes up
+        if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == n_used - 1:
+            js = tl.arange(0, triton.next_power_of_2(SPLITS))
+            jm = js < n_used
+            rows = part_ptr + (h * SPLITS + js) * (D + 2)
+            ms = tl.load(rows + D, mask=jm, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp(ms - tl.max(ms, 0))
+            ls = tl.load(rows + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
+            accs = tl.load(rows[:, None] + dd[None, :], mask=jm[:, None], other=0.0, cache_modifier=".cg")
+            y = tl.sum(w[:, None] * accs, 0) / tl.sum(w * ls, 0)
+            tl.store(out_ptr + h * D + dd, y.to(q_ptr.dtype.element_ty))
+            tl.store(cnt_ptr + h, 0)
+
+
+@triton.jit
+def _gemv_residual(y_ptr, w_ptr, x_ptr, N: tl.constexpr, K: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[rows] = x[rows] + W[rows] @ y (rounded like `x + linear(y)`)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = rows < N
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cm = cols < K
+        y = tl.load(y_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+        acc += w.to(tl.float32) * y[None, :]
+    o = _rnd(tl.sum(acc, 1), dtype)
+    x = tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+    tl.store(x_ptr + rows, (x + o).to(dtype), mask=rm)
+
+
+@triton.jit
+def _rms_gate_up(x_ptr, nw_ptr, w_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """h[rows] = silu(gate) * up of RMSNorm(x), W = [gate; up] stacked (2 * INTER, DIM)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = rows < INTER
+    dtype = x_ptr.dtype.element_ty
+    acc_g = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, DIM, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        gx, xk = _gained(x_ptr, nw_ptr, cols, DIM)
+        ss += xk * xk
+        m = rm[:, None] & (cols < DIM)[None, :]
+        acc_g += tl.load(w_ptr + rows[:, None] * DIM + cols[None, :], mask=m, other=0.0).to(tl.float32) * gx[None, :]
+        acc_u += tl.load(w_ptr + (rows + INTER)[:, None] * DIM + cols[None, :], mask=m, other=0.0).to(tl.float32) * gx[None, :]
+    inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
+    g = _rnd(tl.sum(acc_g, 1) * inv, dtype)
+    u = _rnd(tl.sum(acc_u, 1) * inv, dtype)
+    act = _rnd(g / (1.0 + tl.exp(-g)), dtype)
+    tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
+
+
+class TritonDecode:
+    """One-token decode through a fused `Decoder` (q/k/v and gate/up fused, KV cache and rotary
+    tables set up) with the kernels above. `__call__(x, pos)` takes the input embedding (dim,) and a
+    1-element position tensor and returns the last layer's residual stream (dim,), before the final
+    norm, in a static buffer. Capturable in a CUDA graph: no host synchronisation, no
+    position-dependent shapes. `visible_from` (slots,): a slot is seen from that position on
+    (the TTS mask); None means causal."""
+
+    def __init__(self, decoder: Decoder, visible_from: Tensor | None = None):
+        c = decoder.config
+        self.c, self.decoder, self.visible_from = c, decoder, visible_from
+        first = decoder.layers[0]
+        attn = first.self_attn
+        if attn.qkv_proj is None or first.mlp.gate_up_proj is None or attn.kv_cache is None:
+            raise ValueError("TritonDecode needs a fused decoder with a KV cache")
+        if decoder.rope_cos is None:
+            raise ValueError("TritonDecode needs the rotary tables (Decoder.setup_rope)")
+        w = attn.qkv_proj.weight
+        self.max_len = attn.kv_cache.k.shape[2]
+        dev, dt = w.device, w.dtype
+        self.x = torch.zeros(c.dim, dtype=dt, device=dev)
+        self.q = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
+        self.y = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
+        self.h = torch.zeros(c.intermediate, dtype=dt, device=dev)
+        # Launch shapes (rows per program, K per iteration, warps, slots per attention split), the
+        # best of a sweep on an H200 (docs/benchmarks.md): a small model wants all of K in one
+        # iteration (latency), a large one more programs with shorter rows (bandwidth).
+        small = c.dim <= 1024
+        self.block_k = min(1024 if small else 512, triton.next_power_of_2(c.dim))
+        self.block_r = min(8, c.head_dim // 2)
+        self.rows = 8 if small else 4
+        self.warps = 4
+        self.block_s = 64
+        self.attn_warps = 4
+        # attention partials (output, max, sum) per head and split, and per-head split counters
+        most = triton.cdiv(self.max_len, 8)
+        self.part = torch.zeros(c.n_heads * most * (c.head_dim + 2), dtype=torch.float32, device=dev)
+        self.count = torch.zeros(c.n_heads, dtype=torch.int32, device=dev)
+
+    def __call__(self, x: Tensor, pos: Tensor) -> Tensor:
+        c, dec = self.c, self.decoder
+        D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
+        R, W = self.rows, self.warps
+        self.x.copy_(x.reshape(-1))
+        vis = self.visible_from if self.visible_from is not None else pos
+        for layer in dec.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv = a.qkv_proj
+            bias = qkv.bias if qkv.bias is not None else qkv.weight
+            _rms_qkv_rope[(H + 2 * Hkv, D // 2 // self.block_r)](
+                self.x, layer.input_layernorm.weight, qkv.weight, bias, dec.rope_cos, dec.rope_sin, pos,
+                self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps, self.max_len,
+                DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=qkv.bias is not None,
+                BLOCK_R=self.block_r, BLOCK_K=self.block_k, num_warps=W)
+            splits = triton.cdiv(self.max_len, self.block_s)
+            _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
+                                 D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
+                                 HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
+                                 num_warps=self.attn_warps)
+            _gemv_residual[(triton.cdiv(c.dim, R),)](self.y, a.o_proj.weight, self.x, N=c.dim, K=H * D,
+                                                     BLOCK_R=R, BLOCK_K=min(self.block_k, triton.next_power_of_2(H * D)),
+                                                     num_warps=W)
+            _rms_gate_up[(triton.cdiv(c.intermediate, R),)](
+                self.x, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, self.h,
+                layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate,
+                BLOCK_R=R, BLOCK_K=self.block_k, num_warps=W)
+            _gemv_residual[(triton.cdiv(c.dim, R),)](self.h, mlp.down_proj.weight, self.x, N=c.dim,
+                                                     K=c.intermediate, BLOCK_R=R, BLOCK_K=self.block_k,
+                                                     num_warps=W)
+        return self.x

@@ -1,0 +1,123 @@
+"""The Triton decode kernels (backends/kernels.py) against the eager decoder, and the TTS step built
+on them against the eager runner. Without a GPU they run in Triton's interpreter (conftest)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from backends.compile import CompiledLLM, GraphTTSRunner
+from backends.kernels import TritonDecode
+from minicpm_cli.models.transformer import Decoder, DecoderConfig
+from minicpm_cli.pipeline import Synthesizer
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MAX = 96
+
+
+def decoder(gqa: bool, bias: bool) -> Decoder:
+    torch.manual_seed(0)
+    c = DecoderConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2 if gqa else 4, intermediate=96,
+                      rope_theta=10000.0, norm_eps=1e-6, qkv_bias=bias, max_positions=256)
+    d = Decoder(c)
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return d
+
+
+def prepared(base: Decoder, dtype, prefix: torch.Tensor) -> Decoder:
+    """A fused copy with its cache holding `prefix` (causal prefill by the eager code)."""
+    d = copy.deepcopy(base).to(DEVICE, dtype)
+    d.fuse()
+    d.setup_cache(MAX, dtype, DEVICE)
+    d.setup_rope(256, DEVICE)
+    n = prefix.shape[1]
+    slots = torch.arange(n, device=DEVICE)
+    with torch.inference_mode():
+        d(prefix.to(DEVICE, dtype), slots, (slots[None, :] <= slots[:, None])[None, None], n)
+    return d
+
+
+def step_both(base, dtype, visible_from, block_s=64):
+    """One token at position 20 through the eager decoder and through TritonDecode (attention split
+    into blocks of `block_s` slots)."""
+    n = 20
+    prefix, x = torch.randn(1, n, 64), torch.randn(64)
+    pos = torch.tensor([n], device=DEVICE)
+    slots = torch.arange(n + 1, device=DEVICE)
+    seen = (visible_from[: n + 1] if visible_from is not None else slots) <= n
+    with torch.inference_mode():
+        e = prepared(base, dtype, prefix)
+        ref = e(x[None, None].to(DEVICE, dtype), pos, seen[None, None, None], n + 1)[0, 0]
+        t = prepared(base, dtype, prefix)
+        td = TritonDecode(t, visible_from)
+        td.block_s = block_s
+        out = t.norm(td(x.to(DEVICE, dtype), pos))
+        assert not td.count.any()  # the split counters are back to zero for the next step
+    return e, t, ref.float(), out.float()
+
+
+@pytest.mark.parametrize("gqa,bias,masked,block_s", [(True, True, False, 64), (False, False, True, 16),
+                                                    (True, False, True, 8)])
+def test_decode_step_matches_eager_float32(gqa, bias, masked, block_s):
+    slots = torch.arange(MAX, device=DEVICE)
+    # with a mask: every third slot never seen, the others from their own position (as TTS audio slots)
+    vis = torch.where(slots % 3 == 0, 10**6, slots) if masked else None
+    e, t, ref, out = step_both(decoder(gqa, bias), torch.float32, vis, block_s)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for le, lt in zip(e.layers, t.layers):  # the new K/V rows landed in the cache slot of position 20
+        torch.testing.assert_close(lt.self_attn.kv_cache.k, le.self_attn.kv_cache.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lt.self_attn.kv_cache.v, le.self_attn.kv_cache.v, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_step_bfloat16_within_eager_rounding():
+    base = decoder(True, True)
+    _, _, f32, _ = step_both(base, torch.float32, None)
+    _, _, eager_bf16, triton_bf16 = step_both(base, torch.bfloat16, None)
+    scale = f32.abs().max()
+    # the kernels round where the eager code rounds: their error is of the eager bf16 error's size
+    assert (triton_bf16 - f32).abs().max() <= max(3 * (eager_bf16 - f32).abs().max(), 1e-2 * scale)
+
+
+def test_tts_steps_on_kernels_match_eager_runner(tiny_dir):
+    """Greedy frames and step logits of the kernel-backed runner equal the eager runner's (float32)."""
+    from minicpm_cli.tts import TTSRunner
+
+    s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
+    cond = s.tokenizers.condition("Hello there, how are you doing today?", s.tts_model.config.streaming_text_reserved_len)
+    spk = torch.nn.functional.normalize(torch.randn(s.tts_model.config.decoder.dim), dim=0).to(DEVICE)
+    runs = []
+    for runner in (TTSRunner(s.tts_model), GraphTTSRunner(s.tts_model, use_triton=True)):
+        runner.trace = []
+        runner.start(cond.n)
+        runner.prefill(cond.ids[: cond.n + 3], 0, spk)
+        codes, _ = runner.generate(None, n_steps=8, min_new=8)
+        runs.append((codes, torch.stack([raw for raw, _ in runner.trace])))
+    (codes_e, raw_e), (codes_t, raw_t) = runs
+    assert len(codes_e) == 8 and torch.equal(codes_e, codes_t)
+    assert (raw_t - raw_e).abs().max() <= 1e-4 * raw_e.abs().max()
+
+
+def test_llm_decode_on_kernels_matches_eager(tiny_dir):
+    """Prompt, then greedy tokens decoded on the kernels: the same tokens and logits as eager."""
+    eager = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
+    comp = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
+    llm = CompiledLLM(comp.llm.model, max_len=512, use_triton=True)
+    ids = eager.tokenizers.encode_llm("<|im_start|>user\nHello world, how are you?<|im_end|>\n<|im_start|>assistant\n")
+    runs = []
+    for stage in (eager.llm, llm):
+        stage.reset()
+        logits, _ = stage.forward(ids)
+        steps = [logits]
+        for _ in range(6):
+            logits, hidden = stage.forward([int(logits.argmax())])
+            steps.append(logits)
+        runs.append((torch.stack(steps), hidden))
+    (le, he), (lt, ht) = runs
+    assert torch.equal(le.argmax(-1), lt.argmax(-1))
+    assert (lt - le).abs().max() <= 1e-4 * le.abs().max()
+    assert (ht - he).abs().max() <= 1e-4 * he.abs().max()
