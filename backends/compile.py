@@ -19,7 +19,7 @@ from minicpm_cli.checkpoint import Checkpoint
 from minicpm_cli.errors import BackendError, UsageError
 from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
-from minicpm_cli.tts import TTSRunner
+from minicpm_cli.tts import MIN_KEEP, TTSRunner
 
 from .eager import build
 
@@ -174,11 +174,20 @@ class GraphTTSRunner(TTSRunner):
         self.triton = None
         if use_triton if use_triton is not None else self.device.type == "cuda":  # (tests: the interpreter)
             self.triton = _kernels().TritonDecode(model.model, self.visible_from)
+            self.probs = torch.zeros(model.config.num_vq, model.config.num_audio_tokens, device=self.device)
 
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
         if self.triton is None:
             return super()._decode(x, kv_len)
         return self.model.model.norm(self.triton(x, self.pos_t))
+
+    def _choose(self, raw: Tensor, sampled: bool) -> Tensor:
+        if self.triton is None:
+            return super()._choose(raw, sampled)
+        c = self.config
+        _kernels().sample_codes(raw, self.temps, self.bos_t, self.block_eos_t, self.noise_t if sampled else None,
+                                self.probs, self.code_t, c.top_p, c.top_k, MIN_KEEP)
+        return self.probs
 
     def _run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
         if self.triton is not None:  # attention reads the position on the device: no KV buckets

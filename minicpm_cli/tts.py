@@ -122,16 +122,22 @@ class TTSRunner:
 
     def _step(self, kv_len: int, sampled: bool) -> tuple[Tensor, Tensor]:
         """One audio frame from the step tensors -> code_t; returns (raw logits, probs)."""
-        c, m = self.config, self.model
+        m = self.model
         x = torch.where(self.bos_t, self.bos_embed[0], m.embed_codes(self.last_t))  # (hidden,)
         raw = m.logits(self._decode(x, kv_len))  # (num_vq, num_audio_tokens)
+        return raw, self._choose(raw, sampled)
+
+    def _choose(self, raw: Tensor, sampled: bool) -> Tensor:
+        """Raw logits -> probabilities after temperature, top-p, top-k and the EOS block; the chosen
+        codes go to code_t."""
+        c = self.config
         logits = raw / self.temps
         # the BOS step samples from the plain distribution; later steps after top-p then top-k
         logits = torch.where(self.bos_t, logits, top_k(top_p(logits, c.top_p, MIN_KEEP), c.top_k, MIN_KEEP))
         logits = logits.masked_fill(self.is_eos & self.block_eos_t, float("-inf"))
         probs = F.softmax(logits, dim=-1)
         self.code_t.copy_(choose(probs, self.noise_t if sampled else None))
-        return raw, probs
+        return probs
 
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
         """The backbone on one input embedding (hidden,) at pos_t -> final hidden state (hidden,)."""

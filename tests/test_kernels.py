@@ -121,3 +121,28 @@ def test_llm_decode_on_kernels_matches_eager(tiny_dir):
     assert torch.equal(le.argmax(-1), lt.argmax(-1))
     assert (lt - le).abs().max() <= 1e-4 * le.abs().max()
     assert (ht - he).abs().max() <= 1e-4 * he.abs().max()
+
+
+@pytest.mark.parametrize("bos,block_eos,sampled", [(False, False, False), (False, True, True), (True, False, True)])
+def test_code_sampling_kernel_matches_torch(tiny_dir, bos, block_eos, sampled):
+    """Temperature, top-p, top-k, EOS block, softmax and the draw: the same probabilities and codes."""
+    from backends.kernels import sample_codes
+    from minicpm_cli.tts import MIN_KEEP, TTSRunner
+
+    s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
+    r = TTSRunner(s.tts_model)
+    c = r.config
+    torch.manual_seed(1)
+    for trial in range(3):
+        raw = torch.randn(c.num_vq, c.num_audio_tokens, device=DEVICE) * (0.5 + trial)
+        r.bos_t.fill_(bos)
+        r.block_eos_t.fill_(block_eos)
+        r.noise_t.exponential_()
+        ref = r._choose(raw, sampled)
+        ref_codes = r.code_t.clone()
+        probs, codes = torch.zeros_like(ref), torch.zeros_like(ref_codes)
+        sample_codes(raw, r.temps, r.bos_t, r.block_eos_t, r.noise_t if sampled else None, probs, codes,
+                     c.top_p, c.top_k, MIN_KEEP)
+        assert torch.equal(codes, ref_codes)
+        assert torch.equal(probs > 0, ref > 0)  # the same tokens survive the warpers
+        torch.testing.assert_close(probs, ref, rtol=1e-5, atol=1e-7)
