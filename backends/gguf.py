@@ -38,6 +38,11 @@ def resolve_gguf(spec: str | None) -> Path:
     return hub_file(repo, name or DEFAULT_FILE)
 
 
+def _gpu_used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 class GGUFLLM:
     name = "gguf"
 
@@ -45,6 +50,7 @@ class GGUFLLM:
         import llama_cpp
 
         self.lib = llama_cpp
+        used = _gpu_used() if gpu else 0
         try:
             # float32 KV cache: llama.cpp's default f16 cache moved hidden states by ~1e-3 (measured)
             self.llama = llama_cpp.Llama(model_path=str(path), n_ctx=max_len, n_batch=max_len, n_ubatch=512,
@@ -60,6 +66,8 @@ class GGUFLLM:
         self.pos = 0
         self.version = f"llama-cpp-python {llama_cpp.__version__}"
         self.weight_bytes = os.path.getsize(path)
+        # GPU memory llama.cpp holds (weights, KV cache, compute buffers), which torch does not see
+        self.extra_gpu_bytes = _gpu_used() - used if gpu else 0
 
     def reset(self) -> None:
         mem = self.lib.llama_get_memory(self.ctx)

@@ -238,7 +238,9 @@ def run(opts: BenchOptions) -> dict:
                 "tts_call_samples": st.tts,
                 "codec_ms_per_chunk": _pct(st.codec, 0.5),
                 "codec_samples_ms": st.codec,
-                "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+                # torch's peak plus what the LLM stage holds outside torch (llama.cpp)
+                "peak_gpu_gib": (torch.cuda.max_memory_allocated(device) + getattr(synth.llm, "extra_gpu_bytes", 0))
+                / 2**30 if device.type == "cuda" else None,
             })
             result["results"].append(entry)
         del synth, st

@@ -60,9 +60,14 @@ def _tokenizer(tokenizer_json: Path, vocab_size: int) -> tuple[list[str], list[i
     return tokens, types, merges, special
 
 
-def write(path: str | Path, config: dict, tensors, tokenizer_json: str | Path) -> Path:
-    """`tensors`: iterable of (name without `llm.`, tensor). `config`: the checkpoint's config.json."""
+def write(path: str | Path, config: dict, tensors, tokenizer_json: str | Path, ftype: str = "F32") -> Path:
+    """`tensors`: iterable of (name without `llm.`, tensor). `config`: the checkpoint's config.json.
+    `ftype` F32, or F16 (matrices in float16, norms and biases in float32, as llama.cpp's converter)."""
     import gguf
+
+    if ftype not in ("F32", "F16"):
+        raise ValueError(f"GGUF ftype {ftype}: F32 or F16 (quantize() makes the others)")
+    half = ftype == "F16"
 
     path = Path(path)
     vocab = config["vocab_size"]
@@ -76,7 +81,7 @@ def write(path: str | Path, config: dict, tensors, tokenizer_json: str | Path) -
     w.add_head_count_kv(config.get("num_key_value_heads", config["num_attention_heads"]))
     w.add_rope_freq_base(float(config.get("rope_theta", 1e6)))
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if half else gguf.LlamaFileType.ALL_F32)
     tokens, types, merges, special = _tokenizer(Path(tokenizer_json), vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")
@@ -87,7 +92,8 @@ def write(path: str | Path, config: dict, tensors, tokenizer_json: str | Path) -
         if tok in special:
             getattr(w, f"add_{key}_token_id")(special[tok])
     for name, t in tensors:
-        w.add_tensor(gguf_name(name), t.detach().to(torch.float32).cpu().numpy().astype(np.float32))
+        dt = torch.float16 if half and t.dim() == 2 else torch.float32
+        w.add_tensor(gguf_name(name), t.detach().to(dt).cpu().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -95,10 +101,12 @@ def write(path: str | Path, config: dict, tensors, tokenizer_json: str | Path) -
     return path
 
 
-def from_checkpoint(ckpt, config: dict, tokenizer_json: str | Path, path: str | Path) -> Path:
-    """The `llm.*` tensors of a Checkpoint (or RandomCheckpoint) as an F32 GGUF."""
+def from_checkpoint(ckpt, config: dict, tokenizer_json: str | Path, path: str | Path, ftype: str = "F32",
+                    device: str = "cpu") -> Path:
+    """The `llm.*` tensors of a Checkpoint (or RandomCheckpoint, drawn on `device`) as a GGUF."""
     names = ckpt.keys("llm.")
-    return write(path, config, ((n[len("llm."):], ckpt.tensor(n, torch.float32)) for n in names), tokenizer_json)
+    return write(path, config, ((n[len("llm."):], ckpt.tensor(n, torch.float32, device)) for n in names),
+                 tokenizer_json, ftype)
 
 
 def quantize(src: str | Path, dst: str | Path, ftype: str = "Q8_0") -> Path:

@@ -21,7 +21,9 @@ def ggufs(tiny_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("gguf")
     f32 = gguf_export.from_checkpoint(Checkpoint(tiny_dir), read_config(tiny_dir), tiny_dir / "tokenizer.json",
                                       d / "tiny-f32.gguf")
-    return {"F32": f32, "Q8_0": gguf_export.quantize(f32, d / "tiny-q8_0.gguf", "Q8_0")}
+    f16 = gguf_export.from_checkpoint(Checkpoint(tiny_dir), read_config(tiny_dir), tiny_dir / "tokenizer.json",
+                                      d / "tiny-f16.gguf", ftype="F16")
+    return {"F32": f32, "F16": f16, "Q8_0": gguf_export.quantize(f32, d / "tiny-q8_0.gguf", "Q8_0")}
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +35,21 @@ def _synth(tiny_dir, path):
     return Synthesizer.load(str(tiny_dir), backend="gguf", gguf=str(path), device="cpu", dtype="float32")
 
 
+def test_f16_stores_matrices_in_half(ggufs):
+    import gguf
+
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(ggufs["F16"]).tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F16
+    assert types["blk.0.attn_q.bias"] == types["blk.0.attn_norm.weight"] == gguf.GGMLQuantizationType.F32
+
+
 def test_gguf_tensor_names():
     assert gguf_export.gguf_name("model.layers.3.mlp.up_proj.weight") == "blk.3.ffn_up.weight"
     assert gguf_export.gguf_name("model.layers.0.self_attn.q_proj.bias") == "blk.0.attn_q.bias"
     assert gguf_export.gguf_name("lm_head.weight") == "output.weight"
 
 
-@pytest.mark.parametrize("ftype,tol", [("F32", 1e-4), ("Q8_0", 2e-2)])
+@pytest.mark.parametrize("ftype,tol", [("F32", 1e-4), ("F16", 2e-3), ("Q8_0", 2e-2)])
 def test_speaker_vector_matches_eager(tiny_dir, ggufs, eager, goldens, manifest, ftype, tol):
     s = _synth(tiny_dir, ggufs[ftype])
     for e in manifest["read"]:
