@@ -9,9 +9,11 @@ kernels, not by arithmetic or bandwidth, so the layer is fused into five launche
    so one CUDA graph serves every position), masked by per-slot "visible from" positions when given
    (the TTS chunk mask) or causally (the LLM); the slots are split over programs and merged by the
    last one to finish;
-3. `_gemv_residual`: o_proj, added to the residual stream in place;
+3. `_gemv`: o_proj, added to the residual stream in place;
 4. `_rms_gate_up`: RMSNorm, the fused gate/up projection and SiLU(gate) * up;
-5. `_gemv_residual` again: down_proj, added to the residual stream.
+5. `_gemv` again: down_proj, added to the residual stream.
+
+`_gemv` also serves the LLM's lm_head, and `_sample_codes` the TTS step's code choice.
 
 Arithmetic is float32 inside a kernel; results are rounded to the model dtype where the eager code
 rounds them (after each projection, around the rotary products, after the activation). The RMSNorm
@@ -140,12 +142,13 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
 
 
 @triton.jit
-def _gemv_residual(y_ptr, w_ptr, x_ptr, N: tl.constexpr, K: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[rows] = x[rows] + W[rows] @ y (rounded like `x + linear(y)`)."""
+def _gemv(y_ptr, w_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, RESIDUAL: tl.constexpr,
+          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[rows] = W[rows] @ y, rounded to W's dtype as `linear(y)` is, plus x[rows] (rounded like
+    `x + linear(y)`) when RESIDUAL; out may be x itself (each program owns its rows)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < N
-    dtype = x_ptr.dtype.element_ty
+    dtype = w_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -154,8 +157,19 @@ def _gemv_residual(y_ptr, w_ptr, x_ptr, N: tl.constexpr, K: tl.constexpr,
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
         acc += w.to(tl.float32) * y[None, :]
     o = _rnd(tl.sum(acc, 1), dtype)
-    x = tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32)
-    tl.store(x_ptr + rows, (x + o).to(dtype), mask=rm)
+    if RESIDUAL:
+        o = _rnd(tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32) + o, dtype)
+    tl.store(out_ptr + rows, o.to(out_ptr.dtype.element_ty), mask=rm)
+
+
+def gemv(w: Tensor, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
+         block_k: int = 512, warps: int = 4) -> Tensor:
+    """out = W @ y (+ residual) for W (N, K) contiguous, y (K,); out may be residual (in place)."""
+    n, k = w.shape
+    x = residual if residual is not None else out
+    _gemv[(triton.cdiv(n, rows),)](y, w, x, out, N=n, K=k, RESIDUAL=residual is not None, BLOCK_R=rows,
+                                   BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=warps)
+    return out
 
 
 @triton.jit
@@ -255,14 +269,14 @@ class TritonDecode:
         self.q = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.y = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.h = torch.zeros(c.intermediate, dtype=dt, device=dev)
-        # Launch shapes (rows per program, K per iteration, warps, slots per attention split), the
-        # best of a sweep on an H200 (docs/benchmarks.md): a small model wants all of K in one
-        # iteration (latency), a large one more programs with shorter rows (bandwidth).
-        small = c.dim <= 1024
-        self.block_k = min(1024 if small else 512, triton.next_power_of_2(c.dim))
-        self.block_r = min(8, c.head_dim // 2)
-        self.rows = 8 if small else 4
-        self.warps = 4
+        # Launch shapes per kernel: (rows per program, K per iteration, warps); the qkv kernel's
+        # rows are per half head. The best of a sweep on an H200 (docs/benchmarks.md): a small
+        # model wants all of K in one iteration (latency), a large one more, shorter programs.
+        if c.dim <= 1024:
+            k = triton.next_power_of_2(c.dim)
+            self.cfg = {"qkv": (8, k, 4), "o": (8, k, 4), "gate_up": (8, k, 4), "down": (8, 1024, 4)}
+        else:
+            self.cfg = {"qkv": (8, 512, 4), "o": (4, 512, 4), "gate_up": (4, 256, 4), "down": (2, 2048, 8)}
         self.block_s = 64
         self.attn_warps = 4
         # attention partials (output, max, sum) per head and split, and per-head split counters
@@ -271,33 +285,33 @@ class TritonDecode:
         self.count = torch.zeros(c.n_heads, dtype=torch.int32, device=dev)
 
     def __call__(self, x: Tensor, pos: Tensor) -> Tensor:
-        c, dec = self.c, self.decoder
+        c, dec, cfg = self.c, self.decoder, self.cfg
         D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
-        R, W = self.rows, self.warps
         self.x.copy_(x.reshape(-1))
         vis = self.visible_from if self.visible_from is not None else pos
+        splits = triton.cdiv(self.max_len, self.block_s)
+        qr, qk, qw = cfg["qkv"]
+        qr = min(qr, D // 2)
+        gr, gk, gw = cfg["gate_up"]
         for layer in dec.layers:
             a, mlp = layer.self_attn, layer.mlp
             qkv = a.qkv_proj
             bias = qkv.bias if qkv.bias is not None else qkv.weight
-            _rms_qkv_rope[(H + 2 * Hkv, D // 2 // self.block_r)](
+            _rms_qkv_rope[(H + 2 * Hkv, D // 2 // qr)](
                 self.x, layer.input_layernorm.weight, qkv.weight, bias, dec.rope_cos, dec.rope_sin, pos,
                 self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps, self.max_len,
                 DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=qkv.bias is not None,
-                BLOCK_R=self.block_r, BLOCK_K=self.block_k, num_warps=W)
-            splits = triton.cdiv(self.max_len, self.block_s)
+                BLOCK_R=qr, BLOCK_K=min(qk, triton.next_power_of_2(c.dim)), num_warps=qw)
             _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
                                  num_warps=self.attn_warps)
-            _gemv_residual[(triton.cdiv(c.dim, R),)](self.y, a.o_proj.weight, self.x, N=c.dim, K=H * D,
-                                                     BLOCK_R=R, BLOCK_K=min(self.block_k, triton.next_power_of_2(H * D)),
-                                                     num_warps=W)
-            _rms_gate_up[(triton.cdiv(c.intermediate, R),)](
+            r, k, w = cfg["o"]
+            gemv(a.o_proj.weight, self.y, self.x, self.x, rows=r, block_k=k, warps=w)
+            _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
                 self.x, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, self.h,
                 layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate,
-                BLOCK_R=R, BLOCK_K=self.block_k, num_warps=W)
-            _gemv_residual[(triton.cdiv(c.dim, R),)](self.h, mlp.down_proj.weight, self.x, N=c.dim,
-                                                     K=c.intermediate, BLOCK_R=R, BLOCK_K=self.block_k,
-                                                     num_warps=W)
+                BLOCK_R=gr, BLOCK_K=min(gk, triton.next_power_of_2(c.dim)), num_warps=gw)
+            r, k, w = cfg["down"]
+            gemv(mlp.down_proj.weight, self.h, self.x, self.x, rows=r, block_k=k, warps=w)
         return self.x

@@ -160,7 +160,7 @@ class Synthesizer:
 
     def _project(self, hidden: Tensor) -> Tensor:
         with torch.inference_mode():
-            return self.tts_model.speaker(hidden.to(self.tts.dtype))
+            return self.tts_model.speaker(hidden.to(self.tts.device, self.tts.dtype))  # (gguf: from the host)
 
     def _read_prompt_ids(self, text: str) -> list[int]:
         """The read-aloud prompt; a text longer than the LLM context keeps its beginning (the speaker

@@ -102,3 +102,15 @@ def test_gguf_command_line(tiny_dir, ggufs, goldens, tmp_path):
                           "gguf", "--gguf", str(tmp_path / "missing.gguf"), "--device", "cpu", "-o", str(out)],
                          capture_output=True, env=env, timeout=300)
     assert bad.returncode == 1 and b"missing.gguf" in bad.stderr and b"Traceback" not in bad.stderr
+
+
+@pytest.mark.gpu
+def test_f32_on_cuda_read_codes_and_speaker(tiny_dir, ggufs, eager, goldens, manifest):
+    """llama.cpp on the GPU (the CUDA build) feeding the TTS on the GPU: the greedy read codes."""
+    s = Synthesizer.load(str(tiny_dir), backend="gguf", gguf=str(ggufs["F32"]), device="cuda", dtype="float32")
+    e = next(x for x in manifest["read"] if x["tag"] == "short")
+    ids = s.tokenizers.encode_llm(read_prompt(e["text"]))
+    spk, ref = s.speaker(ids).cpu(), eager.speaker(ids)
+    assert (spk - ref).norm() <= 1e-3 * ref.norm()
+    np.testing.assert_array_equal(s.say(e["text"], Sampling(greedy=True)).codes.cpu().numpy(),
+                                  goldens["read_short_codes"])
