@@ -46,7 +46,9 @@ def _gpu_used() -> int:
 class GGUFLLM:
     name = "gguf"
 
-    def __init__(self, path: Path, max_len: int, gpu: bool):
+    def __init__(self, path: Path, max_len: int, device: torch.device):
+        gpu = device.type == "cuda"
+        self.device = device
         import llama_cpp
 
         self.lib = llama_cpp
@@ -93,7 +95,8 @@ class GGUFLLM:
         logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, n - 1), shape=(self.n_vocab,))
         hidden = np.stack([np.ctypeslib.as_array(self.lib.llama_get_embeddings_ith(self.ctx, i), shape=(self.n_embd,))
                            for i in range(n)])
-        return torch.from_numpy(logits.copy()), torch.from_numpy(hidden.copy())
+        # on the pipeline's device, like every backend's (its sampler and the TTS take them there)
+        return (torch.from_numpy(logits.copy()).to(self.device), torch.from_numpy(hidden.copy()).to(self.device))
 
     def __del__(self):
         batch = getattr(self, "batch", None)
@@ -103,4 +106,4 @@ class GGUFLLM:
 
 def create(ckpt, config: dict, *, device, dtype, max_len: int, gguf: str | None = None) -> GGUFLLM:
     path = resolve_gguf(gguf)
-    return GGUFLLM(path, max_len, torch.device(device).type == "cuda")
+    return GGUFLLM(path, max_len, torch.device(device))
