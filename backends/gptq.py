@@ -135,3 +135,73 @@ class Int4Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * 2
+
+
+class Q4Linear(nn.Module):
+    """y = x W^T + b with W in 4 bits, for the Triton kernels (backends/kernels.py): one-token steps
+    read it inside the fused decode kernels (`kernel_weight`), prefills go through `q4_matmul`.
+
+    Layout: the GPTQ values packed eight to an int32 along the input dim as in `qweight`, but row
+    per output, `packed` (out, in/8); float32 `scales` and true `zeros` (out, groups). Act-order
+    checkpoints with several groups keep a `perm` of the inputs (groups made contiguous); with one
+    group (the official per-channel checkpoint) the order of inputs does not matter and none is kept.
+    """
+
+    def __init__(self, qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bias: Tensor | None,
+                 dtype: torch.dtype, device):
+        super().__init__()
+        q, zeros, s, g = (t.to(device) for t in unpack(qweight, qzeros, scales, g_idx))
+        n_in, n_out = q.shape
+        if n_in % PACK:
+            raise ValueError(f"{n_in} inputs is not a multiple of {PACK}")
+        counts = torch.bincount(g)
+        group = int(counts[0])
+        if not torch.all(counts == group) or group & (group - 1) and group != n_in:
+            raise ValueError(f"GPTQ groups must be of one power-of-two size (got sizes {counts.unique().tolist()})")
+        perm = torch.argsort(g, stable=True)
+        identity = len(counts) == 1 or torch.equal(perm, torch.arange(n_in, device=device))
+        self.register_buffer("perm", None if identity else perm, persistent=False)
+        if not identity:
+            q, g = q[perm], g[perm]
+        rows = torch.arange(0, n_in, group, device=device)  # first input of each group
+        self.register_buffer("packed", pack_rows(q).T.contiguous(), persistent=False)
+        self.register_buffer("scales", s.float()[g[rows]].T.contiguous(), persistent=False)
+        self.register_buffer("zeros", zeros.float()[g[rows]].T.contiguous(), persistent=False)
+        self.group = group
+        self.in_features, self.out_features = n_in, n_out
+        self.bias = None if bias is None else nn.Parameter(bias.to(device, dtype), requires_grad=False)
+
+    @classmethod
+    def cat(cls, parts: list[Q4Linear]) -> Q4Linear:
+        """The projections stacked along the outputs (q/k/v, gate/up), as one Linear."""
+        first = parts[0]
+        if any(p.perm is not None for p in parts) or len({(p.in_features, p.group) for p in parts}) > 1:
+            raise ValueError("only 4-bit Linears with the same inputs and groups and no act-order permutation stack")
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.register_buffer("perm", None, persistent=False)
+        for name in ("packed", "scales", "zeros"):
+            out.register_buffer(name, torch.cat([getattr(p, name) for p in parts]), persistent=False)
+        out.group, out.in_features = first.group, first.in_features
+        out.out_features = sum(p.out_features for p in parts)
+        biases = [p.bias for p in parts]
+        out.bias = None if biases[0] is None else nn.Parameter(torch.cat(biases), requires_grad=False)
+        return out
+
+    def kernel_weight(self):
+        from .kernels import Weight
+
+        return Weight(self.packed, self.scales, self.zeros, self.group)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from .kernels import q4_matmul
+
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        return q4_matmul(x.contiguous(), self.kernel_weight(), self.bias).reshape(*shape[:-1], self.out_features)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))

@@ -1,11 +1,13 @@
 """`int4`: MiniCPM-o 2.6's LLM in 4 bits (the official GPTQ int4 checkpoint), on the compile path.
 
 The Qwen2 model is built as usual, then the q/k/v/o and gate/up/down Linears of every decoder layer
-are swapped for `Int4Linear` (backends/gptq.py), filled from the checkpoint's qweight/qzeros/
-scales/g_idx; embeddings, norms and lm_head stay in the model dtype, as in the checkpoint. A checkpoint
-without GPTQ tensors (a bf16 one, or random weights) is quantized while loading, round-to-nearest
-with one group per output channel (the official checkpoint's layout). Steps then run as in the
-`compile` backend (static caches, compiled layer halves, CUDA graphs), without projection fusion.
+are swapped for 4-bit ones (backends/gptq.py), filled from the checkpoint's qweight/qzeros/scales/
+g_idx; embeddings, norms and lm_head stay in the model dtype, as in the checkpoint. On CUDA they are
+`Q4Linear`s: q/k/v and gate/up are stacked, one-token steps run the compile backend's fused Triton
+decode kernels reading the 4-bit weights directly, and prefills a Triton matmul that dequantizes
+tiles in registers. On a CPU they are `Int4Linear`s on torch's int4 kernel. A checkpoint without
+GPTQ tensors (a bf16 one) is quantized while loading, round-to-nearest with one group per output
+channel (the official checkpoint's layout); random weights are drawn as 4-bit values directly.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 from minicpm_cli.checkpoint import Checkpoint, load_module
 from minicpm_cli.errors import BackendError, CheckpointError
 from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
+from minicpm_cli.synthetic import RandomCheckpoint
 
 from . import compile as compiled
-from .gptq import Int4Linear, quantize
+from .gptq import Int4Linear, Q4Linear, quantize
 
 QUANTIZED = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -38,12 +41,26 @@ def quantize_config(ckpt: Checkpoint) -> dict | None:
     return cfg
 
 
-def build(ckpt: Checkpoint, config: dict, *, device, dtype) -> Qwen2LM:
+def random_gptq(shape: tuple[int, int], device) -> dict:
+    """Random 4-bit weights in the official layout (per channel, symmetric) for an nn.Linear weight
+    shape (out, in), drawn directly: random words, scales of a 0.02-std weight, zero point 8."""
+    out, n_in = shape
+    words = torch.randint(-(2**31), 2**31, (n_in // 8, out), dtype=torch.int32, device=device)
+    scales = torch.full((1, out), 0.02 / 4.6, dtype=torch.float16, device=device)  # (q - 8) has std ~4.6
+    zeros = torch.full((1, out // 8), 0x77777777, dtype=torch.int32, device=device)
+    return {"qweight": words, "qzeros": zeros, "scales": scales, "g_idx": torch.zeros(n_in, dtype=torch.int32, device=device)}
+
+
+def build(ckpt: Checkpoint, config: dict, *, device, dtype, triton: bool | None = None) -> Qwen2LM:
+    """The Qwen2 LLM with 4-bit projections: `Q4Linear` (Triton kernels; the default on CUDA) or
+    `Int4Linear` (torch's int4 kernel; the default on a CPU)."""
     if torch.device(device).type == "cuda" and dtype != torch.bfloat16:
-        raise BackendError("backend 'int4' on CUDA runs in bfloat16 (torch's int4 kernel): use --dtype bfloat16")
+        raise BackendError("backend 'int4' on CUDA runs in bfloat16: use --dtype bfloat16")
+    triton = torch.device(device).type == "cuda" if triton is None else triton
     has_gptq = bool(ckpt.keys("llm.model.layers.0.self_attn.q_proj.qweight"))
     if has_gptq:
         quantize_config(ckpt)
+    drawn = isinstance(ckpt, RandomCheckpoint)
     with torch.device("meta"):
         model = Qwen2LM(Qwen2Config.from_hf(config))
     for i, layer in enumerate(model.model.layers):
@@ -54,18 +71,27 @@ def build(ckpt: Checkpoint, config: dict, *, device, dtype) -> Qwen2LM:
             bias = ckpt.tensor(key + ".bias", dtype, device) if getattr(parent, attr).bias is not None else None
             if has_gptq:
                 t = {k: ckpt.tensor(f"{key}.{k}", None, device) for k in ("qweight", "qzeros", "scales", "g_idx")}
+            elif drawn:  # random weights: drawn as 4-bit values (no float copy, no quantizing)
+                t = random_gptq(ckpt.shape(key + ".weight"), device)
             else:
                 t = {k: v.to(device) for k, v in quantize(ckpt.tensor(key + ".weight", torch.float32, device), -1).items()}
             try:
-                setattr(parent, attr, Int4Linear(**t, bias=bias, dtype=dtype, device=device))
+                setattr(parent, attr, (Q4Linear if triton else Int4Linear)(**t, bias=bias, dtype=dtype, device=device))
             except (ValueError, RuntimeError) as e:
                 raise CheckpointError(f"{key}: cannot use its GPTQ tensors: {e}") from None
+            del t
     load_module(model, ckpt, "llm.", dtype, device)
     return model.eval()
 
 
 def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, **options) -> compiled.CompiledLLM:
-    llm = compiled.CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len, fuse=False)
+    model = build(ckpt, config, device=device, dtype=dtype)
+    first = model.model.layers[0].self_attn.q_proj
+    # Q4Linears stack into fused q/k/v and gate/up for the Triton decode kernels unless act-order
+    # permutes their inputs differently; Int4Linears (CPU) run unfused on the compiled layer halves
+    fuse = isinstance(first, Q4Linear) and all(
+        m.perm is None for m in model.modules() if isinstance(m, Q4Linear))
+    llm = compiled.CompiledLLM(model, max_len, fuse=fuse)
     llm.name = "int4"
     return llm
 

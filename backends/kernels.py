@@ -49,9 +49,33 @@ def _gained(x_ptr, nw_ptr, cols, DIM: tl.constexpr):
 
 
 @triton.jit
-def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
+def _wtile(w_ptr, s_ptr, z_ptr, rows, rmask, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+           Q4: tl.constexpr, GS: tl.constexpr):
+    """W[rows, k0:k0+BLOCK_K] in float32, from a dense (N, K) matrix, or with Q4 from 4-bit values
+    packed eight to an int32 along K, (N, K/8) (value j of a word in bits 4j..4j+3, as GPTQ packs),
+    dequantized as (q - zero) * scale with one scale and zero per row and GS-wide group of K
+    (N, K/GS); BLOCK_K must divide GS."""
+    if Q4:
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :],
+                        mask=rmask[:, None] & (kw < K // 8)[None, :], other=0)
+        q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+        q = tl.reshape(q, [BLOCK_R, BLOCK_K]).to(tl.float32)
+        g = rows * (K // GS) + k0 // GS
+        scale = tl.load(s_ptr + g, mask=rmask, other=0.0)
+        zero = tl.load(z_ptr + g, mask=rmask, other=0.0)
+        return (q - zero[:, None]) * scale[:, None]
+    else:
+        cols = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :],
+                       other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                   eps, max_len, DIM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
     # program (head, j): rows j*BLOCK_R.. of the head's first half and the matching second-half
     # rows, which the rotation pairs up
     head = tl.program_id(0)
@@ -68,9 +92,9 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr,
         cols = k0 + tl.arange(0, BLOCK_K)
         gx, xk = _gained(x_ptr, nw_ptr, cols, DIM)
         ss += xk * xk
-        m = (cols < DIM)[None, :]
-        acc1 += tl.load(w_ptr + r1[:, None] * DIM + cols[None, :], mask=m, other=0.0).to(tl.float32) * gx[None, :]
-        acc2 += tl.load(w_ptr + r2[:, None] * DIM + cols[None, :], mask=m, other=0.0).to(tl.float32) * gx[None, :]
+        every = r1 >= 0
+        acc1 += _wtile(w_ptr, s_ptr, z_ptr, r1, every, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS) * gx[None, :]
+        acc2 += _wtile(w_ptr, s_ptr, z_ptr, r2, every, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS) * gx[None, :]
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     y1 = tl.sum(acc1, 1) * inv
     y2 = tl.sum(acc2, 1) * inv
@@ -142,39 +166,101 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
 
 
 @triton.jit
-def _gemv(y_ptr, w_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, RESIDUAL: tl.constexpr,
-          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[rows] = W[rows] @ y, rounded to W's dtype as `linear(y)` is, plus x[rows] (rounded like
+def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, RESIDUAL: tl.constexpr,
+          Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[rows] = W[rows] @ y, rounded to y's dtype as `linear(y)` is, plus x[rows] (rounded like
     `x + linear(y)`) when RESIDUAL; out may be x itself (each program owns its rows)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < N
-    dtype = w_ptr.dtype.element_ty
+    dtype = y_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        cm = cols < K
-        y = tl.load(y_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
-        acc += w.to(tl.float32) * y[None, :]
+        y = tl.load(y_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        acc += _wtile(w_ptr, s_ptr, z_ptr, rows, rm, k0, K, BLOCK_R, BLOCK_K, Q4, GS) * y[None, :]
     o = _rnd(tl.sum(acc, 1), dtype)
     if RESIDUAL:
         o = _rnd(tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32) + o, dtype)
     tl.store(out_ptr + rows, o.to(out_ptr.dtype.element_ty), mask=rm)
 
 
-def gemv(w: Tensor, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
+class Weight:
+    """A projection's weight as the kernels take it: dense (N, K), or 4-bit (`q4`, see `_wtile`)."""
+
+    def __init__(self, w: Tensor, scales: Tensor | None = None, zeros: Tensor | None = None, group: int = 0):
+        self.w, self.scales, self.zeros = w, scales, zeros
+        self.q4 = scales is not None
+        self.n = w.shape[0]
+        self.k = w.shape[1] * 8 if self.q4 else w.shape[1]
+        self.group = group if self.q4 else self.k
+
+    @classmethod
+    def of(cls, linear) -> Weight:
+        """From an nn.Linear, or anything with a `kernel_weight()` (backends/int4.py's Q4Linear)."""
+        return linear.kernel_weight() if hasattr(linear, "kernel_weight") else cls(linear.weight)
+
+    def args(self) -> tuple:
+        s = self.scales if self.q4 else self.w
+        return self.w, s, self.zeros if self.q4 else self.w
+
+    def block_k(self, want: int) -> int:
+        """K per iteration: a power of two, and within one group (groups are powers of two)."""
+        k = min(want, triton.next_power_of_2(self.k))
+        return k if self.group == self.k else min(k, self.group)
+
+
+def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
          block_k: int = 512, warps: int = 4) -> Tensor:
-    """out = W @ y (+ residual) for W (N, K) contiguous, y (K,); out may be residual (in place)."""
-    n, k = w.shape
+    """out = W @ y (+ residual) for y (K,); out may be residual (in place)."""
     x = residual if residual is not None else out
-    _gemv[(triton.cdiv(n, rows),)](y, w, x, out, N=n, K=k, RESIDUAL=residual is not None, BLOCK_R=rows,
-                                   BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=warps)
+    _gemv[(triton.cdiv(w.n, rows),)](y, *w.args(), x, out, N=w.n, K=w.k, RESIDUAL=residual is not None,
+                                     Q4=w.q4, GS=w.group, BLOCK_R=rows, BLOCK_K=w.block_k(block_k), num_warps=warps)
     return out
 
 
 @triton.jit
-def _rms_gate_up(x_ptr, nw_ptr, w_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _q4_matmul(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, K: tl.constexpr, N: tl.constexpr,
+               HAS_BIAS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out (M, N) = x (M, K) @ W^T (+ bias) with W 4-bit (`_wtile`), for prefills: each 4-bit tile is
+    dequantized in registers to x's dtype and multiplied on the tensor cores."""
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    mm = m < M
+    nm = n < N
+    dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=mm[:, None] & (cols < K)[None, :], other=0.0)
+        w = _wtile(w_ptr, s_ptr, z_ptr, n, nm, k0, K, BLOCK_N, BLOCK_K, True, GS).to(dtype)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=mm[:, None] & nm[None, :])
+
+
+def q4_matmul(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
+    """x (M, K) contiguous -> (M, N) in x's dtype."""
+    m = x.shape[0]
+    out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    bm = 16 if m <= 16 else 64 if m <= 256 else 128
+    bn = 64 if m <= 64 else 128
+    grid = (triton.cdiv(m, bm), triton.cdiv(w.n, bn))
+    _q4_matmul[grid](x, *w.args(), bias if bias is not None else x, out, m, K=w.k, N=w.n,
+                     HAS_BIAS=bias is not None, GS=w.group, IEEE=x.dtype == torch.float32,
+                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=w.block_k(64), num_warps=4 if bm <= 64 else 8, num_stages=3)
+    return out
+
+
+@triton.jit
+def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
+                 Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """h[rows] = silu(gate) * up of RMSNorm(x), W = [gate; up] stacked (2 * INTER, DIM)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < INTER
@@ -186,9 +272,8 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.
         cols = k0 + tl.arange(0, BLOCK_K)
         gx, xk = _gained(x_ptr, nw_ptr, cols, DIM)
         ss += xk * xk
-        m = rm[:, None] & (cols < DIM)[None, :]
-        acc_g += tl.load(w_ptr + rows[:, None] * DIM + cols[None, :], mask=m, other=0.0).to(tl.float32) * gx[None, :]
-        acc_u += tl.load(w_ptr + (rows + INTER)[:, None] * DIM + cols[None, :], mask=m, other=0.0).to(tl.float32) * gx[None, :]
+        acc_g += _wtile(w_ptr, s_ptr, z_ptr, rows, rm, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS) * gx[None, :]
+        acc_u += _wtile(w_ptr, s_ptr, z_ptr, rows + INTER, rm, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS) * gx[None, :]
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     g = _rnd(tl.sum(acc_g, 1) * inv, dtype)
     u = _rnd(tl.sum(acc_u, 1) * inv, dtype)
@@ -262,9 +347,11 @@ class TritonDecode:
             raise ValueError("TritonDecode needs a fused decoder with a KV cache")
         if decoder.rope_cos is None:
             raise ValueError("TritonDecode needs the rotary tables (Decoder.setup_rope)")
-        w = attn.qkv_proj.weight
+        self.weights = [tuple(Weight.of(p) for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj))
+                        for layer in decoder.layers]
         self.max_len = attn.kv_cache.k.shape[2]
-        dev, dt = w.device, w.dtype
+        dev, dt = attn.kv_cache.k.device, attn.kv_cache.k.dtype
         self.x = torch.zeros(c.dim, dtype=dt, device=dev)
         self.q = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.y = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
@@ -293,25 +380,24 @@ class TritonDecode:
         qr, qk, qw = cfg["qkv"]
         qr = min(qr, D // 2)
         gr, gk, gw = cfg["gate_up"]
-        for layer in dec.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            qkv = a.qkv_proj
-            bias = qkv.bias if qkv.bias is not None else qkv.weight
+        for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, self.weights):
+            a = layer.self_attn
+            bias = a.qkv_proj.bias
             _rms_qkv_rope[(H + 2 * Hkv, D // 2 // qr)](
-                self.x, layer.input_layernorm.weight, qkv.weight, bias, dec.rope_cos, dec.rope_sin, pos,
-                self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps, self.max_len,
-                DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=qkv.bias is not None,
-                BLOCK_R=qr, BLOCK_K=min(qk, triton.next_power_of_2(c.dim)), num_warps=qw)
+                self.x, layer.input_layernorm.weight, *wqkv.args(), bias if bias is not None else self.x,
+                dec.rope_cos, dec.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps,
+                self.max_len, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, Q4=wqkv.q4,
+                GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), num_warps=qw)
             _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
                                  num_warps=self.attn_warps)
             r, k, w = cfg["o"]
-            gemv(a.o_proj.weight, self.y, self.x, self.x, rows=r, block_k=k, warps=w)
+            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w)
             _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
-                self.x, layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, self.h,
-                layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate,
-                BLOCK_R=gr, BLOCK_K=min(gk, triton.next_power_of_2(c.dim)), num_warps=gw)
+                self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
+                layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
+                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), num_warps=gw)
             r, k, w = cfg["down"]
-            gemv(mlp.down_proj.weight, self.h, self.x, self.x, rows=r, block_k=k, warps=w)
+            gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w)
         return self.x

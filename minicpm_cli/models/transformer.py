@@ -89,6 +89,10 @@ class Attention(nn.Module):
         if self.qkv_proj is not None:
             return
         q, k, v = self.q_proj, self.k_proj, self.v_proj
+        if hasattr(q, "cat"):  # a quantized Linear that knows how to stack its kind (backends/int4.py)
+            self.qkv_proj = type(q).cat([q, k, v])
+            del self.q_proj, self.k_proj, self.v_proj
+            return
         fused = nn.Linear(q.in_features, q.out_features + 2 * k.out_features, bias=q.bias is not None,
                           device=q.weight.device, dtype=q.weight.dtype)
         fused.weight.data = torch.cat([q.weight, k.weight, v.weight])
@@ -142,6 +146,10 @@ class FeedForward(nn.Module):
         if self.gate_up_proj is not None:
             return
         g, u = self.gate_proj, self.up_proj
+        if hasattr(g, "cat"):
+            self.gate_up_proj = type(g).cat([g, u])
+            del self.gate_proj, self.up_proj
+            return
         fused = nn.Linear(g.in_features, 2 * g.out_features, bias=False, device=g.weight.device, dtype=g.weight.dtype)
         fused.weight.data = torch.cat([g.weight, u.weight])
         self.gate_up_proj = fused
