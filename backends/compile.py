@@ -134,7 +134,8 @@ class CompiledLLM:
         """One token ids[0] at position pos0 on the Triton kernels -> (logits, hidden (1, dim))."""
         m = self.model
         hidden = m.model.norm(self.triton(m.model.embed_tokens(self.ids[:1])[0], self.pos0))
-        _kernels().gemv(m.lm_head.weight, hidden, self.logits, **self.lm_head_cfg)
+        k = _kernels()
+        k.gemv(k.Weight(m.lm_head.weight), hidden, self.logits, **self.lm_head_cfg)
         return self.logits, hidden[None]
 
     @torch.inference_mode()

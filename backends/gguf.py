@@ -57,6 +57,8 @@ class GGUFLLM:
             # float32 KV cache: llama.cpp's default f16 cache moved hidden states by ~1e-3 (measured)
             self.llama = llama_cpp.Llama(model_path=str(path), n_ctx=max_len, n_batch=max_len, n_ubatch=512,
                                          n_gpu_layers=-1 if gpu else 0, embedding=True, verbose=False,
+                                         # on the CPU, a CUDA build must not move big batches to the GPU
+                                         op_offload=gpu, offload_kqv=gpu,
                                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
         except (ValueError, RuntimeError) as e:
             raise BackendError(f"backend 'gguf': llama.cpp cannot load {path}: {e}") from None

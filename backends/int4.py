@@ -54,9 +54,9 @@ def random_gptq(shape: tuple[int, int], device) -> dict:
 def build(ckpt: Checkpoint, config: dict, *, device, dtype, triton: bool | None = None) -> Qwen2LM:
     """The Qwen2 LLM with 4-bit projections: `Q4Linear` (Triton kernels; the default on CUDA) or
     `Int4Linear` (torch's int4 kernel; the default on a CPU)."""
-    if torch.device(device).type == "cuda" and dtype != torch.bfloat16:
-        raise BackendError("backend 'int4' on CUDA runs in bfloat16: use --dtype bfloat16")
     triton = torch.device(device).type == "cuda" if triton is None else triton
+    if torch.device(device).type == "cuda" and not triton and dtype != torch.bfloat16:
+        raise BackendError("backend 'int4' with torch's int4 kernel on CUDA runs in bfloat16: use --dtype bfloat16")
     has_gptq = bool(ckpt.keys("llm.model.layers.0.self_attn.q_proj.qweight"))
     if has_gptq:
         quantize_config(ckpt)

@@ -91,7 +91,8 @@ def test_gguf_command_line(tiny_dir, ggufs, goldens, tmp_path):
 
     import soundfile as sf
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "HF_HUB_OFFLINE": "1"}
+    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "x.wav"
     p = subprocess.run([sys.executable, "-m", "minicpm_cli", "say", "Hello world.", "--model", str(tiny_dir),
                         "--backend", "gguf", "--gguf", str(ggufs["F32"]), "--greedy", "--device", "cpu",
