@@ -49,33 +49,73 @@ def _gained(x_ptr, nw_ptr, cols, DIM: tl.constexpr):
 
 
 @triton.jit
-def _wtile(w_ptr, s_ptr, z_ptr, rows, rmask, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-           Q4: tl.constexpr, GS: tl.constexpr):
-    """W[rows, k0:k0+BLOCK_K] in float32, from a dense (N, K) matrix, or with Q4 from 4-bit values
-    packed eight to an int32 along K, (N, K/8) (value j of a word in bits 4j..4j+3, as GPTQ packs),
-    dequantized as (q - zero) * scale with one scale and zero per row and GS-wide group of K
-    (N, K/GS); BLOCK_K must divide GS."""
+def _zero_scale(s_ptr, z_ptr, rows, rmask, kw, km, K: tl.constexpr, GS: tl.constexpr):
+    """2^23 + zero point, and scale, for rows x words kw of a 4-bit weight: per row (rows, 1) with
+    one group, else per row and word (rows, words) (a word's eight inputs share a group)."""
+    if GS == K:
+        zero = tl.load(z_ptr + rows, mask=rmask, other=0.0)[:, None]
+        scale = tl.load(s_ptr + rows, mask=rmask, other=0.0)[:, None]
+    else:
+        grp = rows[:, None] * (K // GS) + (kw * 8 // GS)[None, :]
+        m = rmask[:, None] & km[None, :]
+        zero = tl.load(z_ptr + grp, mask=m, other=0.0)
+        scale = tl.load(s_ptr + grp, mask=m, other=0.0)
+    return 8388608.0 + zero, scale
+
+
+@triton.jit
+def _mac(acc, ss, w_ptr, s_ptr, z_ptr, rows, rmask, v_ptr, g_ptr, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+         Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr):
+    """One K-block of matrix-vector products: acc += W[rows, block] * v'[block] elementwise, with
+    v' = g * v under GAIN (an RMSNorm's gain; then ss += v^2 for its scale), else v.
+    Dense W (N, K): acc (rows, BLOCK_K), ss (BLOCK_K,). 4-bit W (`Weight`): values packed eight to
+    an int32 along K, (N, K/8), value j of a word in bits 4j..4j+3 (as GPTQ packs); acc
+    (rows, BLOCK_K/8), ss (BLOCK_K/8,): the eight values of a word add into one column. The zero
+    point is applied here, a group's scale too, but a per-row scale (one group) by the caller
+    (`_row_scale`), once per output."""
     if Q4:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :],
-                        mask=rmask[:, None] & (kw < K // 8)[None, :], other=0)
-        q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-        q = tl.reshape(q, [BLOCK_R, BLOCK_K]).to(tl.float32)
-        g = rows * (K // GS) + k0 // GS
-        scale = tl.load(s_ptr + g, mask=rmask, other=0.0)
-        zero = tl.load(z_ptr + g, mask=rmask, other=0.0)
-        return (q - zero[:, None]) * scale[:, None]
+        km = kw < K // 8
+        words = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :], mask=rmask[:, None] & km[None, :], other=0)
+        zero, scale = _zero_scale(s_ptr, z_ptr, rows, rmask, kw, km, K, GS)
+        for j in tl.static_range(8):
+            cols = kw * 8 + j
+            v = tl.load(v_ptr + cols, mask=km, other=0.0).to(tl.float32)
+            if GAIN:
+                ss += v * v
+                v = v * tl.load(g_ptr + cols, mask=km, other=0.0).to(tl.float32)
+            # q with the bits of 2^23 is the float 2^23 + q: minus (2^23 + z) gives q - z exactly,
+            # without an int-to-float conversion
+            w = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero
+            if GS != K:
+                w = w * scale
+            acc += w * v[None, :]
     else:
         cols = k0 + tl.arange(0, BLOCK_K)
-        return tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols < K)[None, :],
-                       other=0.0).to(tl.float32)
+        cm = cols < K
+        v = tl.load(v_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        if GAIN:
+            ss += v * v
+            v = v * tl.load(g_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
+        acc += w.to(tl.float32) * v[None, :]
+    return acc, ss
+
+
+@triton.jit
+def _row_scale(y, s_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
+    """The per-row scale of a one-group 4-bit weight, applied to the finished row sums."""
+    if Q4:
+        if GS == K:
+            y = y * tl.load(s_ptr + rows, mask=rmask, other=0.0)
+    return y
 
 
 @triton.jit
 def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                   eps, max_len, DIM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                   HAS_BIAS: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, VW: tl.constexpr):
     # program (head, j): rows j*BLOCK_R.. of the head's first half and the matching second-half
     # rows, which the rotation pairs up
     head = tl.program_id(0)
@@ -85,19 +125,17 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     d = j * BLOCK_R + tl.arange(0, BLOCK_R)
     r1 = head * D + d
     r2 = r1 + D // 2
-    acc1 = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
+    ss = tl.zeros([VW], dtype=tl.float32)
+    ss2 = tl.zeros([VW], dtype=tl.float32)
+    every = r1 >= 0
     for k0 in range(0, DIM, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        gx, xk = _gained(x_ptr, nw_ptr, cols, DIM)
-        ss += xk * xk
-        every = r1 >= 0
-        acc1 += _wtile(w_ptr, s_ptr, z_ptr, r1, every, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS) * gx[None, :]
-        acc2 += _wtile(w_ptr, s_ptr, z_ptr, r2, every, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS) * gx[None, :]
+        acc1, ss = _mac(acc1, ss, w_ptr, s_ptr, z_ptr, r1, every, x_ptr, nw_ptr, k0, DIM, BLOCK_K, Q4, GS, True)
+        acc2, ss2 = _mac(acc2, ss2, w_ptr, s_ptr, z_ptr, r2, every, x_ptr, nw_ptr, k0, DIM, BLOCK_K, Q4, GS, True)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    y1 = tl.sum(acc1, 1) * inv
-    y2 = tl.sum(acc2, 1) * inv
+    y1 = _row_scale(tl.sum(acc1, 1), s_ptr, r1, every, DIM, Q4, GS) * inv
+    y2 = _row_scale(tl.sum(acc2, 1), s_ptr, r2, every, DIM, Q4, GS) * inv
     if HAS_BIAS:
         y1 += tl.load(b_ptr + r1).to(tl.float32)
         y2 += tl.load(b_ptr + r2).to(tl.float32)
@@ -167,25 +205,25 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
 
 @triton.jit
 def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, RESIDUAL: tl.constexpr,
-          Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+          Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+          VW: tl.constexpr):
     """out[rows] = W[rows] @ y, rounded to y's dtype as `linear(y)` is, plus x[rows] (rounded like
     `x + linear(y)`) when RESIDUAL; out may be x itself (each program owns its rows)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < N
     dtype = y_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
+    ss = tl.zeros([VW], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        y = tl.load(y_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        acc += _wtile(w_ptr, s_ptr, z_ptr, rows, rm, k0, K, BLOCK_R, BLOCK_K, Q4, GS) * y[None, :]
-    o = _rnd(tl.sum(acc, 1), dtype)
+        acc, ss = _mac(acc, ss, w_ptr, s_ptr, z_ptr, rows, rm, y_ptr, y_ptr, k0, K, BLOCK_K, Q4, GS, False)
+    o = _rnd(_row_scale(tl.sum(acc, 1), s_ptr, rows, rm, K, Q4, GS), dtype)
     if RESIDUAL:
         o = _rnd(tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32) + o, dtype)
     tl.store(out_ptr + rows, o.to(out_ptr.dtype.element_ty), mask=rm)
 
 
 class Weight:
-    """A projection's weight as the kernels take it: dense (N, K), or 4-bit (`q4`, see `_wtile`)."""
+    """A projection's weight as the kernels take it: dense (N, K), or 4-bit (`q4`, see `_mac`)."""
 
     def __init__(self, w: Tensor, scales: Tensor | None = None, zeros: Tensor | None = None, group: int = 0):
         self.w, self.scales, self.zeros = w, scales, zeros
@@ -204,9 +242,12 @@ class Weight:
         return self.w, s, self.zeros if self.q4 else self.w
 
     def block_k(self, want: int) -> int:
-        """K per iteration: a power of two, and within one group (groups are powers of two)."""
-        k = min(want, triton.next_power_of_2(self.k))
-        return k if self.group == self.k else min(k, self.group)
+        """K per iteration: a power of two."""
+        return min(want, triton.next_power_of_2(self.k))
+
+    def vw(self, want: int) -> int:
+        """Accumulator columns for that K block (a 4-bit word's eight values share one)."""
+        return self.block_k(want) // (8 if self.q4 else 1)
 
 
 def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
@@ -214,7 +255,8 @@ def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, r
     """out = W @ y (+ residual) for y (K,); out may be residual (in place)."""
     x = residual if residual is not None else out
     _gemv[(triton.cdiv(w.n, rows),)](y, *w.args(), x, out, N=w.n, K=w.k, RESIDUAL=residual is not None,
-                                     Q4=w.q4, GS=w.group, BLOCK_R=rows, BLOCK_K=w.block_k(block_k), num_warps=warps)
+                                     Q4=w.q4, GS=w.group, BLOCK_R=rows, BLOCK_K=w.block_k(block_k),
+                                     VW=w.vw(block_k), num_warps=warps)
     return out
 
 
@@ -222,7 +264,7 @@ def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, r
 def _q4_matmul(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, K: tl.constexpr, N: tl.constexpr,
                HAS_BIAS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out (M, N) = x (M, K) @ W^T (+ bias) with W 4-bit (`_wtile`), for prefills: each 4-bit tile is
+    """out (M, N) = x (M, K) @ W^T (+ bias) with W 4-bit (`_mac`), for prefills: each 4-bit tile is
     dequantized in registers to x's dtype and multiplied on the tensor cores."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
@@ -233,13 +275,17 @@ def _q4_matmul(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, K: tl.constexpr, N
     dtype = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + m[:, None] * K + cols[None, :], mask=mm[:, None] & (cols < K)[None, :], other=0.0)
-        w = _wtile(w_ptr, s_ptr, z_ptr, n, nm, k0, K, BLOCK_N, BLOCK_K, True, GS).to(dtype)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        km = kw < K // 8
+        words = tl.load(w_ptr + n[:, None] * (K // 8) + kw[None, :], mask=nm[:, None] & km[None, :], other=0)
+        zero, scale = _zero_scale(s_ptr, z_ptr, n, nm, kw, km, K, GS)
+        for j in tl.static_range(8):  # value j of every word: inputs 8w + j
+            x = tl.load(x_ptr + m[:, None] * K + (kw * 8 + j)[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            w = ((((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero) * scale
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w.to(dtype)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w.to(dtype)))
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=mm[:, None] & nm[None, :])
@@ -254,29 +300,30 @@ def q4_matmul(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
     grid = (triton.cdiv(m, bm), triton.cdiv(w.n, bn))
     _q4_matmul[grid](x, *w.args(), bias if bias is not None else x, out, m, K=w.k, N=w.n,
                      HAS_BIAS=bias is not None, GS=w.group, IEEE=x.dtype == torch.float32,
-                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=w.block_k(64), num_warps=4 if bm <= 64 else 8, num_stages=3)
+                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=max(128, w.block_k(256)), num_warps=4 if bm <= 64 else 8,
+                     num_stages=3)  # (128 and more: tl.dot needs 16 words)
     return out
 
 
 @triton.jit
 def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
-                 Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                 Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                 VW: tl.constexpr):
     """h[rows] = silu(gate) * up of RMSNorm(x), W = [gate; up] stacked (2 * INTER, DIM)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
-    acc_g = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
+    ss = tl.zeros([VW], dtype=tl.float32)
+    ss2 = tl.zeros([VW], dtype=tl.float32)
     for k0 in range(0, DIM, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        gx, xk = _gained(x_ptr, nw_ptr, cols, DIM)
-        ss += xk * xk
-        acc_g += _wtile(w_ptr, s_ptr, z_ptr, rows, rm, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS) * gx[None, :]
-        acc_u += _wtile(w_ptr, s_ptr, z_ptr, rows + INTER, rm, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS) * gx[None, :]
+        acc_g, ss = _mac(acc_g, ss, w_ptr, s_ptr, z_ptr, rows, rm, x_ptr, nw_ptr, k0, DIM, BLOCK_K, Q4, GS, True)
+        acc_u, ss2 = _mac(acc_u, ss2, w_ptr, s_ptr, z_ptr, rows + INTER, rm, x_ptr, nw_ptr, k0, DIM, BLOCK_K, Q4, GS,
+                          True)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    g = _rnd(tl.sum(acc_g, 1) * inv, dtype)
-    u = _rnd(tl.sum(acc_u, 1) * inv, dtype)
+    g = _rnd(_row_scale(tl.sum(acc_g, 1), s_ptr, rows, rm, DIM, Q4, GS) * inv, dtype)
+    u = _rnd(_row_scale(tl.sum(acc_u, 1), s_ptr, rows + INTER, rm, DIM, Q4, GS) * inv, dtype)
     act = _rnd(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 
@@ -387,7 +434,7 @@ class TritonDecode:
                 self.x, layer.input_layernorm.weight, *wqkv.args(), bias if bias is not None else self.x,
                 dec.rope_cos, dec.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps,
                 self.max_len, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, Q4=wqkv.q4,
-                GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), num_warps=qw)
+                GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), VW=wqkv.vw(qk), num_warps=qw)
             _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
@@ -397,7 +444,7 @@ class TritonDecode:
             _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
                 self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
                 layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
-                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), num_warps=gw)
+                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), num_warps=gw)
             r, k, w = cfg["down"]
             gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w)
         return self.x
