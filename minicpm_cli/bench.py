@@ -172,8 +172,9 @@ def environment(device: torch.device) -> dict:
                                        cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         pass
-    # a copied tree (e.g. on a remote GPU machine) has no .git: let the caller say which commit it is
-    env["commit"] = env["commit"] or os.environ.get("MINICPM_COMMIT") or None
+    # a copied tree (e.g. on a remote GPU machine) may have no .git, or a stale one: the caller's
+    # MINICPM_COMMIT, when set, says which commit it is
+    env["commit"] = os.environ.get("MINICPM_COMMIT") or env["commit"] or None
     return env
 
 
