@@ -139,7 +139,7 @@ class Int4Linear(nn.Module):
 
 class Q4Linear(nn.Module):
     """y = x W^T + b with W in 4 bits, for the Triton kernels (backends/kernels.py): one-token steps
-    read it inside the fused decode kernels (`kernel_weight`), prefills go through `q4_matmul`.
+    read it inside the fused decode kernels (`kernel_weight`), prefills go through `q4_linear`.
 
     Layout: the GPTQ values packed eight to an int32 along the input dim as in `qweight`, but row
     per output, `packed` (out, in/8); float32 `scales` and true `zeros` (out, groups). Act-order
@@ -194,13 +194,13 @@ class Q4Linear(nn.Module):
         return Weight(self.packed, self.scales, self.zeros, self.group)
 
     def forward(self, x: Tensor) -> Tensor:
-        from .kernels import q4_matmul
+        from .kernels import q4_linear
 
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.perm is not None:
             x = x.index_select(1, self.perm)
-        return q4_matmul(x.contiguous(), self.kernel_weight(), self.bias).reshape(*shape[:-1], self.out_features)
+        return q4_linear(x.contiguous(), self.kernel_weight(), self.bias).reshape(*shape[:-1], self.out_features)
 
     @property
     def weight_bytes(self) -> int:

@@ -261,48 +261,46 @@ def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, r
 
 
 @triton.jit
-def _q4_matmul(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, K: tl.constexpr, N: tl.constexpr,
-               HAS_BIAS: tl.constexpr, GS: tl.constexpr, IEEE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out (M, N) = x (M, K) @ W^T (+ bias) with W 4-bit (`_mac`), for prefills: each 4-bit tile is
-    dequantized in registers to x's dtype and multiplied on the tensor cores."""
-    pm = tl.program_id(0)
-    pn = tl.program_id(1)
-    m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    mm = m < M
-    nm = n < N
-    dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        km = kw < K // 8
-        words = tl.load(w_ptr + n[:, None] * (K // 8) + kw[None, :], mask=nm[:, None] & km[None, :], other=0)
-        zero, scale = _zero_scale(s_ptr, z_ptr, n, nm, kw, km, K, GS)
-        for j in tl.static_range(8):  # value j of every word: inputs 8w + j
-            x = tl.load(x_ptr + m[:, None] * K + (kw * 8 + j)[None, :], mask=mm[:, None] & km[None, :], other=0.0)
-            w = ((((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero) * scale
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w.to(dtype)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w.to(dtype)))
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(dtype), mask=mm[:, None] & nm[None, :])
+def _q4_dequant(w_ptr, s_ptr, z_ptr, out_ptr, n0, N: tl.constexpr, K: tl.constexpr, GS: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[r, :] = W[n0 + r, :] dequantized to out's dtype (a 4-bit weight, see `_mac`)."""
+    rows = n0 + tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = rows < N
+    kw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    km = kw < K // 8
+    words = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :], mask=rm[:, None] & km[None, :], other=0)
+    zero, scale = _zero_scale(s_ptr, z_ptr, rows, rm, kw, km, K, GS)
+    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zero[:, :, None]) * scale[:, :, None]
+    cols = kw[:, None] * 8 + tl.arange(0, 8)[None, :]
+    off = (rows - n0)[:, None, None] * K + cols[None, :, :]
+    tl.store(out_ptr + off, w.to(out_ptr.dtype.element_ty), mask=rm[:, None, None] & km[None, :, None])
 
 
-def q4_matmul(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
-    """x (M, K) contiguous -> (M, N) in x's dtype."""
+SCRATCH = 1 << 25  # elements of the dequantized slice of a 4-bit weight a prefill works on (64 MB in bf16)
+
+
+def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
+    """x (M, K) contiguous -> x @ W^T + bias (M, N) in x's dtype, for a 4-bit W. One row: the GEMV
+    kernel. More (prefills): slices of W dequantized to x's dtype into a scratch buffer and
+    multiplied by cuBLAS, which is what the same layer with dequantized weights computes."""
     m = x.shape[0]
-    out = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
-    bm = 16 if m <= 16 else 64 if m <= 256 else 128
-    bn = 64 if m <= 64 else 128
-    grid = (triton.cdiv(m, bm), triton.cdiv(w.n, bn))
-    _q4_matmul[grid](x, *w.args(), bias if bias is not None else x, out, m, K=w.k, N=w.n,
-                     HAS_BIAS=bias is not None, GS=w.group, IEEE=x.dtype == torch.float32,
-                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=max(128, w.block_k(256)), num_warps=4 if bm <= 64 else 8,
-                     num_stages=3)  # (128 and more: tl.dot needs 16 words)
-    return out
+    if m == 1:
+        y = gemv(w, x[0], torch.empty(w.n, dtype=x.dtype, device=x.device))[None]
+        return y if bias is None else y + bias
+    y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    rows = max(64, SCRATCH // w.k // 64 * 64)
+    scratch = torch.empty(min(rows, w.n), w.k, dtype=x.dtype, device=x.device)
+    for n0 in range(0, w.n, rows):
+        n1 = min(n0 + rows, w.n)
+        part = scratch[: n1 - n0]
+        _q4_dequant[(triton.cdiv(n1 - n0, 16), triton.cdiv(w.k, 256))](*w.args(), part, n0, N=n1, K=w.k, GS=w.group,
+                                                                      BLOCK_R=16, BLOCK_K=256)
+        if bias is None:
+            y[:, n0:n1] = x @ part.T
+        else:
+            y[:, n0:n1] = torch.addmm(bias[n0:n1], x, part.T)
+    return y
 
 
 @triton.jit
@@ -406,7 +404,9 @@ class TritonDecode:
         # Launch shapes per kernel: (rows per program, K per iteration, warps); the qkv kernel's
         # rows are per half head. The best of a sweep on an H200 (docs/benchmarks.md): a small
         # model wants all of K in one iteration (latency), a large one more, shorter programs.
-        if c.dim <= 1024:
+        if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others
+            self.cfg = {"qkv": (4, 1024, 4), "o": (8, 1024, 4), "gate_up": (4, 1024, 4), "down": (16, 2048, 8)}
+        elif c.dim <= 1024:
             k = triton.next_power_of_2(c.dim)
             self.cfg = {"qkv": (8, k, 4), "o": (8, k, 4), "gate_up": (8, k, 4), "down": (8, 1024, 4)}
         else:
