@@ -109,3 +109,16 @@ class GGUFLLM:
 def create(ckpt, config: dict, *, device, dtype, max_len: int, gguf: str | None = None) -> GGUFLLM:
     path = resolve_gguf(gguf)
     return GGUFLLM(path, max_len, torch.device(device))
+
+
+def tts_runner(model):
+    """The TTS head, DVAE and Vocos run as in the compile backend (Triton steps, CUDA graphs)."""
+    from . import compile as compiled
+
+    return compiled.tts_runner(model)
+
+
+def wrap_codec(codec) -> None:
+    from . import compile as compiled
+
+    compiled.wrap_codec(codec)
