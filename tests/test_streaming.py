@@ -194,8 +194,12 @@ def test_lines_into_files_and_into_one_stream(tiny_dir, tmp_path):
 
 def _spawn(args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    # A child inherits ignored signals, and Python then installs no Ctrl-C handler: start it with
+    # SIGINT at its default, whatever state earlier tests left this process in (in a full CI run
+    # the child ignored SIGINT and finished normally).
     return subprocess.Popen([sys.executable, "-m", "minicpm_cli", *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
