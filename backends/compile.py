@@ -108,10 +108,12 @@ class CompiledLLM:
         self.triton = None
         if fuse and (use_triton if use_triton is not None else dev.type == "cuda"):  # (tests: interpreter)
             self.triton = _kernels().TritonDecode(model.model)
+            self.lm_head = _kernels().Weight(model.lm_head.weight)
             self.logits = torch.zeros(model.lm_head.out_features, device=dev)
             self.lm_head_cfg = {"rows": 4, "block_k": 512, "warps": 4}  # 0.24 ms on an H200 (cuBLAS: 0.34)
         self.pos = 0
-        self.version = f"torch {torch.__version__} (inductor + CUDA graphs)"
+        self.version = (f"torch {torch.__version__}, triton {_kernels().triton.__version__} (Triton decode + CUDA graphs)"
+                        if self.triton is not None else f"torch {torch.__version__} (inductor + CUDA graphs)")
         # bytes a decode step reads: the weights (quantized ones included), but not the embedding
         # table (one row of it), the KV cache or index buffers
         tensors = [*model.named_parameters(), *model.named_buffers()]
@@ -134,8 +136,7 @@ class CompiledLLM:
         """One token ids[0] at position pos0 on the Triton kernels -> (logits, hidden (1, dim))."""
         m = self.model
         hidden = m.model.norm(self.triton(m.model.embed_tokens(self.ids[:1])[0], self.pos0))
-        k = _kernels()
-        k.gemv(k.Weight(m.lm_head.weight), hidden, self.logits, **self.lm_head_cfg)
+        _kernels().gemv(self.lm_head, hidden, self.logits, **self.lm_head_cfg)
         return self.logits, hidden[None]
 
     @torch.inference_mode()

@@ -20,6 +20,8 @@ from torch import Tensor
 
 from minicpm_cli.errors import BackendError, ModelNotFound, UsageError
 
+from . import compile as compiled
+
 DEFAULT_REPO = "openbmb/MiniCPM-o-2_6-gguf"
 DEFAULT_FILE = "Model-7.6B-Q4_K_M.gguf"
 
@@ -111,14 +113,6 @@ def create(ckpt, config: dict, *, device, dtype, max_len: int, gguf: str | None 
     return GGUFLLM(path, max_len, torch.device(device))
 
 
-def tts_runner(model):
-    """The TTS head, DVAE and Vocos run as in the compile backend (Triton steps, CUDA graphs)."""
-    from . import compile as compiled
-
-    return compiled.tts_runner(model)
-
-
-def wrap_codec(codec) -> None:
-    from . import compile as compiled
-
-    compiled.wrap_codec(codec)
+# the TTS head, DVAE and Vocos run as in the compile backend (Triton steps, CUDA graphs)
+tts_runner = compiled.tts_runner
+wrap_codec = compiled.wrap_codec

@@ -15,12 +15,16 @@ kernels, not by arithmetic or bandwidth, so the layer is fused into five launche
 
 `_gemv` also serves the LLM's lm_head, and `_sample_codes` the TTS step's code choice.
 
+Projection weights come as a `Weight`: a dense matrix, or 4-bit GPTQ values packed eight to an
+int32 (the int4 backend's `Q4Linear`), unpacked inside the same kernels (`_mac`); prefills with 4-bit
+weights dequantize slices for cuBLAS (`q4_linear`).
+
 Arithmetic is float32 inside a kernel; results are rounded to the model dtype where the eager code
 rounds them (after each projection, around the rotary products, after the activation). The RMSNorm
 before a projection is folded into it (the normalised input is not rounded on its own), so in bf16
 the kernels differ from `minicpm_cli.models.transformer` by about its own rounding error; in float32
-by summation order only. Triton is imported only
-when a runner is built; under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests).
+by summation order only. This module is imported only when a CUDA runner is built (it needs
+Triton); under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests).
 """
 
 from __future__ import annotations
@@ -37,15 +41,6 @@ from minicpm_cli.models.transformer import Decoder
 def _rnd(v, dtype: tl.constexpr):
     """Round a float32 value to the model dtype (and back), as an eager op's output would be."""
     return v.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _gained(x_ptr, nw_ptr, cols, DIM: tl.constexpr):
-    """(g * x)[cols] and x[cols] in float32. RMSNorm(x) @ W^T = inv_rms(x) * ((g * x) @ W^T), so the
-    norm costs no pass of its own: the sum of squares accumulates alongside the products."""
-    m = cols < DIM
-    xk = tl.load(x_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    return tl.load(nw_ptr + cols, mask=m, other=0.0).to(tl.float32) * xk, xk
 
 
 @triton.jit
