@@ -59,42 +59,86 @@ def _zero_scale(s_ptr, z_ptr, rows, rmask, kw, km, K: tl.constexpr, GS: tl.const
 
 
 @triton.jit
-def _mac(acc, ss, w_ptr, s_ptr, z_ptr, rows, rmask, v_ptr, g_ptr, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
-         Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr):
-    """One K-block of matrix-vector products: acc += W[rows, block] * v'[block] elementwise, with
-    v' = g * v under GAIN (an RMSNorm's gain; then ss += v^2 for its scale), else v.
-    Dense W (N, K): acc (rows, BLOCK_K), ss (BLOCK_K,). 4-bit W (`Weight`): values packed eight to
-    an int32 along K, (N, K/8), value j of a word in bits 4j..4j+3 (as GPTQ packs); acc
-    (rows, BLOCK_K/8), ss (BLOCK_K/8,): the eight values of a word add into one column. The zero
-    point is applied here, a group's scale too, but a per-row scale (one group) by the caller
-    (`_row_scale`), once per output."""
+def _vec(v_ptr, g_ptr, cols, cm, ss, GAIN: tl.constexpr):
+    """Inputs v[cols] in float32; under GAIN, g * v (an RMSNorm's gain) and ss += v^2 (its scale)."""
+    v = tl.load(v_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    if GAIN:
+        ss += v * v
+        v = v * tl.load(g_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    return v, ss
+
+
+@triton.jit
+def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, rows, rows2, rmask, v_ptr, g_ptr, k0, K: tl.constexpr,
+         BLOCK_K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr, TWO: tl.constexpr):
+    """One K-block of matrix-vector products: acc += W[rows, block] * v'[block] elementwise, and
+    under TWO acc2 the same for rows2 (the kernels that make two outputs from one input: the two
+    halves of a rotated head, gate and up), with v' = g * v under GAIN (an RMSNorm's gain; then
+    ss += v^2 for its scale), else v. Dense W (N, K): acc (rows, BLOCK_K), ss (BLOCK_K,). 4-bit W
+    (`Weight`): values packed eight to an int32 along K, (N, K/8), value j of a word in bits
+    4j..4j+3 (as GPTQ packs); acc (rows, BLOCK_K/8), ss (BLOCK_K/8,): the eight values of a word
+    add into one column. The zero point is applied here, a group's scale too, but a per-row scale
+    (one group) by the caller (`_row_scale`), once per output."""
     if Q4:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         km = kw < K // 8
-        words = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :], mask=rmask[:, None] & km[None, :], other=0)
-        zero, scale = _zero_scale(s_ptr, z_ptr, rows, rmask, kw, km, K, GS)
-        for j in tl.static_range(8):
-            cols = kw * 8 + j
-            v = tl.load(v_ptr + cols, mask=km, other=0.0).to(tl.float32)
-            if GAIN:
-                ss += v * v
-                v = v * tl.load(g_ptr + cols, mask=km, other=0.0).to(tl.float32)
-            # q with the bits of 2^23 is the float 2^23 + q: minus (2^23 + z) gives q - z exactly,
-            # without an int-to-float conversion
-            w = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero
-            if GS != K:
-                w = w * scale
-            acc += w * v[None, :]
+        m = rmask[:, None] & km[None, :]
+        words = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :], mask=m, other=0)
+        words2 = words
+        if TWO:
+            words2 = tl.load(w_ptr + rows2[:, None] * (K // 8) + kw[None, :], mask=m, other=0)
+        if GS == K:
+            # One group: a value's 4 bits are masked in place (value j at bits 4j.., or 4j-12.. of
+            # the word shifted by 12 for j >= 5: bit 23 is the exponent's) and given the bits of
+            # 2^23, which makes the float 2^23 + q * 2^sh; minus 2^23 + z * 2^sh that is
+            # (q - z) * 2^sh exactly, and v * 2^-sh restores the product: one integer operation
+            # per value (and + or), no shifts, no int-to-float conversion.
+            zero = tl.load(z_ptr + rows, mask=rmask, other=0.0)[:, None]
+            zero2 = tl.load(z_ptr + rows2, mask=rmask, other=0.0)[:, None]
+            high = words >> 12
+            high2 = words2 >> 12
+            for j in tl.static_range(8):
+                v, ss = _vec(v_ptr, g_ptr, kw * 8 + j, km, ss, GAIN)
+                if j < 5:
+                    sh = 4 * j
+                    src = words
+                    src2 = words2
+                else:
+                    sh = 4 * j - 12
+                    src = high
+                    src2 = high2
+                vs = (v * (1.0 / (1 << sh)))[None, :]
+                w = ((src & (0xF << sh)) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero * (1 << sh))
+                acc += w * vs
+                if TWO:
+                    w2 = ((src2 & (0xF << sh)) | 0x4B000000).to(tl.float32, bitcast=True)
+                    acc2 += (w2 - (8388608.0 + zero2 * (1 << sh))) * vs
+        else:
+            # groups: zero point and scale per row and word (a word's eight values share a group)
+            grp = rows[:, None] * (K // GS) + (kw * 8 // GS)[None, :]
+            grp2 = rows2[:, None] * (K // GS) + (kw * 8 // GS)[None, :]
+            zero = 8388608.0 + tl.load(z_ptr + grp, mask=m, other=0.0)
+            scale = tl.load(s_ptr + grp, mask=m, other=0.0)
+            zero2 = 8388608.0 + tl.load(z_ptr + grp2, mask=m, other=0.0)
+            scale2 = tl.load(s_ptr + grp2, mask=m, other=0.0)
+            for j in tl.static_range(8):
+                v, ss = _vec(v_ptr, g_ptr, kw * 8 + j, km, ss, GAIN)
+                # q with the bits of 2^23 is the float 2^23 + q: minus (2^23 + z) gives q - z
+                w = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero
+                acc += w * scale * v[None, :]
+                if TWO:
+                    w2 = (((words2 >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero2
+                    acc2 += w2 * scale2 * v[None, :]
     else:
         cols = k0 + tl.arange(0, BLOCK_K)
         cm = cols < K
-        v = tl.load(v_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-        if GAIN:
-            ss += v * v
-            v = v * tl.load(g_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+        v, ss = _vec(v_ptr, g_ptr, cols, cm, ss, GAIN)
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
         acc += w.to(tl.float32) * v[None, :]
-    return acc, ss
+        if TWO:
+            w2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
+            acc2 += w2.to(tl.float32) * v[None, :]
+    return acc, acc2, ss
 
 
 @triton.jit
@@ -123,11 +167,10 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     acc1 = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
     ss = tl.zeros([VW], dtype=tl.float32)
-    ss2 = tl.zeros([VW], dtype=tl.float32)
     every = r1 >= 0
     for k0 in range(0, DIM, BLOCK_K):
-        acc1, ss = _mac(acc1, ss, w_ptr, s_ptr, z_ptr, r1, every, x_ptr, nw_ptr, k0, DIM, BLOCK_K, Q4, GS, True)
-        acc2, ss2 = _mac(acc2, ss2, w_ptr, s_ptr, z_ptr, r2, every, x_ptr, nw_ptr, k0, DIM, BLOCK_K, Q4, GS, True)
+        acc1, acc2, ss = _mac(acc1, acc2, ss, w_ptr, s_ptr, z_ptr, r1, r2, every, x_ptr, nw_ptr, k0, DIM, BLOCK_K,
+                              Q4, GS, True, True)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     y1 = _row_scale(tl.sum(acc1, 1), s_ptr, r1, every, DIM, Q4, GS) * inv
     y2 = _row_scale(tl.sum(acc2, 1), s_ptr, r2, every, DIM, Q4, GS) * inv
@@ -210,7 +253,8 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.con
     acc = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
     ss = tl.zeros([VW], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc, ss = _mac(acc, ss, w_ptr, s_ptr, z_ptr, rows, rm, y_ptr, y_ptr, k0, K, BLOCK_K, Q4, GS, False)
+        acc, _, ss = _mac(acc, acc, ss, w_ptr, s_ptr, z_ptr, rows, rows, rm, y_ptr, y_ptr, k0, K, BLOCK_K, Q4, GS,
+                          False, False)
     o = _rnd(_row_scale(tl.sum(acc, 1), s_ptr, rows, rm, K, Q4, GS), dtype)
     if RESIDUAL:
         o = _rnd(tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32) + o, dtype)
@@ -309,11 +353,9 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     acc_g = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
     ss = tl.zeros([VW], dtype=tl.float32)
-    ss2 = tl.zeros([VW], dtype=tl.float32)
     for k0 in range(0, DIM, BLOCK_K):
-        acc_g, ss = _mac(acc_g, ss, w_ptr, s_ptr, z_ptr, rows, rm, x_ptr, nw_ptr, k0, DIM, BLOCK_K, Q4, GS, True)
-        acc_u, ss2 = _mac(acc_u, ss2, w_ptr, s_ptr, z_ptr, rows + INTER, rm, x_ptr, nw_ptr, k0, DIM, BLOCK_K, Q4, GS,
-                          True)
+        acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, w_ptr, s_ptr, z_ptr, rows, rows + INTER, rm, x_ptr, nw_ptr, k0, DIM,
+                                BLOCK_K, Q4, GS, True, True)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     g = _rnd(_row_scale(tl.sum(acc_g, 1), s_ptr, rows, rm, DIM, Q4, GS) * inv, dtype)
     u = _rnd(_row_scale(tl.sum(acc_u, 1), s_ptr, rows + INTER, rm, DIM, Q4, GS) * inv, dtype)
