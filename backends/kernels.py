@@ -29,12 +29,16 @@ Triton); under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from minicpm_cli.models.transformer import Decoder
+
+PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))  # inline PTX (not interpreted)
 
 
 @triton.jit
@@ -66,6 +70,32 @@ def _vec(v_ptr, g_ptr, cols, cm, ss, GAIN: tl.constexpr):
         ss += v * v
         v = v * tl.load(g_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     return v, ss
+
+
+@triton.jit
+def _nibble(src, SH: tl.constexpr):
+    """The float with the bits of 2^23 and src's bits SH..SH+3: 2^23 + q * 2^SH. On the GPU one
+    LOP3 written out (as and + or, ptxas makes two: an instruction holds one immediate); in
+    Triton's interpreter (the tests on a CPU) the same in plain operations."""
+    if PTX:
+        if SH == 0:
+            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 15, 1258291200, 234;", "=r,r", [src], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        elif SH == 4:
+            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 240, 1258291200, 234;", "=r,r", [src], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        elif SH == 8:
+            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 3840, 1258291200, 234;", "=r,r", [src], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        elif SH == 12:
+            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 61440, 1258291200, 234;", "=r,r", [src], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+        else:  # SH == 16
+            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 983040, 1258291200, 234;", "=r,r", [src],
+                                          dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        f = ((src & (0xF << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
+    return f
 
 
 @triton.jit
@@ -108,11 +138,9 @@ def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, rows, rows2, rmask, v_ptr, g_ptr, k
                     src = high
                     src2 = high2
                 vs = (v * (1.0 / (1 << sh)))[None, :]
-                w = ((src & (0xF << sh)) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero * (1 << sh))
-                acc += w * vs
+                acc += (_nibble(src, sh) - (8388608.0 + zero * (1 << sh))) * vs
                 if TWO:
-                    w2 = ((src2 & (0xF << sh)) | 0x4B000000).to(tl.float32, bitcast=True)
-                    acc2 += (w2 - (8388608.0 + zero2 * (1 << sh))) * vs
+                    acc2 += (_nibble(src2, sh) - (8388608.0 + zero2 * (1 << sh))) * vs
         else:
             # groups: zero point and scale per row and word (a word's eight values share a group)
             grp = rows[:, None] * (K // GS) + (kw * 8 // GS)[None, :]
