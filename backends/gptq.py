@@ -137,12 +137,26 @@ class Int4Linear(nn.Module):
         return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * 2
 
 
+def interleave(rows: Tensor) -> Tensor:
+    """(n, c) -> (ceil(n / 4), c, 4): the rows of every four interleaved (zero rows pad n), the
+    4-bit layout of the Triton kernels (backends/kernels.py `_mac`)."""
+    n, c = rows.shape
+    if n % 4:
+        rows = torch.cat([rows, rows.new_zeros(4 - n % 4, c)])
+    return rows.reshape(-1, 4, c).transpose(1, 2).contiguous()
+
+
+def deinterleave(words: Tensor, n: int) -> Tensor:
+    """Inverse of interleave: (ceil(n / 4), c, 4) -> (n, c)."""
+    return words.transpose(1, 2).reshape(-1, words.shape[1])[:n]
+
+
 class Q4Linear(nn.Module):
     """y = x W^T + b with W in 4 bits, for the Triton kernels (backends/kernels.py): one-token steps
     read it inside the fused decode kernels (`kernel_weight`), prefills go through `q4_linear`.
 
-    Layout: the GPTQ values packed eight to an int32 along the input dim as in `qweight`, but row
-    per output, `packed` (out, in/8); float32 `scales` and true `zeros` (out, groups). Act-order
+    Layout: the GPTQ values packed eight to an int32 along the input dim as in `qweight`, but a row
+    per output and the rows of every four interleaved, `packed` (ceil(out/4), in/8, 4); float32 `scales` and true `zeros` (out, groups). Act-order
     checkpoints with several groups keep a `perm` of the inputs (groups made contiguous); with one
     group (the official per-channel checkpoint) the order of inputs does not matter and none is kept.
     """
@@ -164,7 +178,7 @@ class Q4Linear(nn.Module):
         if not identity:
             q, g = q[perm], g[perm]
         rows = torch.arange(0, n_in, group, device=device)  # first input of each group
-        self.register_buffer("packed", pack_rows(q).T.contiguous(), persistent=False)
+        self.register_buffer("packed", interleave(pack_rows(q).T), persistent=False)
         self.register_buffer("scales", s.float()[g[rows]].T.contiguous(), persistent=False)
         self.register_buffer("zeros", zeros.float()[g[rows]].T.contiguous(), persistent=False)
         self.group = group
@@ -180,8 +194,10 @@ class Q4Linear(nn.Module):
         out = cls.__new__(cls)
         nn.Module.__init__(out)
         out.register_buffer("perm", None, persistent=False)
-        for name in ("packed", "scales", "zeros"):
+        for name in ("scales", "zeros"):
             out.register_buffer(name, torch.cat([getattr(p, name) for p in parts]), persistent=False)
+        rows = torch.cat([deinterleave(p.packed, p.out_features) for p in parts])
+        out.register_buffer("packed", interleave(rows), persistent=False)
         out.group, out.in_features = first.group, first.in_features
         out.out_features = sum(p.out_features for p in parts)
         biases = [p.bias for p in parts]

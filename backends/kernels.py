@@ -99,32 +99,45 @@ def _nibble(src, SH: tl.constexpr):
 
 
 @triton.jit
-def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, rows, rows2, rmask, v_ptr, g_ptr, k0, K: tl.constexpr,
-         BLOCK_K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr, TWO: tl.constexpr):
-    """One K-block of matrix-vector products: acc += W[rows, block] * v'[block] elementwise, and
-    under TWO acc2 the same for rows2 (the kernels that make two outputs from one input: the two
-    halves of a rotated head, gate and up), with v' = g * v under GAIN (an RMSNorm's gain; then
-    ss += v^2 for its scale), else v. Dense W (N, K): acc (rows, BLOCK_K), ss (BLOCK_K,). 4-bit W
-    (`Weight`): values packed eight to an int32 along K, (N, K/8), value j of a word in bits
-    4j..4j+3 (as GPTQ packs); acc (rows, BLOCK_K/8), ss (BLOCK_K/8,): the eight values of a word
-    add into one column. The zero point is applied here, a group's scale too, but a per-row scale
-    (one group) by the caller (`_row_scale`), once per output."""
+def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
+         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr,
+         TWO: tl.constexpr):
+    """One K-block of matrix-vector products: acc += W[rows, block] * v'[block] elementwise for
+    rows = row0 + 0..BLOCK_R-1 (those below LIM; with TWO, acc2 the same for rows from row02, for
+    the kernels that make two outputs from one input: the halves of a rotated head, gate and up),
+    with v' = g * v under GAIN (an RMSNorm's gain; then ss += v^2 for its scale), else v.
+
+    Dense W (N, K): acc (BLOCK_R, BLOCK_K), ss (BLOCK_K,). 4-bit W (`Weight`): values packed eight
+    to an int32 along K (value j of a word in bits 4j..4j+3, as GPTQ packs), the words of four
+    consecutive rows interleaved, (N/4, K/8, 4), so that one 16-byte load brings a word of each of
+    four rows; acc (BLOCK_K/8, BLOCK_R/4, 4), ss (BLOCK_K/8,): the eight values of a word add into
+    one element (`_total` sums up the rows). The zero point is applied here, a group's scale too,
+    a per-row scale (one group) by the caller (`_row_scale`), once per output."""
     if Q4:
+        # tile (words, quads, 4 rows): the order makes Triton give each thread whole columns
+        # (every row of the block for its words, so the inputs are loaded and scaled once per
+        # thread) and 16-byte loads
+        quad = tl.arange(0, BLOCK_R // 4)[None, :, None]
+        lane = tl.arange(0, 4)[None, None, :]
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         km = kw < K // 8
-        m = rmask[:, None] & km[None, :]
-        words = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :], mask=m, other=0)
+        kw3 = kw[:, None, None]
+        mq = (row0 + quad * 4 < LIM) & (kw3 < K // 8)  # whole quads: the words of padding rows exist
+        mr = row0 + quad * 4 + lane < LIM  # (1, quads, 4): rows
+        words = tl.load(w_ptr + ((row0 // 4 + quad) * (K // 8) + kw3) * 4 + lane, mask=mq, other=0)
         words2 = words
         if TWO:
-            words2 = tl.load(w_ptr + rows2[:, None] * (K // 8) + kw[None, :], mask=m, other=0)
+            words2 = tl.load(w_ptr + ((row02 // 4 + quad) * (K // 8) + kw3) * 4 + lane, mask=mq, other=0)
+        r3 = row0 + quad * 4 + lane
+        r3b = row02 + quad * 4 + lane
         if GS == K:
             # One group: a value's 4 bits are masked in place (value j at bits 4j.., or 4j-12.. of
             # the word shifted by 12 for j >= 5: bit 23 is the exponent's) and given the bits of
             # 2^23, which makes the float 2^23 + q * 2^sh; minus 2^23 + z * 2^sh that is
             # (q - z) * 2^sh exactly, and v * 2^-sh restores the product: one integer operation
-            # per value (and + or), no shifts, no int-to-float conversion.
-            zero = tl.load(z_ptr + rows, mask=rmask, other=0.0)[:, None]
-            zero2 = tl.load(z_ptr + rows2, mask=rmask, other=0.0)[:, None]
+            # per value, no shifts, no int-to-float conversion.
+            zero = tl.load(z_ptr + r3, mask=mr, other=0.0)
+            zero2 = tl.load(z_ptr + r3b, mask=mr, other=0.0)
             high = words >> 12
             high2 = words2 >> 12
             for j in tl.static_range(8):
@@ -137,14 +150,15 @@ def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, rows, rows2, rmask, v_ptr, g_ptr, k
                     sh = 4 * j - 12
                     src = high
                     src2 = high2
-                vs = (v * (1.0 / (1 << sh)))[None, :]
+                vs = (v * (1.0 / (1 << sh)))[:, None, None]
                 acc += (_nibble(src, sh) - (8388608.0 + zero * (1 << sh))) * vs
                 if TWO:
                     acc2 += (_nibble(src2, sh) - (8388608.0 + zero2 * (1 << sh))) * vs
         else:
             # groups: zero point and scale per row and word (a word's eight values share a group)
-            grp = rows[:, None] * (K // GS) + (kw * 8 // GS)[None, :]
-            grp2 = rows2[:, None] * (K // GS) + (kw * 8 // GS)[None, :]
+            grp = r3 * (K // GS) + kw3 * 8 // GS
+            grp2 = r3b * (K // GS) + kw3 * 8 // GS
+            m = mq & mr
             zero = 8388608.0 + tl.load(z_ptr + grp, mask=m, other=0.0)
             scale = tl.load(s_ptr + grp, mask=m, other=0.0)
             zero2 = 8388608.0 + tl.load(z_ptr + grp2, mask=m, other=0.0)
@@ -153,20 +167,43 @@ def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, rows, rows2, rmask, v_ptr, g_ptr, k
                 v, ss = _vec(v_ptr, g_ptr, kw * 8 + j, km, ss, GAIN)
                 # q with the bits of 2^23 is the float 2^23 + q: minus (2^23 + z) gives q - z
                 w = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero
-                acc += w * scale * v[None, :]
+                acc += w * scale * v[:, None, None]
                 if TWO:
                     w2 = (((words2 >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero2
-                    acc2 += w2 * scale2 * v[None, :]
+                    acc2 += w2 * scale2 * v[:, None, None]
     else:
+        rows = row0 + tl.arange(0, BLOCK_R)
+        m = (rows < LIM)[:, None]
         cols = k0 + tl.arange(0, BLOCK_K)
         cm = cols < K
         v, ss = _vec(v_ptr, g_ptr, cols, cm, ss, GAIN)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=m & cm[None, :], other=0.0)
         acc += w.to(tl.float32) * v[None, :]
         if TWO:
-            w2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=rmask[:, None] & cm[None, :], other=0.0)
+            rows2 = row02 + tl.arange(0, BLOCK_R)
+            w2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=m & cm[None, :], other=0.0)
             acc2 += w2.to(tl.float32) * v[None, :]
     return acc, acc2, ss
+
+
+@triton.jit
+def _acc(BLOCK_R: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr):
+    """Zeroed accumulators for `_mac`."""
+    if Q4:
+        a = tl.zeros([VW, BLOCK_R // 4, 4], dtype=tl.float32)
+    else:
+        a = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
+    return a
+
+
+@triton.jit
+def _total(acc, BLOCK_R: tl.constexpr, Q4: tl.constexpr):
+    """`_mac`'s accumulators summed per row: (BLOCK_R,), row0 first."""
+    if Q4:
+        t = tl.reshape(tl.sum(acc, 0), [BLOCK_R])
+    else:
+        t = tl.sum(acc, 1)
+    return t
 
 
 @triton.jit
@@ -192,16 +229,17 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     d = j * BLOCK_R + tl.arange(0, BLOCK_R)
     r1 = head * D + d
     r2 = r1 + D // 2
-    acc1 = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
+    acc1 = _acc(BLOCK_R, VW, Q4)
+    acc2 = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     every = r1 >= 0
+    row0 = head * D + j * BLOCK_R
     for k0 in range(0, DIM, BLOCK_K):
-        acc1, acc2, ss = _mac(acc1, acc2, ss, w_ptr, s_ptr, z_ptr, r1, r2, every, x_ptr, nw_ptr, k0, DIM, BLOCK_K,
-                              Q4, GS, True, True)
+        acc1, acc2, ss = _mac(acc1, acc2, ss, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, (HQ + 2 * HKV) * D, x_ptr,
+                              nw_ptr, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    y1 = _row_scale(tl.sum(acc1, 1), s_ptr, r1, every, DIM, Q4, GS) * inv
-    y2 = _row_scale(tl.sum(acc2, 1), s_ptr, r2, every, DIM, Q4, GS) * inv
+    y1 = _row_scale(_total(acc1, BLOCK_R, Q4), s_ptr, r1, every, DIM, Q4, GS) * inv
+    y2 = _row_scale(_total(acc2, BLOCK_R, Q4), s_ptr, r2, every, DIM, Q4, GS) * inv
     if HAS_BIAS:
         y1 += tl.load(b_ptr + r1).to(tl.float32)
         y2 += tl.load(b_ptr + r2).to(tl.float32)
@@ -278,12 +316,13 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.con
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < N
     dtype = y_ptr.dtype.element_ty
-    acc = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
+    acc = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
+    row0 = tl.program_id(0) * BLOCK_R
     for k0 in range(0, K, BLOCK_K):
-        acc, _, ss = _mac(acc, acc, ss, w_ptr, s_ptr, z_ptr, rows, rows, rm, y_ptr, y_ptr, k0, K, BLOCK_K, Q4, GS,
-                          False, False)
-    o = _rnd(_row_scale(tl.sum(acc, 1), s_ptr, rows, rm, K, Q4, GS), dtype)
+        acc, _, ss = _mac(acc, acc, ss, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R, BLOCK_K, Q4,
+                          GS, False, False)
+    o = _rnd(_row_scale(_total(acc, BLOCK_R, Q4), s_ptr, rows, rm, K, Q4, GS), dtype)
     if RESIDUAL:
         o = _rnd(tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32) + o, dtype)
     tl.store(out_ptr + rows, o.to(out_ptr.dtype.element_ty), mask=rm)
@@ -293,11 +332,15 @@ class Weight:
     """A projection's weight as the kernels take it: dense (N, K), or 4-bit (`q4`, see `_mac`)."""
 
     def __init__(self, w: Tensor, scales: Tensor | None = None, zeros: Tensor | None = None, group: int = 0):
+        """Dense: w (N, K). 4-bit: w int32 (ceil(N/4), K/8, 4) (see `_mac`), float32 scales and
+        zeros (N, groups), `group` inputs per group."""
         self.w, self.scales, self.zeros = w, scales, zeros
         self.q4 = scales is not None
-        self.n = w.shape[0]
+        self.n = scales.shape[0] if self.q4 else w.shape[0]
         self.k = w.shape[1] * 8 if self.q4 else w.shape[1]
         self.group = group if self.q4 else self.k
+        if self.q4 and (w.dim() != 3 or w.shape[2] != 4 or w.shape[0] * 4 < self.n):
+            raise ValueError(f"4-bit weight words must be (ceil(N/4), K/8, 4), got {tuple(w.shape)} for N={self.n}")
 
     @classmethod
     def of(cls, linear) -> Weight:
@@ -335,7 +378,8 @@ def _q4_dequant(w_ptr, s_ptr, z_ptr, out_ptr, n0, N: tl.constexpr, K: tl.constex
     rm = rows < N
     kw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
     km = kw < K // 8
-    words = tl.load(w_ptr + rows[:, None] * (K // 8) + kw[None, :], mask=rm[:, None] & km[None, :], other=0)
+    word = ((rows // 4) * (K // 8))[:, None] * 4 + kw[None, :] * 4 + (rows % 4)[:, None]  # rows interleaved by 4
+    words = tl.load(w_ptr + word, mask=rm[:, None] & km[None, :], other=0)
     zero, scale = _zero_scale(s_ptr, z_ptr, rows, rm, kw, km, K, GS)
     q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
     w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zero[:, :, None]) * scale[:, :, None]
@@ -378,15 +422,16 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
-    acc_g = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_R, VW], dtype=tl.float32)
+    acc_g = _acc(BLOCK_R, VW, Q4)
+    acc_u = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
+    row0 = tl.program_id(0) * BLOCK_R
     for k0 in range(0, DIM, BLOCK_K):
-        acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, w_ptr, s_ptr, z_ptr, rows, rows + INTER, rm, x_ptr, nw_ptr, k0, DIM,
-                                BLOCK_K, Q4, GS, True, True)
+        acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, k0,
+                                DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    g = _rnd(_row_scale(tl.sum(acc_g, 1), s_ptr, rows, rm, DIM, Q4, GS) * inv, dtype)
-    u = _rnd(_row_scale(tl.sum(acc_u, 1), s_ptr, rows + INTER, rm, DIM, Q4, GS) * inv, dtype)
+    g = _rnd(_row_scale(_total(acc_g, BLOCK_R, Q4), s_ptr, rows, rm, DIM, Q4, GS) * inv, dtype)
+    u = _rnd(_row_scale(_total(acc_u, BLOCK_R, Q4), s_ptr, rows + INTER, rm, DIM, Q4, GS) * inv, dtype)
     act = _rnd(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 
