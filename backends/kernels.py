@@ -73,6 +73,25 @@ def _vec(v_ptr, g_ptr, cols, cm, ss, GAIN: tl.constexpr):
 
 
 @triton.jit
+def _vec8(v_ptr, g_ptr, kw, km, ss, GAIN: tl.constexpr):
+    """`_vec` for the inputs of 4-bit words kw, in one 16-byte load per word: (v[8kw], v[8kw+1],
+    ..., v[8kw+7]) as eight (words,) vectors, ss (words,) += their squares under GAIN."""
+    cols = kw[:, None] * 8 + tl.arange(0, 8)[None, :]
+    v = tl.load(v_ptr + cols, mask=km[:, None], other=0.0).to(tl.float32)
+    if GAIN:
+        ss += tl.sum(v * v, 1)
+        v = v * tl.load(g_ptr + cols, mask=km[:, None], other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(v, [v.shape[0], 4, 2]))  # (words, 4): j = 0 2 4 6 and 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(even, [v.shape[0], 2, 2]))
+    o15, o37 = tl.split(tl.reshape(odd, [v.shape[0], 2, 2]))
+    v0, v4 = tl.split(e04)
+    v2, v6 = tl.split(e26)
+    v1, v5 = tl.split(o15)
+    v3, v7 = tl.split(o37)
+    return v0, v1, v2, v3, v4, v5, v6, v7, ss
+
+
+@triton.jit
 def _nibble(src, SH: tl.constexpr):
     """The float with the bits of 2^23 and src's bits SH..SH+3: 2^23 + q * 2^SH. On the GPU one
     LOP3 written out (as and + or, ptxas makes two: an instruction holds one immediate); in
@@ -140,8 +159,10 @@ def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0,
             zero2 = tl.load(z_ptr + r3b, mask=mr, other=0.0)
             high = words >> 12
             high2 = words2 >> 12
+            vj = _vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
+            ss = vj[8]
             for j in tl.static_range(8):
-                v, ss = _vec(v_ptr, g_ptr, kw * 8 + j, km, ss, GAIN)
+                v = vj[j]
                 if j < 5:
                     sh = 4 * j
                     src = words
@@ -219,7 +240,7 @@ def _row_scale(y, s_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.
 def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                   eps, max_len, DIM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                   HAS_BIAS: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_K: tl.constexpr, VW: tl.constexpr):
+                  BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr):
     # program (head, j): rows j*BLOCK_R.. of the head's first half and the matching second-half
     # rows, which the rotation pairs up
     head = tl.program_id(0)
@@ -234,7 +255,7 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     ss = tl.zeros([VW], dtype=tl.float32)
     every = r1 >= 0
     row0 = head * D + j * BLOCK_R
-    for k0 in range(0, DIM, BLOCK_K):
+    for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         acc1, acc2, ss = _mac(acc1, acc2, ss, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, (HQ + 2 * HKV) * D, x_ptr,
                               nw_ptr, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
@@ -310,7 +331,7 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
 @triton.jit
 def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, RESIDUAL: tl.constexpr,
           Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-          VW: tl.constexpr):
+          VW: tl.constexpr, STAGES: tl.constexpr):
     """out[rows] = W[rows] @ y, rounded to y's dtype as `linear(y)` is, plus x[rows] (rounded like
     `x + linear(y)`) when RESIDUAL; out may be x itself (each program owns its rows)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -319,7 +340,7 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.con
     acc = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     row0 = tl.program_id(0) * BLOCK_R
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         acc, _, ss = _mac(acc, acc, ss, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R, BLOCK_K, Q4,
                           GS, False, False)
     o = _rnd(_row_scale(_total(acc, BLOCK_R, Q4), s_ptr, rows, rm, K, Q4, GS), dtype)
@@ -361,12 +382,13 @@ class Weight:
 
 
 def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
-         block_k: int = 512, warps: int = 4) -> Tensor:
-    """out = W @ y (+ residual) for y (K,); out may be residual (in place)."""
+         block_k: int = 512, warps: int = 4, stages: int = 1) -> Tensor:
+    """out = W @ y (+ residual) for y (K,); out may be residual (in place). `stages` > 1 pipelines
+    the loads of that many K-blocks (asynchronous copies through shared memory)."""
     x = residual if residual is not None else out
     _gemv[(triton.cdiv(w.n, rows),)](y, *w.args(), x, out, N=w.n, K=w.k, RESIDUAL=residual is not None,
                                      Q4=w.q4, GS=w.group, BLOCK_R=rows, BLOCK_K=w.block_k(block_k),
-                                     VW=w.vw(block_k), num_warps=warps)
+                                     VW=w.vw(block_k), STAGES=stages, num_warps=warps)
     return out
 
 
@@ -417,7 +439,7 @@ def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
 @triton.jit
 def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
                  Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 VW: tl.constexpr):
+                 VW: tl.constexpr, STAGES: tl.constexpr):
     """h[rows] = silu(gate) * up of RMSNorm(x), W = [gate; up] stacked (2 * INTER, DIM)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < INTER
@@ -426,7 +448,7 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     acc_u = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     row0 = tl.program_id(0) * BLOCK_R
-    for k0 in range(0, DIM, BLOCK_K):
+    for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, k0,
                                 DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
@@ -511,16 +533,18 @@ class TritonDecode:
         self.q = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.y = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.h = torch.zeros(c.intermediate, dtype=dt, device=dev)
-        # Launch shapes per kernel: (rows per program, K per iteration, warps); the qkv kernel's
-        # rows are per half head. The best of a sweep on an H200 (docs/benchmarks.md): a small
-        # model wants all of K in one iteration (latency), a large one more, shorter programs.
+        # Launch shapes per kernel: (rows per program, K per iteration, warps, K-blocks whose loads
+        # are in flight at once); the qkv kernel's rows are per half head. The best of a sweep on an
+        # H200 (docs/benchmarks.md): a small model wants all of K in one iteration (latency), a
+        # large one more, shorter programs.
         if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others
-            self.cfg = {"qkv": (4, 1024, 4), "o": (8, 1024, 4), "gate_up": (4, 1024, 4), "down": (16, 2048, 8)}
+            self.cfg = {"qkv": (16, 512, 4, 1), "o": (8, 1024, 4, 1), "gate_up": (8, 512, 2, 1),
+                        "down": (8, 2048, 4, 1)}
         elif c.dim <= 1024:
             k = triton.next_power_of_2(c.dim)
-            self.cfg = {"qkv": (8, k, 4), "o": (8, k, 4), "gate_up": (8, k, 4), "down": (8, 1024, 4)}
+            self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1)}
         else:
-            self.cfg = {"qkv": (8, 512, 4), "o": (4, 512, 4), "gate_up": (4, 256, 4), "down": (2, 2048, 8)}
+            self.cfg = {"qkv": (8, 512, 4, 1), "o": (4, 512, 4, 1), "gate_up": (4, 256, 4, 1), "down": (2, 2048, 8, 1)}
         self.block_s = 64
         self.attn_warps = 4
         # attention partials (output, max, sum) per head and split, and per-head split counters
@@ -534,9 +558,9 @@ class TritonDecode:
         self.x.copy_(x.reshape(-1))
         vis = self.visible_from if self.visible_from is not None else pos
         splits = triton.cdiv(self.max_len, self.block_s)
-        qr, qk, qw = cfg["qkv"]
+        qr, qk, qw, qs = cfg["qkv"]
         qr = min(qr, D // 2)
-        gr, gk, gw = cfg["gate_up"]
+        gr, gk, gw, gs = cfg["gate_up"]
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, self.weights):
             a = layer.self_attn
             bias = a.qkv_proj.bias
@@ -544,17 +568,18 @@ class TritonDecode:
                 self.x, layer.input_layernorm.weight, *wqkv.args(), bias if bias is not None else self.x,
                 dec.rope_cos, dec.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps,
                 self.max_len, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, Q4=wqkv.q4,
-                GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), VW=wqkv.vw(qk), num_warps=qw)
+                GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), VW=wqkv.vw(qk), STAGES=qs,
+                num_warps=qw)
             _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
                                  num_warps=self.attn_warps)
-            r, k, w = cfg["o"]
-            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w)
+            r, k, w, st = cfg["o"]
+            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w, stages=st)
             _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
                 self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
                 layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
-                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), num_warps=gw)
-            r, k, w = cfg["down"]
-            gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w)
+                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, num_warps=gw)
+            r, k, w, st = cfg["down"]
+            gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w, stages=st)
         return self.x
