@@ -156,18 +156,21 @@ class Q4Linear(nn.Module):
     read it inside the fused decode kernels (`kernel_weight`), prefills go through `q4_linear`.
 
     Layout: the GPTQ values packed eight to an int32 along the input dim as in `qweight`, but a row
-    per output and the rows of every four interleaved, `packed` (ceil(out/4), in/8, 4); float32 `scales` and true `zeros` (out, groups). Act-order
-    checkpoints with several groups keep a `perm` of the inputs (groups made contiguous); with one
+    per output and the rows of every four interleaved, `packed` (ceil(out/4), in/8, 4); float32
+    `scales` and true `zeros` (out, groups). Act-order checkpoints with several groups keep a
+    `perm` of the inputs (groups made contiguous); with one
     group (the official per-channel checkpoint) the order of inputs does not matter and none is kept.
     """
 
     def __init__(self, qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bias: Tensor | None,
                  dtype: torch.dtype, device):
         super().__init__()
-        q, zeros, s, g = (t.to(device) for t in unpack(qweight, qzeros, scales, g_idx))
-        n_in, n_out = q.shape
-        if n_in % PACK:
-            raise ValueError(f"{n_in} inputs is not a multiple of {PACK}")
+        qweight, g = qweight.to(device), g_idx.to(device).long()
+        n_in, n_out = qweight.shape[0] * PACK, qweight.shape[1]
+        if g.numel() != n_in:
+            raise ValueError(f"g_idx has {g.numel()} entries for {n_in} inputs")
+        zeros = unpack_rows(qzeros.to(device).T.contiguous()).T + 1  # (groups, out): small
+        s = scales.to(device)
         counts = torch.bincount(g)
         group = int(counts[0])
         if not torch.all(counts == group) or group & (group - 1) and group != n_in:
@@ -175,10 +178,14 @@ class Q4Linear(nn.Module):
         perm = torch.argsort(g, stable=True)
         identity = len(counts) == 1 or torch.equal(perm, torch.arange(n_in, device=device))
         self.register_buffer("perm", None if identity else perm, persistent=False)
-        if not identity:
-            q, g = q[perm], g[perm]
+        if identity:  # the words already hold eight consecutive inputs of an output: transpose only
+            rows_packed = qweight.T
+        else:  # act-order with groups: unpack, make every group contiguous, pack again
+            q = unpack_rows(qweight)[perm]
+            g = g[perm]
+            rows_packed = pack_rows(q).T
         rows = torch.arange(0, n_in, group, device=device)  # first input of each group
-        self.register_buffer("packed", interleave(pack_rows(q).T), persistent=False)
+        self.register_buffer("packed", interleave(rows_packed), persistent=False)
         self.register_buffer("scales", s.float()[g[rows]].T.contiguous(), persistent=False)
         self.register_buffer("zeros", zeros.float()[g[rows]].T.contiguous(), persistent=False)
         self.group = group

@@ -538,8 +538,8 @@ class TritonDecode:
         # H200 (docs/benchmarks.md): a small model wants all of K in one iteration (latency), a
         # large one more, shorter programs.
         if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others
-            self.cfg = {"qkv": (16, 512, 4, 1), "o": (8, 1024, 4, 1), "gate_up": (8, 512, 2, 1),
-                        "down": (8, 2048, 4, 1)}
+            self.cfg = {"qkv": (8, 1024, 4, 2), "o": (8, 1024, 4, 1), "gate_up": (8, 512, 2, 1),
+                        "down": (8, 1024, 2, 3)}
         elif c.dim <= 1024:
             k = triton.next_power_of_2(c.dim)
             self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1)}
