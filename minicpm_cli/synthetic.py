@@ -201,15 +201,30 @@ def tensor_plan(spec: SyntheticSpec, *, include_unused: bool = True, include_vis
         yield from _linear("audio_projection_layer.linear2", s.hidden, s.hidden, 0.05)
 
 
-def _draw(name: str, shape: tuple[int, ...], init: Init, seed: int, device: torch.device) -> Tensor:
+DRAW_CHUNK = 1 << 25  # elements drawn at once in float32: a full-size embedding is drawn in slices
+
+
+def _draw(name: str, shape: tuple[int, ...], init: Init, seed: int, device: torch.device,
+          dtype: torch.dtype = torch.float32) -> Tensor:
+    """The tensor's values (float32 draws, seeded by name) as `dtype`. Tensors over DRAW_CHUNK
+    elements are drawn in slices along dim 0 into the result, so a bfloat16 embedding never
+    exists in float32 whole (2 GB more at the peak)."""
     g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    return init(shape, g, device)
+    n = math.prod(shape)
+    if n <= DRAW_CHUNK or len(shape) < 2:
+        return init(shape, g, device).to(dtype)
+    out = torch.empty(shape, dtype=dtype, device=device)
+    rows = max(1, DRAW_CHUNK // math.prod(shape[1:]))
+    for i in range(0, shape[0], rows):
+        part = out[i : i + rows]
+        part.copy_(init(tuple(part.shape), g, device))
+    return out
 
 
 def _tensor(spec: SyntheticSpec, name: str, shape: tuple[int, ...], init: Init, seed: int,
-            device: torch.device) -> Tensor:
-    t = _draw(name, shape, init, seed, device)
+            device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    t = _draw(name, shape, init, seed, device, dtype)
     if name == "tts.head_code.0.parametrizations.weight.original0":
         t[spec.num_audio_tokens - 1] = 1.5  # larger EOS gain so random-weight runs do end
     return t
@@ -222,7 +237,7 @@ def random_tensors(spec: SyntheticSpec, *, seed: int, dtype: torch.dtype = torch
     device = torch.device(device)
     for name, shape, init in tensor_plan(spec, include_unused=include_unused,
                                          include_vision_audio=include_vision_audio):
-        yield name, _tensor(spec, name, shape, init, seed, device).to(dtype)
+        yield name, _tensor(spec, name, shape, init, seed, device, dtype)
 
 
 class RandomCheckpoint:
@@ -243,7 +258,7 @@ class RandomCheckpoint:
 
     def tensor(self, key: str, dtype: torch.dtype | None = None, device="cpu") -> Tensor:
         shape, init = self.plan[key]
-        return _tensor(self.spec, key, shape, init, self.seed, torch.device(device)).to(dtype or torch.float32)
+        return _tensor(self.spec, key, shape, init, self.seed, torch.device(device), dtype or torch.float32)
 
     def state_dict(self, prefix: str, dtype: torch.dtype | None = None, device="cpu",
                    skip: tuple[str, ...] = ()) -> dict[str, Tensor]:

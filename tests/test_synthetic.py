@@ -155,3 +155,23 @@ def test_full_preset_sizes_from_shapes_only():
 def test_spec_validation_names_the_conflict():
     with pytest.raises(ValueError, match="tts_llm_dim"):
         SyntheticSpec(hidden=64, heads=4, kv_heads=2)
+
+
+def test_large_tensors_are_drawn_in_slices_into_the_target_dtype(monkeypatch):
+    """Over DRAW_CHUNK elements a tensor is drawn slice by slice straight into its dtype (a
+    full-size embedding never exists whole in float32); the checkpoint writer and the on-demand
+    random checkpoint still give the same values, with the same statistics."""
+    from minicpm_cli import synthetic
+
+    monkeypatch.setattr(synthetic, "DRAW_CHUNK", 1000)
+    spec = SyntheticSpec.tiny()
+    ck = synthetic.RandomCheckpoint(spec, seed=3)
+    key = "llm.model.embed_tokens.weight"
+    t = ck.tensor(key, torch.bfloat16)
+    assert t.dtype == torch.bfloat16 and t.numel() > 1000
+    written = dict(random_tensors(spec, seed=3, dtype=torch.bfloat16, include_unused=False))[key]
+    assert torch.equal(t, written)
+    monkeypatch.setattr(synthetic, "DRAW_CHUNK", 1 << 25)
+    whole = ck.tensor(key, torch.bfloat16)
+    assert torch.equal(t, whole)  # on the CPU the generator's stream is the same, sliced or whole
+    assert abs(t.float().std() - 1.0) < 0.05  # the embedding is drawn N(0, 1)
