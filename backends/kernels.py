@@ -118,7 +118,27 @@ def _nibble(src, SH: tl.constexpr):
 
 
 @triton.jit
-def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
+def _words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+           Q4: tl.constexpr, TWO: tl.constexpr):
+    """The 4-bit words `_mac` takes for the K-block at k0 (zeros past K): (words, words2), tiles
+    (BLOCK_K/8, BLOCK_R/4, 4) of the rows from row0 and (TWO) row02; a placeholder when dense."""
+    if Q4:
+        quad = tl.arange(0, BLOCK_R // 4)[None, :, None]
+        lane = tl.arange(0, 4)[None, None, :]
+        kw3 = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None, None]
+        mq = (row0 + quad * 4 < LIM) & (kw3 < K // 8)  # whole quads: the words of padding rows exist
+        words = tl.load(w_ptr + ((row0 // 4 + quad) * (K // 8) + kw3) * 4 + lane, mask=mq, other=0)
+        words2 = words
+        if TWO:
+            words2 = tl.load(w_ptr + ((row02 // 4 + quad) * (K // 8) + kw3) * 4 + lane, mask=mq, other=0)
+    else:
+        words = tl.zeros([1], dtype=tl.int32)
+        words2 = words
+    return words, words2
+
+
+@triton.jit
+def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr,
          TWO: tl.constexpr):
     """One K-block of matrix-vector products: acc += W[rows, block] * v'[block] elementwise for
@@ -130,8 +150,9 @@ def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0,
     to an int32 along K (value j of a word in bits 4j..4j+3, as GPTQ packs), the words of four
     consecutive rows interleaved, (N/4, K/8, 4), so that one 16-byte load brings a word of each of
     four rows; acc (BLOCK_K/8, BLOCK_R/4, 4), ss (BLOCK_K/8,): the eight values of a word add into
-    one element (`_total` sums up the rows). The zero point is applied here, a group's scale too,
-    a per-row scale (one group) by the caller (`_row_scale`), once per output."""
+    one element (`_total` sums up the rows); their words come loaded, `pre` (`_words`: the
+    kernels load the next block's while this one is computed). The zero point is applied here, a
+    group's scale too, a per-row scale (one group) by the caller (`_row_scale`), once per output."""
     if Q4:
         # tile (words, quads, 4 rows): the order makes Triton give each thread whole columns
         # (every row of the block for its words, so the inputs are loaded and scaled once per
@@ -141,12 +162,9 @@ def _mac(acc, acc2, ss, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0,
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         km = kw < K // 8
         kw3 = kw[:, None, None]
-        mq = (row0 + quad * 4 < LIM) & (kw3 < K // 8)  # whole quads: the words of padding rows exist
+        mq = (row0 + quad * 4 < LIM) & (kw3 < K // 8)
         mr = row0 + quad * 4 + lane < LIM  # (1, quads, 4): rows
-        words = tl.load(w_ptr + ((row0 // 4 + quad) * (K // 8) + kw3) * 4 + lane, mask=mq, other=0)
-        words2 = words
-        if TWO:
-            words2 = tl.load(w_ptr + ((row02 // 4 + quad) * (K // 8) + kw3) * 4 + lane, mask=mq, other=0)
+        words, words2 = pre
         r3 = row0 + quad * 4 + lane
         r3b = row02 + quad * 4 + lane
         if GS == K:
@@ -255,9 +273,13 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     ss = tl.zeros([VW], dtype=tl.float32)
     every = r1 >= 0
     row0 = head * D + j * BLOCK_R
+    lim = (HQ + 2 * HKV) * D
+    pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
-        acc1, acc2, ss = _mac(acc1, acc2, ss, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, (HQ + 2 * HKV) * D, x_ptr,
-                              nw_ptr, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
+        nxt = _words(w_ptr, row0, row0 + D // 2, lim, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
+        acc1, acc2, ss = _mac(acc1, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, k0,
+                              DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
+        pre = nxt
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     y1 = _row_scale(_total(acc1, BLOCK_R, Q4), s_ptr, r1, every, DIM, Q4, GS) * inv
     y2 = _row_scale(_total(acc2, BLOCK_R, Q4), s_ptr, r2, every, DIM, Q4, GS) * inv
@@ -340,9 +362,12 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.con
     acc = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     row0 = tl.program_id(0) * BLOCK_R
+    pre = _words(w_ptr, row0, row0, N, 0, K, BLOCK_R, BLOCK_K, Q4, False)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        acc, _, ss = _mac(acc, acc, ss, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R, BLOCK_K, Q4,
-                          GS, False, False)
+        nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
+        acc, _, ss = _mac(acc, acc, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R,
+                          BLOCK_K, Q4, GS, False, False)
+        pre = nxt
     o = _rnd(_row_scale(_total(acc, BLOCK_R, Q4), s_ptr, rows, rm, K, Q4, GS), dtype)
     if RESIDUAL:
         o = _rnd(tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32) + o, dtype)
@@ -448,9 +473,12 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     acc_u = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     row0 = tl.program_id(0) * BLOCK_R
+    pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
-        acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, k0,
-                                DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
+        nxt = _words(w_ptr, row0, row0 + INTER, INTER, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
+        acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr,
+                                k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
+        pre = nxt
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     g = _rnd(_row_scale(_total(acc_g, BLOCK_R, Q4), s_ptr, rows, rm, DIM, Q4, GS) * inv, dtype)
     u = _rnd(_row_scale(_total(acc_u, BLOCK_R, Q4), s_ptr, rows + INTER, rm, DIM, Q4, GS) * inv, dtype)
