@@ -29,7 +29,6 @@ Triton); under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests).
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -38,7 +37,6 @@ from torch import Tensor
 
 from minicpm_cli.models.transformer import Decoder
 
-PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))  # inline PTX (not interpreted)
 
 
 @triton.jit
@@ -92,32 +90,6 @@ def _vec8(v_ptr, g_ptr, kw, km, ss, GAIN: tl.constexpr):
 
 
 @triton.jit
-def _nibble(src, SH: tl.constexpr):
-    """The float with the bits of 2^23 and src's bits SH..SH+3: 2^23 + q * 2^SH. On the GPU one
-    LOP3 written out (as and + or, ptxas makes two: an instruction holds one immediate); in
-    Triton's interpreter (the tests on a CPU) the same in plain operations."""
-    if PTX:
-        if SH == 0:
-            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 15, 1258291200, 234;", "=r,r", [src], dtype=tl.float32,
-                                          is_pure=True, pack=1)
-        elif SH == 4:
-            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 240, 1258291200, 234;", "=r,r", [src], dtype=tl.float32,
-                                          is_pure=True, pack=1)
-        elif SH == 8:
-            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 3840, 1258291200, 234;", "=r,r", [src], dtype=tl.float32,
-                                          is_pure=True, pack=1)
-        elif SH == 12:
-            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 61440, 1258291200, 234;", "=r,r", [src], dtype=tl.float32,
-                                          is_pure=True, pack=1)
-        else:  # SH == 16
-            f = tl.inline_asm_elementwise("lop3.b32 $0, $1, 983040, 1258291200, 234;", "=r,r", [src],
-                                          dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        f = ((src & (0xF << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
-    return f
-
-
-@triton.jit
 def _words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
            Q4: tl.constexpr, TWO: tl.constexpr):
     """The 4-bit words `_mac` takes for the K-block at k0 (zeros past K): (words, words2), tiles
@@ -168,31 +140,36 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
         r3 = row0 + quad * 4 + lane
         r3b = row02 + quad * 4 + lane
         if GS == K:
-            # One group: a value's 4 bits are masked in place (value j at bits 4j.., or 4j-12.. of
-            # the word shifted by 12 for j >= 5: bit 23 is the exponent's) and given the bits of
-            # 2^23, which makes the float 2^23 + q * 2^sh; minus 2^23 + z * 2^sh that is
-            # (q - z) * 2^sh exactly, and v * 2^-sh restores the product: one integer operation
-            # per value, no shifts, no int-to-float conversion.
+            # One group: a value's 4 bits masked in place (value j at bits 4j.., or 4j-16.. of the
+            # word shifted by 16 for j >= 6) are, as a float32, the denormal q * 2^(sh-149)
+            # (patterns below 2^24 read as their integer times 2^-149), so one AND makes the
+            # weight and v * 2^(100-sh) turns the product into q * v * 2^-49, exactly (no FTZ:
+            # the GPU's FMA keeps denormals). The zero point comes off per word:
+            # - z * (sum of its eight v) * 2^-49; `_row_scale` applies 2^49 with the row's scale.
             zero = tl.load(z_ptr + r3, mask=mr, other=0.0)
             zero2 = tl.load(z_ptr + r3b, mask=mr, other=0.0)
-            high = words >> 12
-            high2 = words2 >> 12
+            high = words >> 16
+            high2 = words2 >> 16
             vj = _vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
             ss = vj[8]
+            vsum = vj[0] + vj[1] + vj[2] + vj[3] + vj[4] + vj[5] + vj[6] + vj[7]
             for j in tl.static_range(8):
-                v = vj[j]
-                if j < 5:
+                if j < 6:
                     sh = 4 * j
                     src = words
                     src2 = words2
                 else:
-                    sh = 4 * j - 12
+                    sh = 4 * j - 16
                     src = high
                     src2 = high2
-                vs = (v * (1.0 / (1 << sh)))[:, None, None]
-                acc += (_nibble(src, sh) - (8388608.0 + zero * (1 << sh))) * vs
+                vs = (vj[j] * (1267650600228229401496703205376.0 / (1 << sh)))[:, None, None]  # 2^(100-sh)
+                acc += (src & (0xF << sh)).to(tl.float32, bitcast=True) * vs
                 if TWO:
-                    acc2 += (_nibble(src2, sh) - (8388608.0 + zero2 * (1 << sh))) * vs
+                    acc2 += (src2 & (0xF << sh)).to(tl.float32, bitcast=True) * vs
+            vz = (vsum * 1.7763568394002505e-15)[:, None, None]  # 2^-49
+            acc -= zero * vz
+            if TWO:
+                acc2 -= zero2 * vz
         else:
             # groups: zero point and scale per row and word (a word's eight values share a group)
             grp = r3 * (K // GS) + kw3 * 8 // GS
@@ -247,10 +224,11 @@ def _total(acc, BLOCK_R: tl.constexpr, Q4: tl.constexpr):
 
 @triton.jit
 def _row_scale(y, s_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
-    """The per-row scale of a one-group 4-bit weight, applied to the finished row sums."""
+    """The per-row scale of a one-group 4-bit weight, applied to the finished row sums (times 2^49,
+    see `_mac`)."""
     if Q4:
         if GS == K:
-            y = y * tl.load(s_ptr + rows, mask=rmask, other=0.0)
+            y = y * (tl.load(s_ptr + rows, mask=rmask, other=0.0) * 562949953421312.0)
     return y
 
 
