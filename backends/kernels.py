@@ -287,33 +287,44 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
 @triton.jit
 def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len,
             SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
-            BLOCK_S: tl.constexpr):
-    """Program (h, j): query head h against cache slots j*BLOCK_S.. (split-K "flash decoding");
-    each split leaves (unnormalised output, max, sum) in `part`, and the head's last split to finish
+            BLOCK_S: tl.constexpr, NB: tl.constexpr):
+    """Program (h, j): query head h against the cache blocks j, j + SPLITS, ... of BLOCK_S slots
+    up to the position (split-K "flash decoding", online softmax across a program's blocks); each
+    split leaves (unnormalised output, max, sum) in `part`, and the head's last split to finish
     (counted with an atomic, reset for the next step) merges them in a fixed order."""
     h = tl.program_id(0)
     j = tl.program_id(1)
     pos = tl.load(pos_ptr)
-    n_used = pos // BLOCK_S + 1
+    n_blocks = pos // BLOCK_S + 1
+    n_used = tl.minimum(n_blocks, SPLITS)
     if j < n_used:
         hk = h // GROUP
         dd = tl.arange(0, D)
         q = tl.load(q_ptr + h * D + dd).to(tl.float32)
-        s = j * BLOCK_S + tl.arange(0, BLOCK_S)
-        used = s <= pos
-        seen = used
-        if HAS_VIS:
-            seen = used & (tl.load(vis_ptr + s, mask=used, other=0) <= pos)
-        off = (hk * max_len + s)[:, None] * D + dd[None, :]
-        k = tl.load(kc_ptr + off, mask=used[:, None], other=0.0).to(tl.float32)
-        v = tl.load(vc_ptr + off, mask=used[:, None], other=0.0).to(tl.float32)
-        sc = tl.where(seen, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
-        m = tl.maximum(tl.max(sc, 0), -1e30)  # finite even when no slot of the split is seen
-        p = tl.exp(sc - m)
+        m = -1e30  # finite even when no slot of the split is seen
+        acc = tl.zeros([D], dtype=tl.float32)
+        total = 0.0
+        for blk0 in range(0, NB, SPLITS):  # every SPLITS-th block from j, up to the position's
+            if blk0 + j < n_blocks:
+                s = (blk0 + j) * BLOCK_S + tl.arange(0, BLOCK_S)
+                used = s <= pos
+                seen = used
+                if HAS_VIS:
+                    seen = used & (tl.load(vis_ptr + s, mask=used, other=0) <= pos)
+                off = (hk * max_len + s)[:, None] * D + dd[None, :]
+                k = tl.load(kc_ptr + off, mask=used[:, None], other=0.0).to(tl.float32)
+                v = tl.load(vc_ptr + off, mask=used[:, None], other=0.0).to(tl.float32)
+                sc = tl.where(seen, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+                m_new = tl.maximum(tl.max(sc, 0), m)
+                p = tl.exp(sc - m_new)
+                alpha = tl.exp(m - m_new)
+                acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+                total = total * alpha + tl.sum(p, 0)
+                m = m_new
         base = part_ptr + (h * SPLITS + j) * (D + 2)
-        tl.store(base + dd, tl.sum(p[:, None] * v, 0))
+        tl.store(base + dd, acc)
         tl.store(base + D, m)
-        tl.store(base + D + 1, tl.sum(p, 0))
+        tl.store(base + D + 1, total)
         tl.debug_barrier()  # every thread's partials are written before the count goes up
         if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == n_used - 1:
             js = tl.arange(0, triton.next_power_of_2(SPLITS))
@@ -544,7 +555,7 @@ class TritonDecode:
         # H200 (docs/benchmarks.md): a small model wants all of K in one iteration (latency), a
         # large one more, shorter programs.
         if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others
-            self.cfg = {"qkv": (8, 1024, 4, 2), "o": (8, 1024, 4, 1), "gate_up": (8, 512, 2, 1),
+            self.cfg = {"qkv": (8, 1024, 4, 2), "o": (8, 1024, 4, 2), "gate_up": (8, 512, 2, 2),
                         "down": (8, 1024, 2, 3)}
         elif c.dim <= 1024:
             k = triton.next_power_of_2(c.dim)
@@ -552,6 +563,7 @@ class TritonDecode:
         else:
             self.cfg = {"qkv": (8, 512, 4, 1), "o": (4, 512, 4, 1), "gate_up": (4, 256, 4, 1), "down": (2, 2048, 8, 1)}
         self.block_s = 64
+        self.max_splits = 16  # programs per head (each takes every 16th block of slots)
         self.attn_warps = 4
         # attention partials (output, max, sum) per head and split, and per-head split counters
         most = triton.cdiv(self.max_len, 8)
@@ -563,7 +575,7 @@ class TritonDecode:
         D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
         self.x.copy_(x.reshape(-1))
         vis = self.visible_from if self.visible_from is not None else pos
-        splits = triton.cdiv(self.max_len, self.block_s)
+        splits = min(triton.cdiv(self.max_len, self.block_s), self.max_splits)
         qr, qk, qw, qs = cfg["qkv"]
         qr = min(qr, D // 2)
         gr, gk, gw, gs = cfg["gate_up"]
@@ -579,7 +591,7 @@ class TritonDecode:
             _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
-                                 num_warps=self.attn_warps)
+                                 NB=triton.cdiv(self.max_len, self.block_s), num_warps=self.attn_warps)
             r, k, w, st = cfg["o"]
             gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w, stages=st)
             _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
