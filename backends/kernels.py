@@ -34,21 +34,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minicpm_cli.models.transformer import Decoder
 
-
-
-@triton.jit
-def _after_previous(PDL: tl.constexpr):
-    """With programmatic dependent launch (PDL: the kernels of a step are launched so, on Hopper
-    and later): let the next kernel start, then wait until the previous one has finished and its
-    writes are visible. What comes before this call may only read what no earlier kernel of the
-    step writes (the weights)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
 
 
 @triton.jit
@@ -248,7 +236,7 @@ def _row_scale(y, s_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.
 def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                   eps, max_len, DIM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                   HAS_BIAS: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr):
     # program (head, j): rows j*BLOCK_R.. of the head's first half and the matching second-half
     # rows, which the rotation pairs up
     head = tl.program_id(0)
@@ -265,7 +253,6 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     row0 = head * D + j * BLOCK_R
     lim = (HQ + 2 * HKV) * D
     pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
-    _after_previous(PDL)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0 + D // 2, lim, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
         acc1, acc2, ss = _mac(acc1, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, k0,
@@ -300,12 +287,11 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
 @triton.jit
 def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len,
             SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
-            BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):
+            BLOCK_S: tl.constexpr, NB: tl.constexpr):
     """Program (h, j): query head h against the cache blocks j, j + SPLITS, ... of BLOCK_S slots
     up to the position (split-K "flash decoding", online softmax across a program's blocks); each
     split leaves (unnormalised output, max, sum) in `part`, and the head's last split to finish
     (counted with an atomic, reset for the next step) merges them in a fixed order."""
-    _after_previous(PDL)
     h = tl.program_id(0)
     j = tl.program_id(1)
     pos = tl.load(pos_ptr)
@@ -356,7 +342,7 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
 @triton.jit
 def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, RESIDUAL: tl.constexpr,
           Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-          VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+          VW: tl.constexpr, STAGES: tl.constexpr):
     """out[rows] = W[rows] @ y, rounded to y's dtype as `linear(y)` is, plus x[rows] (rounded like
     `x + linear(y)`) when RESIDUAL; out may be x itself (each program owns its rows)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -366,7 +352,6 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.con
     ss = tl.zeros([VW], dtype=tl.float32)
     row0 = tl.program_id(0) * BLOCK_R
     pre = _words(w_ptr, row0, row0, N, 0, K, BLOCK_R, BLOCK_K, Q4, False)
-    _after_previous(PDL)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
         acc, _, ss = _mac(acc, acc, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R,
@@ -411,14 +396,13 @@ class Weight:
 
 
 def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
-         block_k: int = 512, warps: int = 4, stages: int = 1, pdl: bool = False) -> Tensor:
+         block_k: int = 512, warps: int = 4, stages: int = 1) -> Tensor:
     """out = W @ y (+ residual) for y (K,); out may be residual (in place). `stages` > 1 pipelines
-    the loads of that many K-blocks (asynchronous copies through shared memory); `pdl`: launched
-    as a programmatic dependent of the previous kernel (see `_after_previous`)."""
+    the loads of that many K-blocks (asynchronous copies through shared memory)."""
     x = residual if residual is not None else out
     _gemv[(triton.cdiv(w.n, rows),)](y, *w.args(), x, out, N=w.n, K=w.k, RESIDUAL=residual is not None,
                                      Q4=w.q4, GS=w.group, BLOCK_R=rows, BLOCK_K=w.block_k(block_k),
-                                     VW=w.vw(block_k), STAGES=stages, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+                                     VW=w.vw(block_k), STAGES=stages, num_warps=warps)
     return out
 
 
@@ -469,7 +453,7 @@ def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
 @triton.jit
 def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
                  Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                 VW: tl.constexpr, STAGES: tl.constexpr):
     """h[rows] = silu(gate) * up of RMSNorm(x), W = [gate; up] stacked (2 * INTER, DIM)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rm = rows < INTER
@@ -479,7 +463,6 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     ss = tl.zeros([VW], dtype=tl.float32)
     row0 = tl.program_id(0) * BLOCK_R
     pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
-    _after_previous(PDL)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0 + INTER, INTER, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
         acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr,
@@ -579,9 +562,6 @@ class TritonDecode:
             self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1)}
         else:
             self.cfg = {"qkv": (8, 512, 4, 1), "o": (4, 512, 4, 1), "gate_up": (4, 256, 4, 1), "down": (2, 2048, 8, 1)}
-        # programmatic dependent launch (Hopper and later; not in Triton's interpreter): a kernel
-        # starts, and loads its first weights, while the previous one finishes
-        self.pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
         self.block_s = 64
         self.max_splits = 16  # programs per head (each takes every 16th block of slots)
         self.attn_warps = 4
@@ -591,7 +571,7 @@ class TritonDecode:
         self.count = torch.zeros(c.n_heads, dtype=torch.int32, device=dev)
 
     def __call__(self, x: Tensor, pos: Tensor) -> Tensor:
-        c, dec, cfg, pdl = self.c, self.decoder, self.cfg, self.pdl
+        c, dec, cfg = self.c, self.decoder, self.cfg
         D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
         self.x.copy_(x.reshape(-1))
         vis = self.visible_from if self.visible_from is not None else pos
@@ -606,20 +586,18 @@ class TritonDecode:
                 self.x, layer.input_layernorm.weight, *wqkv.args(), bias if bias is not None else self.x,
                 dec.rope_cos, dec.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps,
                 self.max_len, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, Q4=wqkv.q4,
-                GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), VW=wqkv.vw(qk), STAGES=qs, PDL=pdl,
-                num_warps=qw, launch_pdl=pdl)
+                GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), VW=wqkv.vw(qk), STAGES=qs,
+                num_warps=qw)
             _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
-                                 NB=triton.cdiv(self.max_len, self.block_s), PDL=pdl, num_warps=self.attn_warps,
-                                 launch_pdl=pdl)
+                                 NB=triton.cdiv(self.max_len, self.block_s), num_warps=self.attn_warps)
             r, k, w, st = cfg["o"]
-            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w, stages=st, pdl=pdl)
+            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w, stages=st)
             _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
                 self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
                 layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
-                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, PDL=pdl, num_warps=gw,
-                launch_pdl=pdl)
+                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, num_warps=gw)
             r, k, w, st = cfg["down"]
-            gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w, stages=st, pdl=pdl)
+            gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w, stages=st)
         return self.x
