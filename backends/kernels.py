@@ -427,63 +427,15 @@ def _q4_dequant(w_ptr, s_ptr, z_ptr, out_ptr, n0, N: tl.constexpr, K: tl.constex
 SCRATCH = 1 << 25  # elements of the dequantized slice of a 4-bit weight a prefill works on (64 MB in bf16)
 
 
-@triton.jit
-def _q4_gemm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
-             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             STAGES: tl.constexpr):
-    """out (M, N) = x (M, K) @ W^T (+ bias) for a one-group 4-bit W (`_mac`'s layout): each K-block
-    of W is unpacked in registers to exact (q - z) values in x's dtype for a tensor-core dot with
-    float32 accumulation, and the row scale is applied to the sums (the prefill path)."""
-    pm = tl.program_id(0)
-    pn = tl.program_id(1)
-    m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    mm = m < M
-    nm = n < N
-    dtype = x_ptr.dtype.element_ty
-    zero = 8388608.0 + tl.load(z_ptr + n, mask=nm, other=0.0)
-    shifts = (tl.arange(0, 8) * 4)[None, :, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mm[:, None] & (k < K)[None, :], other=0.0)
-        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptr + ((n // 4)[None, :] * (K // 8) + kw[:, None]) * 4 + (n % 4)[None, :],
-                        mask=nm[None, :] & (kw < K // 8)[:, None], other=0)  # (BLOCK_K/8, BLOCK_N)
-        q = (words[:, None, :] >> shifts) & 0xF  # (BLOCK_K/8, 8, BLOCK_N): input kw * 8 + j
-        wq = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zero[None, None, :]).to(dtype)  # q - z, exact
-        if dtype == tl.float32:  # float32 models: full-precision products (no TF32)
-            acc = tl.dot(a, tl.reshape(wq, [BLOCK_K, BLOCK_N]), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.reshape(wq, [BLOCK_K, BLOCK_N]), acc)
-    y = acc * tl.load(s_ptr + n, mask=nm, other=0.0)[None, :]
-    y = y.to(dtype)
-    if HAS_BIAS:
-        y = (y.to(tl.float32) + tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]).to(dtype)
-    tl.store(out_ptr + m[:, None] * N + n[None, :], y, mask=mm[:, None] & nm[None, :])
-
-
-GEMM_CFG = (64, 128, 128, 4, 3)  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of `_q4_gemm`
-
-
 def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
     """x (M, K) contiguous -> x @ W^T + bias (M, N) in x's dtype, for a 4-bit W. One row: the GEMV
-    kernel. More (prefills): with one group, `_q4_gemm`; with groups, slices of W dequantized to
-    x's dtype into a scratch buffer and multiplied by cuBLAS, which is what the same layer with
-    dequantized weights computes."""
+    kernel. More (prefills): slices of W dequantized to x's dtype into a scratch buffer and
+    multiplied by cuBLAS, which is what the same layer with dequantized weights computes."""
     m = x.shape[0]
     if m == 1:
         y = gemv(w, x[0], torch.empty(w.n, dtype=x.dtype, device=x.device))[None]
         return y if bias is None else y + bias
     y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
-    if w.group == w.k and w.k % 8 == 0:
-        bm, bn, bk, warps, stages = GEMM_CFG
-        bm = max(16, min(bm, triton.next_power_of_2(m)))
-        bk = min(bk, max(16, triton.next_power_of_2(w.k)))
-        _q4_gemm[(triton.cdiv(m, bm), triton.cdiv(w.n, bn))](
-            x, *w.args(), bias if bias is not None else x, y, m, N=w.n, K=w.k, HAS_BIAS=bias is not None,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, num_warps=warps)
-        return y
     rows = max(64, SCRATCH // w.k // 64 * 64)
     scratch = torch.empty(min(rows, w.n), w.k, dtype=x.dtype, device=x.device)
     for n0 in range(0, w.n, rows):
