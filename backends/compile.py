@@ -3,11 +3,12 @@
 The model is transformed, not forked: q/k/v and gate/up projections are concatenated
 (`Decoder.fuse`). On CUDA a one-token step (an LLM decode token, a TTS audio frame) runs the layers
 on Triton kernels (backends/kernels.py: five launches per layer, the position read on the device, so
-one CUDA graph serves every position). Prefills, and one-token steps on a CPU or with int4 weights,
-run the layer halves around attention (`Block.pre_attention/post_attention`) compiled with
-torch.compile, as CUDA graphs captured per shape with attention over a bucketed KV length. Inputs reach
-a graph through small device tensors written between replays; nothing synchronises with the host
-except the one end-of-call check of the TTS runner. On a CPU the same code runs without graphs.
+one CUDA graph serves every position). Prefills, and one-token steps on a CPU or with projections
+that do not fuse (int4 with act-order groups), run the layer halves around attention
+(`Block.pre_attention/post_attention`) compiled with torch.compile, as CUDA graphs captured per
+shape with attention over a bucketed KV length. Inputs reach a graph through small device tensors
+written between replays; nothing synchronises with the host except the one end-of-call check of
+the TTS runner. On a CPU the same code runs without graphs.
 """
 
 from __future__ import annotations
@@ -154,10 +155,10 @@ class CompiledLLM:
         else:
             self.ids[:n].copy_(torch.tensor(ids, device=self.device))
         self.pos0.fill_(self.pos)
-        self.last.fill_(n - 1)
         if n == 1 and self.triton is not None:  # the position is read on the device: one graph
             logits, hidden = self.graphs.run("decode", self._decode)
         else:
+            self.last.fill_(n - 1)
             logits, hidden = self.graphs.run((t, kv), lambda: self._run(t, kv))
         self.pos = end
         return logits.clone(), hidden[:n].clone()

@@ -158,8 +158,8 @@ class Q4Linear(nn.Module):
     Layout: the GPTQ values packed eight to an int32 along the input dim as in `qweight`, but a row
     per output and the rows of every four interleaved, `packed` (ceil(out/4), in/8, 4); float32
     `scales` and true `zeros` (out, groups). Act-order checkpoints with several groups keep a
-    `perm` of the inputs (groups made contiguous); with one
-    group (the official per-channel checkpoint) the order of inputs does not matter and none is kept.
+    `perm` of the inputs (groups made contiguous); with one group (the official per-channel
+    checkpoint) the order of inputs does not matter and none is kept.
     """
 
     def __init__(self, qweight: Tensor, qzeros: Tensor, scales: Tensor, g_idx: Tensor, bias: Tensor | None,

@@ -29,14 +29,12 @@ Triton); under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests).
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from minicpm_cli.models.transformer import Decoder
-
 
 
 @triton.jit
@@ -134,7 +132,6 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         km = kw < K // 8
         kw3 = kw[:, None, None]
-        mq = (row0 + quad * 4 < LIM) & (kw3 < K // 8)
         mr = row0 + quad * 4 + lane < LIM  # (1, quads, 4): rows
         words, words2 = pre
         r3 = row0 + quad * 4 + lane
@@ -174,7 +171,7 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
             # groups: zero point and scale per row and word (a word's eight values share a group)
             grp = r3 * (K // GS) + kw3 * 8 // GS
             grp2 = r3b * (K // GS) + kw3 * 8 // GS
-            m = mq & mr
+            m = mr & (kw3 < K // 8)
             zero = 8388608.0 + tl.load(z_ptr + grp, mask=m, other=0.0)
             scale = tl.load(s_ptr + grp, mask=m, other=0.0)
             zero2 = 8388608.0 + tl.load(z_ptr + grp2, mask=m, other=0.0)
@@ -244,13 +241,13 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     dtype = x_ptr.dtype.element_ty
     pos = tl.load(pos_ptr)
     d = j * BLOCK_R + tl.arange(0, BLOCK_R)
-    r1 = head * D + d
+    row0 = head * D + j * BLOCK_R
+    r1 = row0 + tl.arange(0, BLOCK_R)
     r2 = r1 + D // 2
     acc1 = _acc(BLOCK_R, VW, Q4)
     acc2 = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     every = r1 >= 0
-    row0 = head * D + j * BLOCK_R
     lim = (HQ + 2 * HKV) * D
     pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
@@ -345,12 +342,12 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.con
           VW: tl.constexpr, STAGES: tl.constexpr):
     """out[rows] = W[rows] @ y, rounded to y's dtype as `linear(y)` is, plus x[rows] (rounded like
     `x + linear(y)`) when RESIDUAL; out may be x itself (each program owns its rows)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row0 = tl.program_id(0) * BLOCK_R
+    rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < N
     dtype = y_ptr.dtype.element_ty
     acc = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
-    row0 = tl.program_id(0) * BLOCK_R
     pre = _words(w_ptr, row0, row0, N, 0, K, BLOCK_R, BLOCK_K, Q4, False)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
@@ -455,13 +452,13 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
                  Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                  VW: tl.constexpr, STAGES: tl.constexpr):
     """h[rows] = silu(gate) * up of RMSNorm(x), W = [gate; up] stacked (2 * INTER, DIM)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row0 = tl.program_id(0) * BLOCK_R
+    rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
     acc_g = _acc(BLOCK_R, VW, Q4)
     acc_u = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
-    row0 = tl.program_id(0) * BLOCK_R
     pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0 + INTER, INTER, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
@@ -563,11 +560,11 @@ class TritonDecode:
         else:
             self.cfg = {"qkv": (8, 512, 4, 1), "o": (4, 512, 4, 1), "gate_up": (4, 256, 4, 1), "down": (2, 2048, 8, 1)}
         self.block_s = 64
-        self.max_splits = 16  # programs per head (each takes every 16th block of slots)
+        self.max_splits = 16  # programs per head (each takes every 16th block of slots); sizes `part`
         self.attn_warps = 4
-        # attention partials (output, max, sum) per head and split, and per-head split counters
-        most = triton.cdiv(self.max_len, 8)
-        self.part = torch.zeros(c.n_heads * most * (c.head_dim + 2), dtype=torch.float32, device=dev)
+        # attention partials (output, max, sum) per head and split (at most max_splits, whatever
+        # block_s), and per-head split counters
+        self.part = torch.zeros(c.n_heads * self.max_splits * (c.head_dim + 2), dtype=torch.float32, device=dev)
         self.count = torch.zeros(c.n_heads, dtype=torch.int32, device=dev)
 
     def __call__(self, x: Tensor, pos: Tensor) -> Tensor:

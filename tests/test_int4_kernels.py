@@ -19,7 +19,8 @@ from minicpm_cli.synthetic import write_gptq_checkpoint
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("group_size,desc_act,sym", [(-1, True, True), (32, True, True), (64, False, False)])
+@pytest.mark.parametrize("group_size,desc_act,sym", [(-1, True, True), (-1, False, False), (32, True, True),
+                                                    (64, False, False)])
 @pytest.mark.parametrize("m", [1, 5, 40])
 def test_q4_linear_matches_dequantized(group_size, desc_act, sym, m):
     torch.manual_seed(0)
