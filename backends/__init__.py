@@ -31,7 +31,8 @@ class LLMStage(Protocol):
         """Start an empty context."""
 
     def forward(self, ids: list[int]) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """Append ids -> (float32 logits of the last one (vocab,), hidden states (len(ids), dim))."""
+        """Append ids -> (float32 logits of the last one (vocab,), hidden states (len(ids), dim)).
+        The tensors may be the backend's own buffers: valid until the next call (clone to keep)."""
 
 
 @dataclass(frozen=True)

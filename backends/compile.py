@@ -103,6 +103,13 @@ class CompiledLLM:
         self.ids = torch.zeros(max_len, dtype=torch.long, device=dev)
         self.pos0 = torch.zeros(1, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        # a decode token's (id, position): written on the host, copied in by the decode graph's first
+        # node (pinned memory: the copy reads it when the graph runs), so a token launches one graph
+        cuda = dev.type == "cuda"
+        self.host = torch.zeros(2, dtype=torch.long, pin_memory=cuda)
+        self.host_np = self.host.numpy()
+        self.inp = torch.zeros(2, dtype=torch.long, device=dev)
+        self.read = torch.cuda.Event() if cuda else None  # the last decode graph has run
         self.graphs = Graphs(dev)
         self.fns = block_fns()
         # decode tokens on the Triton kernels where the projections are fused bf16/fp32 Linears
@@ -111,6 +118,7 @@ class CompiledLLM:
             self.triton = _kernels().TritonDecode(model.model)
             self.lm_head = _kernels().Weight(model.lm_head.weight)
             self.logits = torch.zeros(model.lm_head.out_features, device=dev)
+            self.hidden = torch.zeros(1, model.config.decoder.dim, dtype=model.lm_head.weight.dtype, device=dev)
             self.lm_head_cfg = {"rows": 4, "block_k": 512, "warps": 4}  # 0.24 ms on an H200 (cuBLAS: 0.34)
         self.pos = 0
         self.version = (f"torch {torch.__version__}, triton {_kernels().triton.__version__} (Triton decode + CUDA graphs)"
@@ -134,11 +142,14 @@ class CompiledLLM:
         return self.model.lm_head(hidden[0].index_select(0, self.last)).float()[0], hidden[0]
 
     def _decode(self) -> tuple[Tensor, Tensor]:
-        """One token ids[0] at position pos0 on the Triton kernels -> (logits, hidden (1, dim))."""
-        m = self.model
-        hidden = m.model.norm(self.triton(m.model.embed_tokens(self.ids[:1])[0], self.pos0))
-        _kernels().gemv(self.lm_head, hidden, self.logits, **self.lm_head_cfg)
-        return self.logits, hidden[None]
+        """One token (id, position) from `host` on the Triton kernels -> (logits, hidden (1, dim))."""
+        m, k = self.model.model, _kernels()
+        self.inp.copy_(self.host, non_blocking=True)
+        x = self.triton.x  # the embedding straight into the kernels' residual stream
+        torch.index_select(m.embed_tokens.weight, 0, self.inp[:1], out=x[None])
+        k.rms_norm(self.triton(x, self.inp[1:]), m.norm, self.hidden[0])
+        k.gemv(self.lm_head, self.hidden[0], self.logits, **self.lm_head_cfg)
+        return self.logits, self.hidden
 
     @torch.inference_mode()
     def forward(self, ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -150,18 +161,23 @@ class CompiledLLM:
         if self.pos + t > self.max_len:  # padding would run past the cache: exact length
             t = n
         kv = _bucket(self.pos + t, LLM_BUCKET, self.max_len)
-        if n == 1:
-            self.ids[:1].fill_(ids[0])  # no host-to-device copy (and no sync) per decoded token
-        else:
-            self.ids[:n].copy_(torch.tensor(ids, device=self.device))
-        self.pos0.fill_(self.pos)
         if n == 1 and self.triton is not None:  # the position is read on the device: one graph
+            if self.read is not None:
+                self.read.synchronize()  # the previous token's graph has copied its inputs
+            self.host_np[0], self.host_np[1] = ids[0], self.pos
             logits, hidden = self.graphs.run("decode", self._decode)
+            if self.read is not None:
+                self.read.record()
         else:
+            if n == 1:
+                self.ids[:1].fill_(ids[0])  # no host-to-device copy (and no sync) per decoded token
+            else:
+                self.ids[:n].copy_(torch.tensor(ids, device=self.device))
+            self.pos0.fill_(self.pos)
             self.last.fill_(n - 1)
             logits, hidden = self.graphs.run((t, kv), lambda: self._run(t, kv))
         self.pos = end
-        return logits.clone(), hidden[:n].clone()
+        return logits, hidden[:n]  # static buffers, valid until the next forward (LLMStage)
 
 
 class GraphTTSRunner(TTSRunner):
@@ -181,11 +197,12 @@ class GraphTTSRunner(TTSRunner):
         if use_triton if use_triton is not None else self.device.type == "cuda":  # (tests: the interpreter)
             self.triton = _kernels().TritonDecode(model.model, self.visible_from)
             self.probs = torch.zeros(model.config.num_vq, model.config.num_audio_tokens, device=self.device)
+            self.normed = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
 
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
         if self.triton is None:
             return super()._decode(x, kv_len)
-        return self.model.model.norm(self.triton(x, self.pos_t))
+        return _kernels().rms_norm(self.triton(x, self.pos_t), self.model.model.norm, self.normed)
 
     def _choose(self, raw: Tensor, sampled: bool) -> Tensor:
         if self.triton is None:

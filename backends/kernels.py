@@ -282,6 +282,25 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
 
 
 @triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    """out = w * rnd(x / rms(x)) for one row x (N,), rounded where `RMSNorm` rounds."""
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
+    h = _rnd(x * inv, x_ptr.dtype.element_ty)
+    y = h * tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: Tensor, norm, out: Tensor) -> Tensor:
+    """`norm(x)` (a `RMSNorm`) of one row x (N,) into out, in one launch (the eager module: seven)."""
+    n = x.numel()
+    _rms_norm[(1,)](x, norm.weight, out, norm.eps, N=n, BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return out
+
+
+@triton.jit
 def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len,
             SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
             BLOCK_S: tl.constexpr, NB: tl.constexpr):

@@ -83,7 +83,7 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
     while True:
         window = list(inputs)
         logits, hidden = llm.forward(inputs)
-        spk_hidden = hidden[spk_pos] if first else None
+        spk_hidden = hidden[spk_pos].clone() if first else None  # kept past the next forward
         new: list[int] = []
         ended = False
         for k in range(TOKENS_PER_PIECE):

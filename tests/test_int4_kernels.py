@@ -67,11 +67,11 @@ def test_fused_4bit_decode_matches_dequantized_model(channel):
     for stage in (ref.llm, llm):
         stage.reset()
         logits, hidden = stage.forward(ids)
-        steps, hid = [logits], [hidden[-1]]
+        steps, hid = [logits.clone()], [hidden[-1].clone()]  # a backend's buffers: valid until the next call
         for _ in range(4):
             logits, hidden = stage.forward([int(logits.argmax())])
-            steps.append(logits)
-            hid.append(hidden[-1])
+            steps.append(logits.clone())
+            hid.append(hidden[-1].clone())
         runs.append((torch.stack(steps), torch.stack(hid)))
     (lr, hr), (lq, hq) = runs
     assert torch.equal(lr.argmax(-1), lq.argmax(-1))

@@ -112,10 +112,10 @@ def test_llm_decode_on_kernels_matches_eager(tiny_dir):
     for stage in (eager.llm, llm):
         stage.reset()
         logits, _ = stage.forward(ids)
-        steps = [logits]
+        steps = [logits.clone()]  # a backend's buffers: valid until the next call
         for _ in range(6):
             logits, hidden = stage.forward([int(logits.argmax())])
-            steps.append(logits)
+            steps.append(logits.clone())
         runs.append((torch.stack(steps), hidden))
     (le, he), (lt, ht) = runs
     assert torch.equal(le.argmax(-1), lt.argmax(-1))
