@@ -356,24 +356,59 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
 
 
 @triton.jit
-def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, RESIDUAL: tl.constexpr,
-          Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-          VW: tl.constexpr, STAGES: tl.constexpr):
+def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.constexpr, K: tl.constexpr,
+          RESIDUAL: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr,
+          BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr):
     """out[rows] = W[rows] @ y, rounded to y's dtype as `linear(y)` is, plus x[rows] (rounded like
-    `x + linear(y)`) when RESIDUAL; out may be x itself (each program owns its rows)."""
-    row0 = tl.program_id(0) * BLOCK_R
+    `x + linear(y)`) when RESIDUAL; out may be x itself (each row block has one writer).
+
+    SPLIT > 1 (split-K, for a long K and few rows): program (i, s) takes inputs s*KS.. of row block
+    i and leaves its sums in `part`; the block's last program to finish (counted with an atomic,
+    reset for the next call) adds them up in a fixed order and writes the rows."""
+    blk = tl.program_id(0)
+    row0 = blk * BLOCK_R
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < N
-    dtype = y_ptr.dtype.element_ty
+    if SPLIT == 1:
+        t = _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, 0, N, K, K, Q4, GS, BLOCK_R, BLOCK_K, VW, STAGES)
+        _gemv_out(t, s_ptr, x_ptr, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
+    else:
+        t = _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, tl.program_id(1) * KS, N, K, KS, Q4, GS, BLOCK_R,
+                       BLOCK_K, VW, STAGES)
+        r = tl.arange(0, BLOCK_R)
+        tl.store(part_ptr + (blk * SPLIT + tl.program_id(1)) * BLOCK_R + r, t)
+        tl.debug_barrier()  # every thread's sums are written before the count goes up
+        if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel") == SPLIT - 1:
+            t = tl.load(part_ptr + blk * SPLIT * BLOCK_R + r, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT):
+                t += tl.load(part_ptr + (blk * SPLIT + j) * BLOCK_R + r, cache_modifier=".cg")
+            _gemv_out(t, s_ptr, x_ptr, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
+            tl.store(cnt_ptr + blk, 0)
+
+
+@triton.jit
+def _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, k_lo, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
+               Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+               VW: tl.constexpr, STAGES: tl.constexpr):
+    """`_gemv`'s row sums over inputs k_lo..k_lo+KS (BLOCK_R,), before the row scale (the loads
+    are masked at K)."""
     acc = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
-    pre = _words(w_ptr, row0, row0, N, 0, K, BLOCK_R, BLOCK_K, Q4, False)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+    pre = _words(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False)
+    for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
+        k0 = k_lo + i
         nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
         acc, _, ss = _mac(acc, acc, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R,
                           BLOCK_K, Q4, GS, False, False)
         pre = nxt
-    o = _rnd(_row_scale(_total(acc, BLOCK_R, Q4), s_ptr, rows, rm, K, Q4, GS), dtype)
+    return _total(acc, BLOCK_R, Q4)
+
+
+@triton.jit
+def _gemv_out(t, s_ptr, x_ptr, out_ptr, rows, rm, K: tl.constexpr, RESIDUAL: tl.constexpr, Q4: tl.constexpr,
+              GS: tl.constexpr, dtype: tl.constexpr):
+    """`_gemv`'s rows from their sums t: scale, rounding, residual."""
+    o = _rnd(_row_scale(t, s_ptr, rows, rm, K, Q4, GS), dtype)
     if RESIDUAL:
         o = _rnd(tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32) + o, dtype)
     tl.store(out_ptr + rows, o.to(out_ptr.dtype.element_ty), mask=rm)
@@ -411,14 +446,47 @@ class Weight:
         return self.block_k(want) // (8 if self.q4 else 1)
 
 
+class SplitScratch:
+    """Partial sums and counters for split-K `gemv` calls (zeroed counters; each call leaves them
+    zeroed). One serves any number of calls in stream order."""
+
+    def __init__(self, device, sums: int = 0, blocks: int = 0):
+        self.device, self.part, self.count = device, None, None
+        self.reserve(sums, blocks)
+
+    def reserve(self, sums: int, blocks: int) -> None:
+        if self.part is None or self.part.numel() < sums:
+            self.part = torch.zeros(max(sums, 1), dtype=torch.float32, device=self.device)
+        if self.count is None or self.count.numel() < blocks:
+            self.count = torch.zeros(max(blocks, 1), dtype=torch.int32, device=self.device)
+
+
+def split_k(w: Weight, block_k: int, split: int) -> tuple[int, int]:
+    """(programs per row block, inputs each) of a split-K gemv: K-blocks shared out evenly."""
+    bk = w.block_k(block_k)
+    ks = triton.cdiv(triton.cdiv(w.k, bk), max(split, 1)) * bk
+    return triton.cdiv(w.k, ks), ks
+
+
 def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
-         block_k: int = 512, warps: int = 4, stages: int = 1) -> Tensor:
+         block_k: int = 512, warps: int = 4, stages: int = 1, split: int = 1,
+         scratch: SplitScratch | None = None) -> Tensor:
     """out = W @ y (+ residual) for y (K,); out may be residual (in place). `stages` > 1 pipelines
-    the loads of that many K-blocks (asynchronous copies through shared memory)."""
+    the loads of that many K-blocks (asynchronous copies through shared memory); `split` > 1 shares
+    K out over that many programs per row block (sums in `scratch`, which grows to fit)."""
     x = residual if residual is not None else out
-    _gemv[(triton.cdiv(w.n, rows),)](y, *w.args(), x, out, N=w.n, K=w.k, RESIDUAL=residual is not None,
-                                     Q4=w.q4, GS=w.group, BLOCK_R=rows, BLOCK_K=w.block_k(block_k),
-                                     VW=w.vw(block_k), STAGES=stages, num_warps=warps)
+    split, ks = split_k(w, block_k, split)
+    blocks = triton.cdiv(w.n, rows)
+    if split > 1:
+        if scratch is None:
+            scratch = SplitScratch(y.device)
+        scratch.reserve(blocks * split * rows, blocks)
+        part, count = scratch.part, scratch.count
+    else:
+        part = count = out
+    _gemv[(blocks, split)](y, *w.args(), x, out, part, count, N=w.n, K=w.k, RESIDUAL=residual is not None,
+                           Q4=w.q4, GS=w.group, BLOCK_R=rows, BLOCK_K=w.block_k(block_k), VW=w.vw(block_k),
+                           STAGES=stages, SPLIT=split, KS=ks, num_warps=warps)
     return out
 
 
@@ -540,6 +608,18 @@ def sample_codes(raw: Tensor, temps: Tensor, bos: Tensor, block_eos: Tensor, noi
                         BLOCK_V=triton.next_power_of_2(v), num_warps=2)
 
 
+def kernels_scratch(cfg: dict, wo: Weight, wdown: Weight, device) -> SplitScratch:
+    """Split-K scratch for the o and down launches of `cfg` (sized up front: nothing is allocated
+    while a graph is captured, and `cfg` may change before, as the sweeps do)."""
+    scratch = SplitScratch(device)
+    for name, w in (("o", wo), ("down", wdown)):
+        r, k, _, _, sp = cfg[name]
+        sp = split_k(w, k, sp)[0]
+        blocks = triton.cdiv(w.n, r)
+        scratch.reserve(blocks * sp * r if sp > 1 else 0, blocks if sp > 1 else 0)
+    return scratch
+
+
 class TritonDecode:
     """One-token decode through a fused `Decoder` (q/k/v and gate/up fused, KV cache and rotary
     tables set up) with the kernels above. `__call__(x, pos)` takes the input embedding (dim,) and a
@@ -567,17 +647,19 @@ class TritonDecode:
         self.y = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.h = torch.zeros(c.intermediate, dtype=dt, device=dev)
         # Launch shapes per kernel: (rows per program, K per iteration, warps, K-blocks whose loads
-        # are in flight at once); the qkv kernel's rows are per half head. The best of a sweep on an
-        # H200 (docs/benchmarks.md): a small model wants all of K in one iteration (latency), a
-        # large one more, shorter programs.
+        # are in flight at once[, programs per row block (split-K) for o and down]); the qkv
+        # kernel's rows are per half head. The best of a sweep on an H200 (docs/benchmarks.md): a
+        # small model wants all of K in one iteration (latency), a large one more, shorter programs.
         if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others
-            self.cfg = {"qkv": (8, 1024, 4, 2), "o": (8, 1024, 4, 2), "gate_up": (8, 512, 2, 2),
-                        "down": (8, 1024, 2, 3)}
+            self.cfg = {"qkv": (8, 1024, 4, 2), "o": (8, 1024, 4, 2, 1), "gate_up": (8, 512, 2, 2),
+                        "down": (8, 1024, 2, 3, 1)}
         elif c.dim <= 1024:
             k = triton.next_power_of_2(c.dim)
-            self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1)}
+            self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1, 1)}
         else:
-            self.cfg = {"qkv": (8, 512, 4, 1), "o": (4, 512, 4, 1), "gate_up": (4, 256, 4, 1), "down": (2, 2048, 8, 1)}
+            self.cfg = {"qkv": (8, 512, 4, 1), "o": (4, 512, 4, 1, 1), "gate_up": (4, 256, 4, 1),
+                        "down": (2, 2048, 8, 1, 1)}
+        self.scratch = kernels_scratch(self.cfg, self.weights[0][1], self.weights[0][3], dev)
         self.block_s = 64
         self.max_splits = 16  # programs per head (each takes every 16th block of slots); sizes `part`
         self.attn_warps = 4
@@ -608,12 +690,13 @@ class TritonDecode:
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
                                  NB=triton.cdiv(self.max_len, self.block_s), num_warps=self.attn_warps)
-            r, k, w, st = cfg["o"]
-            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w, stages=st)
+            r, k, w, st, sp = cfg["o"]
+            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w, stages=st, split=sp, scratch=self.scratch)
             _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
                 self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
                 layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
                 BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, num_warps=gw)
-            r, k, w, st = cfg["down"]
-            gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w, stages=st)
+            r, k, w, st, sp = cfg["down"]
+            gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w, stages=st, split=sp,
+                 scratch=self.scratch)
         return self.x

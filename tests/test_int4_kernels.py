@@ -38,6 +38,27 @@ def test_q4_linear_matches_dequantized(group_size, desc_act, sym, m):
     assert (lin.perm is not None) == (desc_act and group_size > 0)  # one group: order is irrelevant
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_split_k_gemv_matches_dequantized(sym):
+    """A one-row product split over K (four programs per row block, each a quarter of the inputs),
+    added to a residual in place: the rows of the dequantized product; the counters end at zero."""
+    from backends.kernels import SplitScratch, Weight, gemv
+
+    torch.manual_seed(2)
+    t = quantize(torch.randn(40, 256) * 0.05, -1, sym=sym)
+    w = Q4Linear(**t, bias=None, dtype=torch.float32, device=DEVICE).kernel_weight()
+    assert isinstance(w, Weight) and w.q4
+    y, x = torch.randn(256), torch.randn(40)
+    ref = x + y @ dequantize(**t).T
+    scratch = SplitScratch(DEVICE)
+    for _ in range(2):  # the second call reuses the scratch: the counters were reset
+        out = x.to(DEVICE, copy=True)
+        gemv(w, y.to(DEVICE), out, out, rows=8, block_k=64, split=4, scratch=scratch)
+        torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
+        assert not scratch.count.any()
+    assert scratch.part.numel() >= 5 * 4 * 8
+
+
 def test_q4_linears_stack():
     torch.manual_seed(1)
     parts = [quantize(torch.randn(n, 128) * 0.05, -1) for n in (32, 16, 16)]

@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from backends.compile import CompiledLLM, GraphTTSRunner
-from backends.kernels import TritonDecode
+from backends.kernels import TritonDecode, kernels_scratch
 from minicpm_cli.models.transformer import Decoder, DecoderConfig
 from minicpm_cli.pipeline import Synthesizer
 
@@ -42,9 +42,9 @@ def prepared(base: Decoder, dtype, prefix: torch.Tensor) -> Decoder:
     return d
 
 
-def step_both(base, dtype, visible_from, block_s=64):
+def step_both(base, dtype, visible_from, block_s=64, split=False):
     """One token at position 20 through the eager decoder and through TritonDecode (attention split
-    into blocks of `block_s` slots)."""
+    into blocks of `block_s` slots; with `split`, o and down split over K too)."""
     n = 20
     prefix, x = torch.randn(1, n, 64), torch.randn(64)
     pos = torch.tensor([n], device=DEVICE)
@@ -56,18 +56,22 @@ def step_both(base, dtype, visible_from, block_s=64):
         t = prepared(base, dtype, prefix)
         td = TritonDecode(t, visible_from)
         td.block_s = block_s
+        if split:  # o: 4 blocks of 16 inputs over 2 programs; down: 3 blocks of 32 over 3
+            td.cfg["o"], td.cfg["down"] = (8, 16, 4, 1, 2), (8, 32, 4, 1, 3)
+            td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], DEVICE)
         out = t.norm(td(x.to(DEVICE, dtype), pos))
         assert not td.count.any()  # the split counters are back to zero for the next step
+        assert not td.scratch.count.any()
     return e, t, ref.float(), out.float()
 
 
-@pytest.mark.parametrize("gqa,bias,masked,block_s", [(True, True, False, 64), (False, False, True, 16),
-                                                    (True, False, True, 8)])
-def test_decode_step_matches_eager_float32(gqa, bias, masked, block_s):
+@pytest.mark.parametrize("gqa,bias,masked,block_s,split", [(True, True, False, 64, False), (False, False, True, 16, True),
+                                                          (True, False, True, 8, False)])
+def test_decode_step_matches_eager_float32(gqa, bias, masked, block_s, split):
     slots = torch.arange(MAX, device=DEVICE)
     # with a mask: every third slot never seen, the others from their own position (as TTS audio slots)
     vis = torch.where(slots % 3 == 0, 10**6, slots) if masked else None
-    e, t, ref, out = step_both(decoder(gqa, bias), torch.float32, vis, block_s)
+    e, t, ref, out = step_both(decoder(gqa, bias), torch.float32, vis, block_s, split)
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
     for le, lt in zip(e.layers, t.layers):  # the new K/V rows landed in the cache slot of position 20
         torch.testing.assert_close(lt.self_attn.kv_cache.k, le.self_attn.kv_cache.k, rtol=1e-5, atol=1e-5)
