@@ -147,8 +147,9 @@ class CompiledLLM:
         self.inp.copy_(self.host, non_blocking=True)
         x = self.triton.x  # the embedding straight into the kernels' residual stream
         torch.index_select(m.embed_tokens.weight, 0, self.inp[:1], out=x[None])
-        k.rms_norm(self.triton(x, self.inp[1:]), m.norm, self.hidden[0])
-        k.gemv(self.lm_head, self.hidden[0], self.logits, **self.lm_head_cfg)
+        pdl = self.triton.pdl
+        k.rms_norm(self.triton(x, self.inp[1:]), m.norm, self.hidden[0], pdl=pdl)
+        k.gemv(self.lm_head, self.hidden[0], self.logits, **self.lm_head_cfg, pdl=pdl)
         return self.logits, self.hidden
 
     @torch.inference_mode()
@@ -202,7 +203,7 @@ class GraphTTSRunner(TTSRunner):
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
         if self.triton is None:
             return super()._decode(x, kv_len)
-        return _kernels().rms_norm(self.triton(x, self.pos_t), self.model.model.norm, self.normed)
+        return _kernels().rms_norm(self.triton(x, self.pos_t), self.model.model.norm, self.normed, pdl=self.triton.pdl)
 
     def _choose(self, raw: Tensor, sampled: bool) -> Tensor:
         if self.triton is None:

@@ -33,8 +33,26 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from minicpm_cli.models.transformer import Decoder
+
+
+@triton.jit
+def _wait_previous(PDL: tl.constexpr):
+    """Under programmatic dependent launch (PDL, Hopper and later: a kernel of the step may start
+    while the previous one finishes): wait until the previous kernel has finished and its writes
+    are visible. Before this a kernel may only read what no kernel of the step writes (weights)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def _let_next(PDL: tl.constexpr):
+    """Under PDL: once every program of this kernel has come here, the next kernel may start (its
+    programs load their first weights, then wait in `_wait_previous`)."""
+    if PDL:
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -233,13 +251,12 @@ def _row_scale(y, s_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.
 def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                   eps, max_len, DIM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                   HAS_BIAS: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr):
+                  BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     # program (head, j): rows j*BLOCK_R.. of the head's first half and the matching second-half
     # rows, which the rotation pairs up
     head = tl.program_id(0)
     j = tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
-    pos = tl.load(pos_ptr)
     d = j * BLOCK_R + tl.arange(0, BLOCK_R)
     row0 = head * D + j * BLOCK_R
     r1 = row0 + tl.arange(0, BLOCK_R)
@@ -250,11 +267,14 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     every = r1 >= 0
     lim = (HQ + 2 * HKV) * D
     pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
+    _wait_previous(PDL)
+    pos = tl.load(pos_ptr)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0 + D // 2, lim, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
         acc1, acc2, ss = _mac(acc1, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, k0,
                               DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
         pre = nxt
+    _let_next(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     y1 = _row_scale(_total(acc1, BLOCK_R, Q4), s_ptr, r1, every, DIM, Q4, GS) * inv
     y2 = _row_scale(_total(acc2, BLOCK_R, Q4), s_ptr, r2, every, DIM, Q4, GS) * inv
@@ -282,8 +302,10 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
 
 
 @triton.jit
-def _rms_norm(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out = w * rnd(x / rms(x)) for one row x (N,), rounded where `RMSNorm` rounds."""
+    _wait_previous(PDL)
+    _let_next(PDL)
     i = tl.arange(0, BLOCK)
     m = i < N
     x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
@@ -293,21 +315,24 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def rms_norm(x: Tensor, norm, out: Tensor) -> Tensor:
-    """`norm(x)` (a `RMSNorm`) of one row x (N,) into out, in one launch (the eager module: seven)."""
+def rms_norm(x: Tensor, norm, out: Tensor, pdl: bool = False) -> Tensor:
+    """`norm(x)` (a `RMSNorm`) of one row x (N,) into out, in one launch (the eager module: seven);
+    `pdl`: launched as a programmatic dependent of the previous kernel (see `_wait_previous`)."""
     n = x.numel()
-    _rms_norm[(1,)](x, norm.weight, out, norm.eps, N=n, BLOCK=triton.next_power_of_2(n), num_warps=4)
+    _rms_norm[(1,)](x, norm.weight, out, norm.eps, N=n, BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=4,
+                    launch_pdl=pdl)
     return out
 
 
 @triton.jit
 def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len,
             SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
-            BLOCK_S: tl.constexpr, NB: tl.constexpr):
+            BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (h, j): query head h against the cache blocks j, j + SPLITS, ... of BLOCK_S slots
     up to the position (split-K "flash decoding", online softmax across a program's blocks); each
     split leaves (unnormalised output, max, sum) in `part`, and the head's last split to finish
     (counted with an atomic, reset for the next step) merges them in a fixed order."""
+    _wait_previous(PDL)
     h = tl.program_id(0)
     j = tl.program_id(1)
     pos = tl.load(pos_ptr)
@@ -337,6 +362,7 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
                 acc = acc * alpha + tl.sum(p[:, None] * v, 0)
                 total = total * alpha + tl.sum(p, 0)
                 m = m_new
+        _let_next(PDL)
         base = part_ptr + (h * SPLITS + j) * (D + 2)
         tl.store(base + dd, acc)
         tl.store(base + D, m)
@@ -358,7 +384,8 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
 @triton.jit
 def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.constexpr, K: tl.constexpr,
           RESIDUAL: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr,
-          BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr):
+          BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr,
+          PDL: tl.constexpr = False):
     """out[rows] = W[rows] @ y, rounded to y's dtype as `linear(y)` is, plus x[rows] (rounded like
     `x + linear(y)`) when RESIDUAL; out may be x itself (each row block has one writer).
 
@@ -370,11 +397,11 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.c
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < N
     if SPLIT == 1:
-        t = _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, 0, N, K, K, Q4, GS, BLOCK_R, BLOCK_K, VW, STAGES)
+        t = _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, 0, N, K, K, Q4, GS, BLOCK_R, BLOCK_K, VW, STAGES, PDL)
         _gemv_out(t, s_ptr, x_ptr, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
     else:
         t = _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, tl.program_id(1) * KS, N, K, KS, Q4, GS, BLOCK_R,
-                       BLOCK_K, VW, STAGES)
+                       BLOCK_K, VW, STAGES, PDL)
         r = tl.arange(0, BLOCK_R)
         tl.store(part_ptr + (blk * SPLIT + tl.program_id(1)) * BLOCK_R + r, t)
         tl.debug_barrier()  # every thread's sums are written before the count goes up
@@ -389,18 +416,20 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.c
 @triton.jit
 def _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, k_lo, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
                Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-               VW: tl.constexpr, STAGES: tl.constexpr):
+               VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """`_gemv`'s row sums over inputs k_lo..k_lo+KS (BLOCK_R,), before the row scale (the loads
     are masked at K)."""
     acc = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     pre = _words(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False)
+    _wait_previous(PDL)
     for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
         k0 = k_lo + i
         nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
         acc, _, ss = _mac(acc, acc, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R,
                           BLOCK_K, Q4, GS, False, False)
         pre = nxt
+    _let_next(PDL)
     return _total(acc, BLOCK_R, Q4)
 
 
@@ -470,10 +499,11 @@ def split_k(w: Weight, block_k: int, split: int) -> tuple[int, int]:
 
 def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
          block_k: int = 512, warps: int = 4, stages: int = 1, split: int = 1,
-         scratch: SplitScratch | None = None) -> Tensor:
+         scratch: SplitScratch | None = None, pdl: bool = False) -> Tensor:
     """out = W @ y (+ residual) for y (K,); out may be residual (in place). `stages` > 1 pipelines
     the loads of that many K-blocks (asynchronous copies through shared memory); `split` > 1 shares
-    K out over that many programs per row block (sums in `scratch`, which grows to fit)."""
+    K out over that many programs per row block (sums in `scratch`, which grows to fit); `pdl`:
+    launched as a programmatic dependent of the previous kernel (see `_wait_previous`)."""
     x = residual if residual is not None else out
     split, ks = split_k(w, block_k, split)
     blocks = triton.cdiv(w.n, rows)
@@ -486,7 +516,7 @@ def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, r
         part = count = out
     _gemv[(blocks, split)](y, *w.args(), x, out, part, count, N=w.n, K=w.k, RESIDUAL=residual is not None,
                            Q4=w.q4, GS=w.group, BLOCK_R=rows, BLOCK_K=w.block_k(block_k), VW=w.vw(block_k),
-                           STAGES=stages, SPLIT=split, KS=ks, num_warps=warps)
+                           STAGES=stages, SPLIT=split, KS=ks, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
 
 
@@ -537,7 +567,7 @@ def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
 @triton.jit
 def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
                  Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 VW: tl.constexpr, STAGES: tl.constexpr):
+                 VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
     """h[rows] = silu(gate) * up of RMSNorm(x), W = [gate; up] stacked (2 * INTER, DIM)."""
     row0 = tl.program_id(0) * BLOCK_R
     rows = row0 + tl.arange(0, BLOCK_R)
@@ -547,11 +577,13 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     acc_u = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
+    _wait_previous(PDL)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0 + INTER, INTER, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
         acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr,
                                 k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
         pre = nxt
+    _let_next(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     g = _rnd(_row_scale(_total(acc_g, BLOCK_R, Q4), s_ptr, rows, rm, DIM, Q4, GS) * inv, dtype)
     u = _rnd(_row_scale(_total(acc_u, BLOCK_R, Q4), s_ptr, rows + INTER, rm, DIM, Q4, GS) * inv, dtype)
@@ -626,9 +658,10 @@ class TritonDecode:
     1-element position tensor and returns the last layer's residual stream (dim,), before the final
     norm, in a static buffer. Capturable in a CUDA graph: no host synchronisation, no
     position-dependent shapes. `visible_from` (slots,): a slot is seen from that position on
-    (the TTS mask); None means causal."""
+    (the TTS mask); None means causal. `pdl`: launch the kernels as programmatic dependents
+    (`_wait_previous`; the default on Hopper and later GPUs, never in Triton's interpreter)."""
 
-    def __init__(self, decoder: Decoder, visible_from: Tensor | None = None):
+    def __init__(self, decoder: Decoder, visible_from: Tensor | None = None, pdl: bool | None = None):
         c = decoder.config
         self.c, self.decoder, self.visible_from = c, decoder, visible_from
         first = decoder.layers[0]
@@ -660,6 +693,9 @@ class TritonDecode:
             self.cfg = {"qkv": (8, 512, 4, 1), "o": (4, 512, 4, 1, 1), "gate_up": (4, 256, 4, 1),
                         "down": (2, 2048, 8, 1, 1)}
         self.scratch = kernels_scratch(self.cfg, self.weights[0][1], self.weights[0][3], dev)
+        if pdl is None:
+            pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+        self.pdl = pdl
         self.block_s = 64
         self.max_splits = 16  # programs per head (each takes every 16th block of slots); sizes `part`
         self.attn_warps = 4
@@ -669,7 +705,7 @@ class TritonDecode:
         self.count = torch.zeros(c.n_heads, dtype=torch.int32, device=dev)
 
     def __call__(self, x: Tensor, pos: Tensor) -> Tensor:
-        c, dec, cfg = self.c, self.decoder, self.cfg
+        c, dec, cfg, pdl = self.c, self.decoder, self.cfg, self.pdl
         D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
         self.x.copy_(x.reshape(-1))
         vis = self.visible_from if self.visible_from is not None else pos
@@ -684,19 +720,22 @@ class TritonDecode:
                 self.x, layer.input_layernorm.weight, *wqkv.args(), bias if bias is not None else self.x,
                 dec.rope_cos, dec.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps,
                 self.max_len, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, Q4=wqkv.q4,
-                GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), VW=wqkv.vw(qk), STAGES=qs,
-                num_warps=qw)
+                GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), VW=wqkv.vw(qk), STAGES=qs, PDL=pdl,
+                num_warps=qw, launch_pdl=pdl)
             _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
-                                 NB=triton.cdiv(self.max_len, self.block_s), num_warps=self.attn_warps)
+                                 NB=triton.cdiv(self.max_len, self.block_s), PDL=pdl, num_warps=self.attn_warps,
+                                 launch_pdl=pdl)
             r, k, w, st, sp = cfg["o"]
-            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w, stages=st, split=sp, scratch=self.scratch)
+            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w, stages=st, split=sp, scratch=self.scratch,
+                 pdl=pdl)
             _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
                 self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
                 layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
-                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, num_warps=gw)
+                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, PDL=pdl, num_warps=gw,
+                launch_pdl=pdl)
             r, k, w, st, sp = cfg["down"]
             gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w, stages=st, split=sp,
-                 scratch=self.scratch)
+                 scratch=self.scratch, pdl=pdl)
         return self.x
