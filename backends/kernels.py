@@ -29,6 +29,8 @@ Triton); under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -541,14 +543,140 @@ def _q4_dequant(w_ptr, s_ptr, z_ptr, out_ptr, n0, N: tl.constexpr, K: tl.constex
 SCRATCH = 1 << 25  # elements of the dequantized slice of a 4-bit weight a prefill works on (64 MB in bf16)
 
 
+@triton.jit
+def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: tl.constexpr, K: tl.constexpr,
+           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+           SPLIT: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr, MAGIC: tl.constexpr,
+           INTERPRETED: tl.constexpr = False):
+    """out (M, N) = x (M, K) @ W^T (+ bias) for a one-group 4-bit W (`_mac`'s layout), the prefill
+    product. Program (i, j, s): rows n of W from i * BLOCK_N against tokens t from j * BLOCK_T, on
+    inputs s * KS..: each K-block of W is unpacked in registers for a tensor-core product with the
+    tokens' inputs (float32 sums; W is the left operand, so a few tokens fill the narrow side of
+    the product), and the row scale multiplies the sums.
+
+    16-bit x (MAGIC, the 16-bit pattern of 2^m: 128.0 in bfloat16, 1024.0 in float16): one AND/OR
+    of a word shifted by 4p makes values p and p + 4 of the word, as the 16-bit floats 2^m + q,
+    exactly; their products with the inputs in the same (permuted) order are summed, and
+    (2^m + z) * sum(x) comes off at the end. float32 x: (q - z) exactly, in input order.
+    SPLIT > 1: as `_gemv`, each program leaves its sums in `part` and a tile's last program to
+    finish adds them in a fixed order and writes the tile."""
+    pn = tl.program_id(0)
+    pt = tl.program_id(1)
+    ps = tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
+    nm = n < N
+    tm = t < M
+    zero = tl.load(z_ptr + n, mask=nm, other=0.0)
+    quad = (pn * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4))[:, None, None]
+    lane = tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    xsum = tl.zeros([BLOCK_T], dtype=tl.float32)
+    k_lo = ps * KS
+    for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
+        kw = (k_lo + i) // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + (quad * (K // 8) + kw[None, :, None]) * 4 + lane,
+                        mask=(quad * 4 < N) & (kw < K // 8)[None, :, None], other=0)  # (quads, words, 4 rows)
+        words = tl.reshape(tl.permute(words, (0, 2, 1)), [BLOCK_N, BLOCK_K // 8])  # row n = quad * 4 + lane
+        k = (k_lo + i) + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & (k < K)[:, None], other=0.0)
+        if MAGIC:
+            pairs = (words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]) & 0x000F000F | (MAGIC * 65537)
+            lo = pairs.to(tl.int16).to(dtype, bitcast=True)  # value p of the word (2^m + q)
+            hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)  # value p + 4
+            wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # input 8w + p + 4h at 8w + 2p + h
+            xt = tl.reshape(tl.permute(tl.reshape(xt, [BLOCK_K // 8, 2, 4, BLOCK_T]), (0, 2, 1, 3)),
+                            [BLOCK_K, BLOCK_T])  # the inputs in the same order
+            xsum += tl.sum(xt.to(tl.float32), 0)
+            if INTERPRETED:  # Triton's interpreter multiplies 16-bit floats wrongly (3.6): exact in float32
+                acc = tl.dot(wq.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(wq, xt, acc)
+        else:
+            q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # (rows, words, 8): input 8w + j
+            wq = tl.reshape(q.to(tl.float32) - zero[:, None, None], [BLOCK_N, BLOCK_K]).to(dtype)  # q - z: exact
+            acc = tl.dot(wq, xt, acc, input_precision="ieee")  # float32 models: no TF32
+    if MAGIC:
+        base = tl.full([BLOCK_N], MAGIC * 65536, tl.int32).to(tl.float32, bitcast=True)  # 2^m
+        acc -= (base + zero)[:, None] * xsum[None, :]
+    if SPLIT == 1:
+        _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N, HAS_BIAS, dtype)
+    else:
+        tile = pn * tl.num_programs(1) + pt
+        cell = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+        tl.store(part_ptr + (tile * SPLIT + ps) * (BLOCK_N * BLOCK_T) + cell, acc)
+        tl.debug_barrier()  # every thread's sums are written before the count goes up
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            acc = tl.load(part_ptr + tile * SPLIT * (BLOCK_N * BLOCK_T) + cell, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT):
+                acc += tl.load(part_ptr + (tile * SPLIT + j) * (BLOCK_N * BLOCK_T) + cell, cache_modifier=".cg")
+            _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N, HAS_BIAS, dtype)
+            tl.store(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N: tl.constexpr, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """`_q4_mm`'s tile from its sums (rows n, tokens t): row scale, bias, one rounding (as addmm)."""
+    y = acc * tl.load(s_ptr + n, mask=nm, other=0.0)[:, None]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + t[None, :] * N + n[:, None], y.to(dtype), mask=nm[:, None] & tm[None, :])
+
+
+def q4_mm_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) of `_q4_mm` for m tokens: the tokens in
+    one tile up to 128, wider row blocks when there are many (each row block reads the tokens'
+    inputs once), and K split until some two programs per SM have work."""
+    bt = min(max(16, triton.next_power_of_2(m)), 128)
+    bn = 64 if bt <= 32 else 128
+    bk = 128
+    tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bt)
+    blocks = triton.cdiv(w.k, bk)
+    split = max(1, min(triton.cdiv(2 * MM_SMS, tiles), blocks // 4))
+    return bn, bt, bk, 4 if bn * bt <= 64 * 64 else 8, 3, split
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}  # 128.0 and 1024.0 (see `_q4_mm`)
+MM_MAX_M = 1 << 30  # prefills up to this many tokens take `q4_mm` (one-group weights)
+MM_SMS = 132  # programs the prefill product aims to fill (an H100/H200 has 132 SMs)
+
+
+def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -> Tensor:
+    """x (M, K) contiguous @ W^T + bias -> (M, N) in x's dtype on `_q4_mm` (one-group 4-bit W);
+    `cfg` overrides `q4_mm_config`."""
+    m = x.shape[0]
+    bn, bt, bk, warps, stages, split = cfg or q4_mm_config(m, w)
+    bk = min(bk, max(16, triton.next_power_of_2(w.k)))
+    blocks = triton.cdiv(w.k, bk)
+    split = min(split, blocks)
+    ks = triton.cdiv(blocks, split) * bk
+    split = triton.cdiv(w.k, ks)
+    grid = (triton.cdiv(w.n, bn), triton.cdiv(m, bt), split)
+    y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    if split > 1:
+        part = torch.empty(grid[0] * grid[1] * split * bn * bt, dtype=torch.float32, device=x.device)
+        count = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+    else:
+        part = count = y
+    _q4_mm[grid](x, *w.args(), bias if bias is not None else y, y, part, count, m, N=w.n, K=w.k,
+                 HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, SPLIT=split, KS=ks, STAGES=stages,
+                 MAGIC=_MAGIC.get(x.dtype, 0), INTERPRETED=_INTERPRETED, num_warps=warps)
+    return y
+
+
 def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
     """x (M, K) contiguous -> x @ W^T + bias (M, N) in x's dtype, for a 4-bit W. One row: the GEMV
-    kernel. More (prefills): slices of W dequantized to x's dtype into a scratch buffer and
-    multiplied by cuBLAS, which is what the same layer with dequantized weights computes."""
+    kernel. More (prefills): with one group (the official layout) `q4_mm`; with groups, slices of
+    W dequantized to x's dtype into a scratch buffer and multiplied by cuBLAS, which is what the
+    same layer with dequantized weights computes."""
     m = x.shape[0]
     if m == 1:
         y = gemv(w, x[0], torch.empty(w.n, dtype=x.dtype, device=x.device))[None]
         return y if bias is None else y + bias
+    if w.group == w.k and m <= MM_MAX_M:
+        return q4_mm(x, w, bias)
     y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     rows = max(64, SCRATCH // w.k // 64 * 64)
     scratch = torch.empty(min(rows, w.n), w.k, dtype=x.dtype, device=x.device)

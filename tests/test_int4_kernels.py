@@ -38,6 +38,29 @@ def test_q4_linear_matches_dequantized(group_size, desc_act, sym, m):
     assert (lin.perm is not None) == (desc_act and group_size > 0)  # one group: order is irrelevant
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16,
+                                   pytest.param(torch.float16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cfg", [None, (64, 16, 64, 4, 1, 3), (16, 16, 32, 4, 2, 4)])
+def test_prefill_product_matches_dequantized(cfg, dtype):
+    """The prefill product of a one-group 4-bit weight (`q4_mm`) in launch shapes that split K over
+    programs, leave rows and tokens past the tiles' edges and span several token tiles: the
+    dequantized product with the bias (float32: to its rounding; 16-bit: the 2^m + q values and
+    the permuted inputs, to the output's rounding)."""
+    from backends.kernels import q4_mm
+
+    if dtype == torch.float16 and DEVICE == "cpu":
+        pytest.skip("float16 needs a GPU (Triton's interpreter mishandles it)")
+    torch.manual_seed(3)
+    t = quantize(torch.randn(72, 320) * 0.05, -1, sym=False)
+    lin = Q4Linear(**t, bias=torch.randn(72), dtype=dtype, device=DEVICE)
+    x = torch.randn(37, 320).to(dtype)
+    ref = x.float() @ dequantize(**t).T + lin.bias.float().cpu()
+    y = q4_mm(x.to(DEVICE), lin.kernel_weight(), lin.bias, cfg).cpu()
+    assert y.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # two 16-bit steps (the interpreter truncates)
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("sym", [True, False])
 def test_split_k_gemv_matches_dequantized(sym):
     """A one-row product split over K (four programs per row block, each a quarter of the inputs),
