@@ -546,7 +546,7 @@ SCRATCH = 1 << 25  # elements of the dequantized slice of a 4-bit weight a prefi
 @triton.jit
 def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: tl.constexpr, K: tl.constexpr,
            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-           SPLIT: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr, MAGIC: tl.constexpr,
+           SPLIT: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr, MAGIC: tl.constexpr, BASE: tl.constexpr,
            INTERPRETED: tl.constexpr = False):
     """out (M, N) = x (M, K) @ W^T (+ bias) for a one-group 4-bit W (`_mac`'s layout), the prefill
     product. Program (i, j, s): rows n of W from i * BLOCK_N against tokens t from j * BLOCK_T, on
@@ -554,7 +554,7 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
     tokens' inputs (float32 sums; W is the left operand, so a few tokens fill the narrow side of
     the product), and the row scale multiplies the sums.
 
-    16-bit x (MAGIC, the 16-bit pattern of 2^m: 128.0 in bfloat16, 1024.0 in float16): one AND/OR
+    16-bit x (MAGIC, the 16-bit pattern of BASE = 2^m: 128.0 in bfloat16, 1024.0 in float16): one AND/OR
     of a word shifted by 4p makes values p and p + 4 of the word, as the 16-bit floats 2^m + q,
     exactly; their products with the inputs in the same (permuted) order are summed, and
     (2^m + z) * sum(x) comes off at the end. float32 x: (q - z) exactly, in input order.
@@ -598,8 +598,7 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
             wq = tl.reshape(q.to(tl.float32) - zero[:, None, None], [BLOCK_N, BLOCK_K]).to(dtype)  # q - z: exact
             acc = tl.dot(wq, xt, acc, input_precision="ieee")  # float32 models: no TF32
     if MAGIC:
-        base = tl.full([BLOCK_N], MAGIC * 65536, tl.int32).to(tl.float32, bitcast=True)  # 2^m
-        acc -= (base + zero)[:, None] * xsum[None, :]
+        acc -= (BASE + zero)[:, None] * xsum[None, :]
     if SPLIT == 1:
         _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N, HAS_BIAS, dtype)
     else:
@@ -627,19 +626,19 @@ def _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N: tl.constexpr, HAS_BI
 def q4_mm_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) of `_q4_mm` for m tokens: the tokens in
     one tile up to 128, wider row blocks when there are many (each row block reads the tokens'
-    inputs once), and K split until some two programs per SM have work."""
+    inputs once), and K split until some four programs per SM have work, each at least four
+    K-blocks (from a sweep on an H200, docs/benchmarks.md)."""
     bt = min(max(16, triton.next_power_of_2(m)), 128)
-    bn = 64 if bt <= 32 else 128
-    bk = 128
+    bn, bk = (64, 64) if bt <= 32 else (128, 64)
     tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bt)
     blocks = triton.cdiv(w.k, bk)
-    split = max(1, min(triton.cdiv(2 * MM_SMS, tiles), blocks // 4))
-    return bn, bt, bk, 4 if bn * bt <= 64 * 64 else 8, 3, split
+    split = max(1, min(triton.cdiv(4 * MM_SMS, tiles), blocks // 4))
+    return bn, bt, bk, 4 if bt <= 32 else 8, 3 if bt <= 32 else 4, split
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}  # 128.0 and 1024.0 (see `_q4_mm`)
-MM_MAX_M = 1 << 30  # prefills up to this many tokens take `q4_mm` (one-group weights)
+_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # 2^m as a 16-bit pattern (`_q4_mm`)
+MM_MAX_M = 128  # prefills up to this many tokens take `q4_mm` (one-group weights; above, cuBLAS was faster)
 MM_SMS = 132  # programs the prefill product aims to fill (an H100/H200 has 132 SMs)
 
 
@@ -662,7 +661,8 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
         part = count = y
     _q4_mm[grid](x, *w.args(), bias if bias is not None else y, y, part, count, m, N=w.n, K=w.k,
                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, SPLIT=split, KS=ks, STAGES=stages,
-                 MAGIC=_MAGIC.get(x.dtype, 0), INTERPRETED=_INTERPRETED, num_warps=warps)
+                 MAGIC=_MAGIC.get(x.dtype, (0, 0.0))[0], BASE=_MAGIC.get(x.dtype, (0, 0.0))[1],
+                 INTERPRETED=_INTERPRETED, num_warps=warps)
     return y
 
 
