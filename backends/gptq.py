@@ -146,6 +146,17 @@ def interleave(rows: Tensor) -> Tensor:
     return rows.reshape(-1, 4, c).transpose(1, 2).contiguous()
 
 
+def pair_nibbles(words: Tensor) -> Tensor:
+    """GPTQ words (value j in bits 4j..4j+3) -> the kernels' order: value j in nibble j/2 for even
+    j and 4 + j//2 for odd j, so that one AND of the word shifted by 4p gives values 2p and 2p + 1
+    in its two 16-bit halves (backends/kernels.py `_q4_mm`)."""
+    w = words.long() & 0xFFFFFFFF
+    out = torch.zeros_like(w)
+    for j in range(8):
+        out |= ((w >> (4 * j)) & 0xF) << (4 * (j // 2 + 4 * (j % 2)))
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
 def deinterleave(words: Tensor, n: int) -> Tensor:
     """Inverse of interleave: (ceil(n / 4), c, 4) -> (n, c)."""
     return words.transpose(1, 2).reshape(-1, words.shape[1])[:n]
@@ -155,8 +166,9 @@ class Q4Linear(nn.Module):
     """y = x W^T + b with W in 4 bits, for the Triton kernels (backends/kernels.py): one-token steps
     read it inside the fused decode kernels (`kernel_weight`), prefills go through `q4_linear`.
 
-    Layout: the GPTQ values packed eight to an int32 along the input dim as in `qweight`, but a row
-    per output and the rows of every four interleaved, `packed` (ceil(out/4), in/8, 4); float32
+    Layout: the GPTQ values packed eight to an int32 along the input dim as in `qweight` (their
+    nibbles reordered by `pair_nibbles`), but a row per output and the rows of every four
+    interleaved, `packed` (ceil(out/4), in/8, 4); float32
     `scales` and true `zeros` (out, groups). Act-order checkpoints with several groups keep a
     `perm` of the inputs (groups made contiguous); with one group (the official per-channel
     checkpoint) the order of inputs does not matter and none is kept.
@@ -185,7 +197,7 @@ class Q4Linear(nn.Module):
             g = g[perm]
             rows_packed = pack_rows(q).T
         rows = torch.arange(0, n_in, group, device=device)  # first input of each group
-        self.register_buffer("packed", interleave(rows_packed), persistent=False)
+        self.register_buffer("packed", interleave(pair_nibbles(rows_packed)), persistent=False)
         self.register_buffer("scales", s.float()[g[rows]].T.contiguous(), persistent=False)
         self.register_buffer("zeros", zeros.float()[g[rows]].T.contiguous(), persistent=False)
         self.group = group

@@ -137,7 +137,8 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
     with v' = g * v under GAIN (an RMSNorm's gain; then ss += v^2 for its scale), else v.
 
     Dense W (N, K): acc (BLOCK_R, BLOCK_K), ss (BLOCK_K,). 4-bit W (`Weight`): values packed eight
-    to an int32 along K (value j of a word in bits 4j..4j+3, as GPTQ packs), the words of four
+    to an int32 along K (value j of a word in nibble j/2 for even j, 4 + j//2 for odd j:
+    backends/gptq.py `pair_nibbles`), the words of four
     consecutive rows interleaved, (N/4, K/8, 4), so that one 16-byte load brings a word of each of
     four rows; acc (BLOCK_K/8, BLOCK_R/4, 4), ss (BLOCK_K/8,): the eight values of a word add into
     one element (`_total` sums up the rows); their words come loaded, `pre` (`_words`: the
@@ -170,7 +171,7 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
             vj = _vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
             ss = vj[8]
             vsum = vj[0] + vj[1] + vj[2] + vj[3] + vj[4] + vj[5] + vj[6] + vj[7]
-            for j in tl.static_range(8):
+            for j in tl.static_range(8):  # nibble j: value 2j (j < 4) or 2j - 7
                 if j < 6:
                     sh = 4 * j
                     src = words
@@ -179,7 +180,7 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
                     sh = 4 * j - 16
                     src = high
                     src2 = high2
-                vs = (vj[j] * (1267650600228229401496703205376.0 / (1 << sh)))[:, None, None]  # 2^(100-sh)
+                vs = (vj[2 * j if j < 4 else 2 * j - 7] * (1267650600228229401496703205376.0 / (1 << sh)))[:, None, None]
                 acc += (src & (0xF << sh)).to(tl.float32, bitcast=True) * vs
                 if TWO:
                     acc2 += (src2 & (0xF << sh)).to(tl.float32, bitcast=True) * vs
@@ -196,8 +197,8 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
             scale = tl.load(s_ptr + grp, mask=m, other=0.0)
             zero2 = 8388608.0 + tl.load(z_ptr + grp2, mask=m, other=0.0)
             scale2 = tl.load(s_ptr + grp2, mask=m, other=0.0)
-            for j in tl.static_range(8):
-                v, ss = _vec(v_ptr, g_ptr, kw * 8 + j, km, ss, GAIN)
+            for j in tl.static_range(8):  # nibble j: value 2j (j < 4) or 2j - 7
+                v, ss = _vec(v_ptr, g_ptr, kw * 8 + (2 * j if j < 4 else 2 * j - 7), km, ss, GAIN)
                 # q with the bits of 2^23 is the float 2^23 + q: minus (2^23 + z) gives q - z
                 w = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero
                 acc += w * scale * v[:, None, None]
@@ -535,7 +536,8 @@ def _q4_dequant(w_ptr, s_ptr, z_ptr, out_ptr, n0, N: tl.constexpr, K: tl.constex
     zero, scale = _zero_scale(s_ptr, z_ptr, rows, rm, kw, km, K, GS)
     q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
     w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zero[:, :, None]) * scale[:, :, None]
-    cols = kw[:, None] * 8 + tl.arange(0, 8)[None, :]
+    nib = tl.arange(0, 8)
+    cols = kw[:, None] * 8 + ((nib % 4) * 2 + nib // 4)[None, :]  # nibble p holds value 2p or 2(p - 4) + 1
     off = (rows - n0)[:, None, None] * K + cols[None, :, :]
     tl.store(out_ptr + off, w.to(out_ptr.dtype.element_ty), mask=rm[:, None, None] & km[None, :, None])
 
@@ -554,10 +556,10 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
     tokens' inputs (float32 sums; W is the left operand, so a few tokens fill the narrow side of
     the product), and the row scale multiplies the sums.
 
-    16-bit x (MAGIC, the 16-bit pattern of BASE = 2^m: 128.0 in bfloat16, 1024.0 in float16): one AND/OR
-    of a word shifted by 4p makes values p and p + 4 of the word, as the 16-bit floats 2^m + q,
-    exactly; their products with the inputs in the same (permuted) order are summed, and
-    (2^m + z) * sum(x) comes off at the end. float32 x: (q - z) exactly, in input order.
+    One AND of a word shifted by 4p gives its values 2p and 2p + 1 (`pair_nibbles`) in its 16-bit
+    halves. 16-bit x (MAGIC, the 16-bit pattern of BASE = 2^m: 128.0 in bfloat16, 1024.0 in
+    float16): an OR makes them the 16-bit floats 2^m + q, exactly, and (2^m + z) * sum(x) comes
+    off the sums at the end. float32 x: (q - z), exactly.
     SPLIT > 1: as `_gemv`, each program leaves its sums in `part` and a tile's last program to
     finish adds them in a fixed order and writes the tile."""
     pn = tl.program_id(0)
@@ -581,21 +583,21 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
         words = tl.reshape(tl.permute(words, (0, 2, 1)), [BLOCK_N, BLOCK_K // 8])  # row n = quad * 4 + lane
         k = (k_lo + i) + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & (k < K)[:, None], other=0.0)
+        pairs = (words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]) & 0x000F000F  # values 2p, 2p + 1
         if MAGIC:
-            pairs = (words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]) & 0x000F000F | (MAGIC * 65537)
-            lo = pairs.to(tl.int16).to(dtype, bitcast=True)  # value p of the word (2^m + q)
-            hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)  # value p + 4
-            wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # input 8w + p + 4h at 8w + 2p + h
-            xt = tl.reshape(tl.permute(tl.reshape(xt, [BLOCK_K // 8, 2, 4, BLOCK_T]), (0, 2, 1, 3)),
-                            [BLOCK_K, BLOCK_T])  # the inputs in the same order
+            pairs = pairs | (MAGIC * 65537)
+            lo = pairs.to(tl.int16).to(dtype, bitcast=True)  # 2^m + q
+            hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)
+            wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # inputs in order
             xsum += tl.sum(xt.to(tl.float32), 0)
             if INTERPRETED:  # Triton's interpreter multiplies 16-bit floats wrongly (3.6): exact in float32
                 acc = tl.dot(wq.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
             else:
                 acc = tl.dot(wq, xt, acc)
         else:
-            q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # (rows, words, 8): input 8w + j
-            wq = tl.reshape(q.to(tl.float32) - zero[:, None, None], [BLOCK_N, BLOCK_K]).to(dtype)  # q - z: exact
+            lo = (pairs & 0xFFFF).to(tl.float32) - zero[:, None, None]  # q - z: exact
+            hi = (pairs >> 16).to(tl.float32) - zero[:, None, None]
+            wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K]).to(dtype)
             acc = tl.dot(wq, xt, acc, input_precision="ieee")  # float32 models: no TF32
     if MAGIC:
         acc -= (BASE + zero)[:, None] * xsum[None, :]

@@ -79,6 +79,18 @@ def test_split_k_gemv_matches_dequantized(sym):
     assert scratch.part.numel() >= 5 * 4 * 8
 
 
+def test_pair_nibbles_by_hand():
+    """Value j of a GPTQ word moves to nibble j/2 (even j) or 4 + j//2 (odd j): shifted by 4p and
+    masked with 0x000F000F, a word gives values 2p and 2p + 1 (what `_q4_mm` reads)."""
+    from backends.gptq import pair_nibbles
+
+    words = torch.tensor([0x76543210, -0x789ABCE0, 0], dtype=torch.int32)  # -0x789ABCE0 = 0x87654320
+    assert pair_nibbles(words).tolist() == [0x75316420, 0x86427530 - 2**32, 0]
+    for p in range(4):
+        pair = (pair_nibbles(words[:1]) >> (4 * p)) & 0x000F000F
+        assert pair.tolist() == [(2 * p + 1) << 16 | 2 * p]
+
+
 def test_q4_linears_stack():
     torch.manual_seed(1)
     parts = [quantize(torch.randn(n, 128) * 0.05, -1) for n in (32, 16, 16)]
