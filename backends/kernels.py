@@ -534,10 +534,12 @@ def _q4_dequant(w_ptr, s_ptr, z_ptr, out_ptr, n0, N: tl.constexpr, K: tl.constex
     word = ((rows // 4) * (K // 8))[:, None] * 4 + kw[None, :] * 4 + (rows % 4)[:, None]  # rows interleaved by 4
     words = tl.load(w_ptr + word, mask=rm[:, None] & km[None, :], other=0)
     zero, scale = _zero_scale(s_ptr, z_ptr, rows, rm, kw, km, K, GS)
-    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
-    w = ((q | 0x4B000000).to(tl.float32, bitcast=True) - zero[:, :, None]) * scale[:, :, None]
-    nib = tl.arange(0, 8)
-    cols = kw[:, None] * 8 + ((nib % 4) * 2 + nib // 4)[None, :]  # nibble p holds value 2p or 2(p - 4) + 1
+    pairs = (words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]) & 0x000F000F  # values 2p, 2p + 1
+    lo = ((pairs & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+    hi = ((pairs >> 16) | 0x4B000000).to(tl.float32, bitcast=True)
+    q = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_K // 8, 8])  # in input order: contiguous stores
+    w = (q - zero[:, :, None]) * scale[:, :, None]
+    cols = kw[:, None] * 8 + tl.arange(0, 8)[None, :]
     off = (rows - n0)[:, None, None] * K + cols[None, :, :]
     tl.store(out_ptr + off, w.to(out_ptr.dtype.element_ty), mask=rm[:, None, None] & km[None, :, None])
 
@@ -628,14 +630,18 @@ def _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N: tl.constexpr, HAS_BI
 def q4_mm_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) of `_q4_mm` for m tokens: the tokens in
     one tile up to 128, wider row blocks when there are many (each row block reads the tokens'
-    inputs once), and K split until some four programs per SM have work, each at least four
-    K-blocks (from a sweep on an H200, docs/benchmarks.md)."""
+    inputs once), and K split so that the SMs have work (the best of a sweep on an H200,
+    docs/benchmarks.md)."""
     bt = min(max(16, triton.next_power_of_2(m)), 128)
-    bn, bk = (64, 64) if bt <= 32 else (128, 64)
-    tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bt)
+    bk = 64
     blocks = triton.cdiv(w.k, bk)
-    split = max(1, min(triton.cdiv(4 * MM_SMS, tiles), blocks // 4))
-    return bn, bt, bk, 4 if bt <= 32 else 8, 3 if bt <= 32 else 4, split
+    if bt <= 32:
+        bn = 64
+        split = max(1, min(triton.cdiv(4 * MM_SMS, triton.cdiv(w.n, bn)), blocks // 4))
+    else:  # each tile carries more work: about one program per SM, at least two per tile
+        bn = 128
+        split = max(2, min(triton.cdiv(MM_SMS, triton.cdiv(w.n, bn) * triton.cdiv(m, bt)), blocks // 8))
+    return bn, bt, bk, 4, 3, split
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
