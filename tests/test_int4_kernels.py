@@ -39,10 +39,10 @@ def test_q4_linear_matches_dequantized(group_size, desc_act, sym, m):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cfg", [None, (64, 16, 64, 4, 1, 3), (16, 16, 32, 4, 2, 4)])
+@pytest.mark.parametrize("cfg", [None, (64, 64, 64, 4, 1, 3), (16, 64, 32, 4, 2, 4)])
 def test_prefill_product_matches_dequantized(cfg, dtype):
     """The prefill product of a one-group 4-bit weight (`q4_mm`) in launch shapes that split K over
-    programs, leave rows and tokens past the tiles' edges and span several token tiles: the
+    programs and leave rows and tokens past the tiles' edges: the
     dequantized product with the bias (float32: to its rounding; 16-bit: the 2^m + q values and
     the permuted inputs, to the output's rounding)."""
     from backends.kernels import q4_mm
