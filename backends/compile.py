@@ -7,8 +7,10 @@ one CUDA graph serves every position). Prefills, and one-token steps on a CPU or
 that do not fuse (int4 with act-order groups), run the layer halves around attention
 (`Block.pre_attention/post_attention`) compiled with torch.compile, as CUDA graphs captured per
 shape with attention over a bucketed KV length. Inputs reach a graph through small device tensors
-written between replays; nothing synchronises with the host except the one end-of-call check of
-the TTS runner. On a CPU the same code runs without graphs.
+written between replays (an LLM decode token's id and position through pinned host memory, copied
+in by the graph itself); nothing synchronises with the host except the one end-of-call check of
+the TTS runner and, before a decode token, the wait for the previous one's graph. On a CPU the same
+code runs without graphs.
 """
 
 from __future__ import annotations

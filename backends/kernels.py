@@ -17,7 +17,9 @@ kernels, not by arithmetic or bandwidth, so the layer is fused into five launche
 
 Projection weights come as a `Weight`: a dense matrix, or 4-bit GPTQ values packed eight to an
 int32 (the int4 backend's `Q4Linear`), unpacked inside the same kernels (`_mac`); prefills with 4-bit
-weights dequantize slices for cuBLAS (`q4_linear`).
+weights run `q4_mm` (a tensor-core product, up to 128 tokens) or dequantize slices for cuBLAS
+(`q4_linear`). On Hopper and later GPUs the step's kernels launch as programmatic dependents
+(`_wait_previous`).
 
 Arithmetic is float32 inside a kernel; results are rounded to the model dtype where the eager code
 rounds them (after each projection, around the rotary products, after the activation). The RMSNorm
@@ -29,6 +31,7 @@ Triton); under `TRITON_INTERPRET=1` the same kernels run on the CPU (the tests).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -55,6 +58,31 @@ def _let_next(PDL: tl.constexpr):
     programs load their first weights, then wait in `_wait_previous`)."""
     if PDL:
         gdc_launch_dependents()
+
+
+@triton.jit
+def _arrive_last(cnt_ptr, n):
+    """Split-K: after this program's partial results are stored, count it in at cnt_ptr; True for
+    the last of the n programs to arrive, which then merges the partials and resets the count."""
+    tl.debug_barrier()  # every thread's partials are written before the count goes up
+    return tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == n - 1
+
+
+@triton.jit
+def _sum_parts(part_ptr, offs, SIZE: tl.constexpr, SPLIT: tl.constexpr):
+    """Split-K: the SPLIT partial sums stored at part_ptr + j * SIZE + offs, added in a fixed order
+    (read past L1: other programs wrote them)."""
+    t = tl.load(part_ptr + offs, cache_modifier=".cg")
+    for j in tl.static_range(1, SPLIT):
+        t += tl.load(part_ptr + j * SIZE + offs, cache_modifier=".cg")
+    return t
+
+
+@triton.jit
+def _pairs(words):
+    """The 4-bit values of words (R, W) in `pair_nibbles` order as (R, W, 4) int32: element p holds
+    values 2p and 2p + 1 in its low and high 16 bits."""
+    return (words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]) & 0x000F000F
 
 
 @triton.jit
@@ -370,8 +398,7 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
         tl.store(base + dd, acc)
         tl.store(base + D, m)
         tl.store(base + D + 1, total)
-        tl.debug_barrier()  # every thread's partials are written before the count goes up
-        if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == n_used - 1:
+        if _arrive_last(cnt_ptr + h, n_used):
             js = tl.arange(0, triton.next_power_of_2(SPLITS))
             jm = js < n_used
             rows = part_ptr + (h * SPLITS + js) * (D + 2)
@@ -407,11 +434,8 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.c
                        BLOCK_K, VW, STAGES, PDL)
         r = tl.arange(0, BLOCK_R)
         tl.store(part_ptr + (blk * SPLIT + tl.program_id(1)) * BLOCK_R + r, t)
-        tl.debug_barrier()  # every thread's sums are written before the count goes up
-        if tl.atomic_add(cnt_ptr + blk, 1, sem="acq_rel") == SPLIT - 1:
-            t = tl.load(part_ptr + blk * SPLIT * BLOCK_R + r, cache_modifier=".cg")
-            for j in tl.static_range(1, SPLIT):
-                t += tl.load(part_ptr + (blk * SPLIT + j) * BLOCK_R + r, cache_modifier=".cg")
+        if _arrive_last(cnt_ptr + blk, SPLIT):
+            t = _sum_parts(part_ptr + blk * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
             _gemv_out(t, s_ptr, x_ptr, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
             tl.store(cnt_ptr + blk, 0)
 
@@ -493,11 +517,11 @@ class SplitScratch:
             self.count = torch.zeros(max(blocks, 1), dtype=torch.int32, device=self.device)
 
 
-def split_k(w: Weight, block_k: int, split: int) -> tuple[int, int]:
-    """(programs per row block, inputs each) of a split-K gemv: K-blocks shared out evenly."""
-    bk = w.block_k(block_k)
-    ks = triton.cdiv(triton.cdiv(w.k, bk), max(split, 1)) * bk
-    return triton.cdiv(w.k, ks), ks
+def split_k(k: int, bk: int, split: int) -> tuple[int, int]:
+    """(programs per output block, inputs each) of a split-K product over k inputs in blocks of bk:
+    the blocks shared out evenly over at most `split` programs."""
+    ks = triton.cdiv(triton.cdiv(k, bk), max(split, 1)) * bk
+    return triton.cdiv(k, ks), ks
 
 
 def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
@@ -508,7 +532,7 @@ def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, r
     K out over that many programs per row block (sums in `scratch`, which grows to fit); `pdl`:
     launched as a programmatic dependent of the previous kernel (see `_wait_previous`)."""
     x = residual if residual is not None else out
-    split, ks = split_k(w, block_k, split)
+    split, ks = split_k(w.k, w.block_k(block_k), split)
     blocks = triton.cdiv(w.n, rows)
     if split > 1:
         if scratch is None:
@@ -534,7 +558,7 @@ def _q4_dequant(w_ptr, s_ptr, z_ptr, out_ptr, n0, N: tl.constexpr, K: tl.constex
     word = ((rows // 4) * (K // 8))[:, None] * 4 + kw[None, :] * 4 + (rows % 4)[:, None]  # rows interleaved by 4
     words = tl.load(w_ptr + word, mask=rm[:, None] & km[None, :], other=0)
     zero, scale = _zero_scale(s_ptr, z_ptr, rows, rm, kw, km, K, GS)
-    pairs = (words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]) & 0x000F000F  # values 2p, 2p + 1
+    pairs = _pairs(words)
     lo = ((pairs & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
     hi = ((pairs >> 16) | 0x4B000000).to(tl.float32, bitcast=True)
     q = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_K // 8, 8])  # in input order: contiguous stores
@@ -585,7 +609,7 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
         words = tl.reshape(tl.permute(words, (0, 2, 1)), [BLOCK_N, BLOCK_K // 8])  # row n = quad * 4 + lane
         k = (k_lo + i) + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & (k < K)[:, None], other=0.0)
-        pairs = (words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]) & 0x000F000F  # values 2p, 2p + 1
+        pairs = _pairs(words)
         if MAGIC:
             pairs = pairs | (MAGIC * 65537)
             lo = pairs.to(tl.int16).to(dtype, bitcast=True)  # 2^m + q
@@ -609,11 +633,8 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
         tile = pn * tl.num_programs(1) + pt
         cell = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
         tl.store(part_ptr + (tile * SPLIT + ps) * (BLOCK_N * BLOCK_T) + cell, acc)
-        tl.debug_barrier()  # every thread's sums are written before the count goes up
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-            acc = tl.load(part_ptr + tile * SPLIT * (BLOCK_N * BLOCK_T) + cell, cache_modifier=".cg")
-            for j in tl.static_range(1, SPLIT):
-                acc += tl.load(part_ptr + (tile * SPLIT + j) * (BLOCK_N * BLOCK_T) + cell, cache_modifier=".cg")
+        if _arrive_last(cnt_ptr + tile, SPLIT):
+            acc = _sum_parts(part_ptr + tile * SPLIT * (BLOCK_N * BLOCK_T), cell, BLOCK_N * BLOCK_T, SPLIT)
             _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N, HAS_BIAS, dtype)
             tl.store(cnt_ptr + tile, 0)
 
@@ -633,21 +654,28 @@ def q4_mm_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
     inputs once), and K split so that the SMs have work (the best of a sweep on an H200,
     docs/benchmarks.md)."""
     bt = min(max(16, triton.next_power_of_2(m)), 128)
+    sms = _sm_count(w.w.device)
     bk = 64
     blocks = triton.cdiv(w.k, bk)
     if bt <= 32:
         bn = 64
-        split = max(1, min(triton.cdiv(4 * MM_SMS, triton.cdiv(w.n, bn)), blocks // 4))
+        split = max(1, min(triton.cdiv(4 * sms, triton.cdiv(w.n, bn)), blocks // 4))
     else:  # each tile carries more work: about one program per SM, at least two per tile
         bn = 128
-        split = max(2, min(triton.cdiv(MM_SMS, triton.cdiv(w.n, bn) * triton.cdiv(m, bt)), blocks // 8))
+        split = max(2, min(triton.cdiv(sms, triton.cdiv(w.n, bn) * triton.cdiv(m, bt)), blocks // 8))
     return bn, bt, bk, 4, 3, split
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # 2^m as a 16-bit pattern (`_q4_mm`)
 MM_MAX_M = 128  # prefills up to this many tokens (one token tile) take `q4_mm`; above, dequantize + cuBLAS
-MM_SMS = 132  # programs the prefill product aims to fill (an H100/H200 has 132 SMs)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a GPU, which the prefill product aims to fill (132 on an H100
+    or H200, also assumed for a CPU: the interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -> Tensor:
@@ -658,10 +686,7 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
     if m > bt:  # several token tiles gave wrong sums on an H200 (gate/up, 256 tokens): not used
         raise ValueError(f"q4_mm takes at most one tile of tokens ({m} > {bt})")
     bk = min(bk, max(16, triton.next_power_of_2(w.k)))
-    blocks = triton.cdiv(w.k, bk)
-    split = min(split, blocks)
-    ks = triton.cdiv(blocks, split) * bk
-    split = triton.cdiv(w.k, ks)
+    split, ks = split_k(w.k, bk, split)
     grid = (triton.cdiv(w.n, bn), triton.cdiv(m, bt), split)
     y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     if split > 1:
@@ -784,7 +809,7 @@ def kernels_scratch(cfg: dict, wo: Weight, wdown: Weight, device) -> SplitScratc
     scratch = SplitScratch(device)
     for name, w in (("o", wo), ("down", wdown)):
         r, k, _, _, sp = cfg[name]
-        sp = split_k(w, k, sp)[0]
+        sp = split_k(w.k, w.block_k(k), sp)[0]
         blocks = triton.cdiv(w.n, r)
         scratch.reserve(blocks * sp * r if sp > 1 else 0, blocks if sp > 1 else 0)
     return scratch
@@ -845,7 +870,8 @@ class TritonDecode:
     def __call__(self, x: Tensor, pos: Tensor) -> Tensor:
         c, dec, cfg, pdl = self.c, self.decoder, self.cfg, self.pdl
         D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
-        self.x.copy_(x.reshape(-1))
+        if x is not self.x:  # (the LLM embeds straight into self.x)
+            self.x.copy_(x.reshape(-1))
         vis = self.visible_from if self.visible_from is not None else pos
         splits = min(triton.cdiv(self.max_len, self.block_s), self.max_splits)
         qr, qk, qw, qs = cfg["qkv"]

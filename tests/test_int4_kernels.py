@@ -42,9 +42,8 @@ def test_q4_linear_matches_dequantized(group_size, desc_act, sym, m):
 @pytest.mark.parametrize("cfg", [None, (64, 64, 64, 4, 1, 3), (16, 64, 32, 4, 2, 4)])
 def test_prefill_product_matches_dequantized(cfg, dtype):
     """The prefill product of a one-group 4-bit weight (`q4_mm`) in launch shapes that split K over
-    programs and leave rows and tokens past the tiles' edges: the
-    dequantized product with the bias (float32: to its rounding; 16-bit: the 2^m + q values and
-    the permuted inputs, to the output's rounding)."""
+    programs and leave rows and tokens past the tiles' edges: the dequantized product with the bias
+    (float32: to its rounding; 16-bit: the 2^m + q values, to the output's rounding)."""
     from backends.kernels import q4_mm
 
     torch.manual_seed(3)
