@@ -156,7 +156,7 @@ def _words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
+def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr,
          TWO: tl.constexpr):
     """One K-block of matrix-vector products: acc += W[rows, block] * v'[block] elementwise for
@@ -170,8 +170,10 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
     consecutive rows interleaved, (N/4, K/8, 4), so that one 16-byte load brings a word of each of
     four rows; acc (BLOCK_K/8, BLOCK_R/4, 4), ss (BLOCK_K/8,): the eight values of a word add into
     one element (`_total` sums up the rows); their words come loaded, `pre` (`_words`: the
-    kernels load the next block's while this one is computed). The zero point is applied here, a
-    group's scale too, a per-row scale (one group) by the caller (`_row_scale`), once per output."""
+    kernels load the next block's while this one is computed). With groups the zero point and scale
+    are applied here; with one group (the official layout) the sums of the inputs go to vz
+    (BLOCK_K/8,), and `_total` takes the zero point off and `_row_scale` applies the scale, once
+    per output."""
     if Q4:
         # tile (words, quads, 4 rows): the order makes Triton give each thread whole columns
         # (every row of the block for its words, so the inputs are loaded and scaled once per
@@ -190,10 +192,8 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
             # word shifted by 16 for j >= 6) are, as a float32, the denormal q * 2^(sh-149)
             # (patterns below 2^24 read as their integer times 2^-149), so one AND makes the
             # weight and v * 2^(100-sh) turns the product into q * v * 2^-49, exactly (no FTZ:
-            # the GPU's FMA keeps denormals). The zero point comes off per word:
-            # - z * (sum of its eight v) * 2^-49; `_row_scale` applies 2^49 with the row's scale.
-            zero = tl.load(z_ptr + r3, mask=mr, other=0.0)
-            zero2 = tl.load(z_ptr + r3b, mask=mr, other=0.0)
+            # the GPU's FMA keeps denormals). The zero point comes off the row's total (`_total`:
+            # - z * sum(v) * 2^-49), `_row_scale` applies 2^49 with the row's scale.
             high = words >> 16
             high2 = words2 >> 16
             vj = _vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
@@ -212,10 +212,7 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
                 acc += (src & (0xF << sh)).to(tl.float32, bitcast=True) * vs
                 if TWO:
                     acc2 += (src2 & (0xF << sh)).to(tl.float32, bitcast=True) * vs
-            vz = (vsum * 1.7763568394002505e-15)[:, None, None]  # 2^-49
-            acc -= zero * vz
-            if TWO:
-                acc2 -= zero2 * vz
+            vz += vsum
         else:
             # groups: zero point and scale per row and word (a word's eight values share a group)
             grp = r3 * (K // GS) + kw3 * 8 // GS
@@ -245,7 +242,42 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
             rows2 = row02 + tl.arange(0, BLOCK_R)
             w2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=m & cm[None, :], other=0.0)
             acc2 += w2.to(tl.float32) * v[None, :]
-    return acc, acc2, ss
+    return acc, acc2, ss, vz
+
+
+@triton.jit
+def _sweep(acc, acc2, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k_lo, K: tl.constexpr, KS: tl.constexpr,
+           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr,
+           GAIN: tl.constexpr, TWO: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """`_mac` over inputs k_lo..k_lo+KS in K-blocks -> (acc, acc2, ss, vz). A block's 4-bit words are
+    loaded while the one before is computed, two blocks an iteration, so that the two sets of words
+    take turns in the same registers (a set carried from one iteration to the next was copied over
+    every time: a tenth of the loop's instructions); dense weights are loaded by `_mac`, one block
+    an iteration. Under PDL the first words are loaded before the kernel waits for the previous
+    one, and the next kernel may start once this one's loop is done."""
+    ss = tl.zeros([VW], dtype=tl.float32)
+    vz = tl.zeros([VW], dtype=tl.float32)
+    pre = _words(w_ptr, row0, row02, LIM, k_lo, K, BLOCK_R, BLOCK_K, Q4, TWO)
+    _wait_previous(PDL)
+    if Q4:
+        nb = (KS + BLOCK_K - 1) // BLOCK_K
+        for i in tl.range(0, nb // 2 * 2 * BLOCK_K, 2 * BLOCK_K, num_stages=STAGES):
+            k0 = k_lo + i
+            nxt = _words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
+            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0,
+                                     K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
+            pre = _words(w_ptr, row0, row02, LIM, k0 + 2 * BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
+            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, nxt, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr,
+                                     k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
+        if nb % 2 == 1:
+            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr,
+                                     k_lo + (nb - 1) * BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
+    else:
+        for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
+            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr,
+                                     k_lo + i, K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
+    _let_next(PDL)
+    return acc, acc2, ss, vz
 
 
 @triton.jit
@@ -259,10 +291,13 @@ def _acc(BLOCK_R: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr):
 
 
 @triton.jit
-def _total(acc, BLOCK_R: tl.constexpr, Q4: tl.constexpr):
-    """`_mac`'s accumulators summed per row: (BLOCK_R,), row0 first."""
+def _total(acc, vz, z_ptr, rows, rmask, K: tl.constexpr, BLOCK_R: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
+    """`_mac`'s accumulators summed per row: (BLOCK_R,) for `rows` (row0 first); for a one-group
+    4-bit weight minus the zero point's share, z * sum(v) * 2^-49 (see `_mac`)."""
     if Q4:
         t = tl.reshape(tl.sum(acc, 0), [BLOCK_R])
+        if GS == K:
+            t -= tl.load(z_ptr + rows, mask=rmask, other=0.0) * (tl.sum(vz, 0) * 1.7763568394002505e-15)  # 2^-49
     else:
         t = tl.sum(acc, 1)
     return t
@@ -292,23 +327,14 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     row0 = head * D + j * BLOCK_R
     r1 = row0 + tl.arange(0, BLOCK_R)
     r2 = r1 + D // 2
-    acc1 = _acc(BLOCK_R, VW, Q4)
-    acc2 = _acc(BLOCK_R, VW, Q4)
-    ss = tl.zeros([VW], dtype=tl.float32)
     every = r1 >= 0
     lim = (HQ + 2 * HKV) * D
-    pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
-    _wait_previous(PDL)
+    acc1, acc2, ss, vz = _sweep(_acc(BLOCK_R, VW, Q4), _acc(BLOCK_R, VW, Q4), w_ptr, s_ptr, z_ptr, row0, row0 + D // 2,
+                                lim, x_ptr, nw_ptr, 0, DIM, DIM, BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL)
     pos = tl.load(pos_ptr)
-    for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
-        nxt = _words(w_ptr, row0, row0 + D // 2, lim, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
-        acc1, acc2, ss = _mac(acc1, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, k0,
-                              DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
-        pre = nxt
-    _let_next(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    y1 = _row_scale(_total(acc1, BLOCK_R, Q4), s_ptr, r1, every, DIM, Q4, GS) * inv
-    y2 = _row_scale(_total(acc2, BLOCK_R, Q4), s_ptr, r2, every, DIM, Q4, GS) * inv
+    y1 = _row_scale(_total(acc1, vz, z_ptr, r1, every, DIM, BLOCK_R, Q4, GS), s_ptr, r1, every, DIM, Q4, GS) * inv
+    y2 = _row_scale(_total(acc2, vz, z_ptr, r2, every, DIM, BLOCK_R, Q4, GS), s_ptr, r2, every, DIM, Q4, GS) * inv
     if HAS_BIAS:
         y1 += tl.load(b_ptr + r1).to(tl.float32)
         y2 += tl.load(b_ptr + r2).to(tl.float32)
@@ -446,18 +472,10 @@ def _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, k_lo, N: tl.constexpr, K: tl.co
                VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """`_gemv`'s row sums over inputs k_lo..k_lo+KS (BLOCK_R,), before the row scale (the loads
     are masked at K)."""
-    acc = _acc(BLOCK_R, VW, Q4)
-    ss = tl.zeros([VW], dtype=tl.float32)
-    pre = _words(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False)
-    _wait_previous(PDL)
-    for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
-        k0 = k_lo + i
-        nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
-        acc, _, ss = _mac(acc, acc, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R,
-                          BLOCK_K, Q4, GS, False, False)
-        pre = nxt
-    _let_next(PDL)
-    return _total(acc, BLOCK_R, Q4)
+    acc, _, _, vz = _sweep(_acc(BLOCK_R, VW, Q4), _acc(BLOCK_R, VW, Q4), w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr,
+                           y_ptr, k_lo, K, KS, BLOCK_R, BLOCK_K, VW, Q4, GS, False, False, STAGES, PDL)
+    rows = row0 + tl.arange(0, BLOCK_R)
+    return _total(acc, vz, z_ptr, rows, rows < N, K, BLOCK_R, Q4, GS)
 
 
 @triton.jit
@@ -736,20 +754,14 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
-    acc_g = _acc(BLOCK_R, VW, Q4)
-    acc_u = _acc(BLOCK_R, VW, Q4)
-    ss = tl.zeros([VW], dtype=tl.float32)
-    pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
-    _wait_previous(PDL)
-    for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
-        nxt = _words(w_ptr, row0, row0 + INTER, INTER, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
-        acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr,
-                                k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
-        pre = nxt
-    _let_next(PDL)
+    acc_g, acc_u, ss, vz = _sweep(_acc(BLOCK_R, VW, Q4), _acc(BLOCK_R, VW, Q4), w_ptr, s_ptr, z_ptr, row0,
+                                  row0 + INTER, INTER, x_ptr, nw_ptr, 0, DIM, DIM, BLOCK_R, BLOCK_K, VW, Q4, GS, True,
+                                  True, STAGES, PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    g = _rnd(_row_scale(_total(acc_g, BLOCK_R, Q4), s_ptr, rows, rm, DIM, Q4, GS) * inv, dtype)
-    u = _rnd(_row_scale(_total(acc_u, BLOCK_R, Q4), s_ptr, rows + INTER, rm, DIM, Q4, GS) * inv, dtype)
+    g = _rnd(_row_scale(_total(acc_g, vz, z_ptr, rows, rm, DIM, BLOCK_R, Q4, GS), s_ptr, rows, rm, DIM, Q4, GS) * inv,
+             dtype)
+    u = _rnd(_row_scale(_total(acc_u, vz, z_ptr, rows + INTER, rm, DIM, BLOCK_R, Q4, GS), s_ptr, rows + INTER, rm, DIM,
+                        Q4, GS) * inv, dtype)
     act = _rnd(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 

@@ -58,13 +58,16 @@ def test_prefill_product_matches_dequantized(cfg, dtype):
 
 
 @pytest.mark.parametrize("sym", [True, False])
-def test_split_k_gemv_matches_dequantized(sym):
-    """A one-row product split over K (four programs per row block, each a quarter of the inputs),
-    added to a residual in place: the rows of the dequantized product; the counters end at zero."""
+@pytest.mark.parametrize("group,block_k,split", [(-1, 64, 4), (-1, 32, 1), (-1, 64, 1), (-1, 32, 3), (32, 32, 3),
+                                                 (64, 64, 1)])
+def test_split_k_gemv_matches_dequantized(sym, group, block_k, split):
+    """A one-row product over K-blocks of 256 inputs (8, 4 or 3 a program: pairs and an odd one),
+    split over K (`split` programs a row block), added to a residual in place: the rows of the
+    dequantized product; the counters end at zero."""
     from backends.kernels import SplitScratch, Weight, gemv
 
     torch.manual_seed(2)
-    t = quantize(torch.randn(40, 256) * 0.05, -1, sym=sym)
+    t = quantize(torch.randn(40, 256) * 0.05, group, sym=sym)
     w = Q4Linear(**t, bias=None, dtype=torch.float32, device=DEVICE).kernel_weight()
     assert isinstance(w, Weight) and w.q4
     y, x = torch.randn(256), torch.randn(40)
@@ -72,10 +75,11 @@ def test_split_k_gemv_matches_dequantized(sym):
     scratch = SplitScratch(DEVICE)
     for _ in range(2):  # the second call reuses the scratch: the counters were reset
         out = x.to(DEVICE, copy=True)
-        gemv(w, y.to(DEVICE), out, out, rows=8, block_k=64, split=4, scratch=scratch)
+        gemv(w, y.to(DEVICE), out, out, rows=8, block_k=block_k, split=split, scratch=scratch)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
         assert not scratch.count.any()
-    assert scratch.part.numel() >= 5 * 4 * 8
+    if split > 1:
+        assert scratch.part.numel() >= 5 * split * 8
 
 
 def test_pair_nibbles_by_hand():
@@ -106,12 +110,21 @@ def channel(tiny_dir, tmp_path_factory):
     return write_gptq_checkpoint(tiny_dir, root / "int4", group_size=-1, desc_act=True, dequantized_to=root / "deq"), root / "deq"
 
 
-def test_fused_4bit_decode_matches_dequantized_model(channel):
+@pytest.mark.parametrize("blocks", [False, True])
+def test_fused_4bit_decode_matches_dequantized_model(channel, blocks):
     """The official layout (per channel, act-order): prompt and greedy tokens decoded on the fused
-    kernels with 4-bit weights equal the float model on the dequantized weights."""
+    kernels with 4-bit weights equal the float model on the dequantized weights; with `blocks`, the
+    kernels take their inputs in several K-blocks (qkv and o 4 of 16, gate/up 2 of 32, down 8 of 16
+    over 3 programs: 3, 3 and 2)."""
+    from backends.kernels import kernels_scratch
+
     int4_dir, deq_dir = channel
     model = int4.build(Checkpoint(int4_dir), read_config(int4_dir), device=DEVICE, dtype=torch.float32, triton=True)
     llm = CompiledLLM(model, max_len=256, fuse=True, use_triton=True)
+    if blocks:
+        td = llm.triton
+        td.cfg = {"qkv": (8, 16, 4, 1), "o": (8, 16, 4, 1, 1), "gate_up": (8, 32, 4, 1), "down": (8, 16, 4, 1, 3)}
+        td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], DEVICE)
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Q4Linear)
     ref = Synthesizer.load(str(deq_dir), backend="eager", device=DEVICE, dtype="float32")
     ids = ref.tokenizers.encode_llm("<|im_start|>user\nPlease read the text below.\nHello world.<|im_end|>\n")

@@ -44,7 +44,8 @@ def prepared(base: Decoder, dtype, prefix: torch.Tensor) -> Decoder:
 
 def step_both(base, dtype, visible_from, block_s=64, split=False):
     """One token at position 20 through the eager decoder and through TritonDecode (attention split
-    into blocks of `block_s` slots; with `split`, o and down split over K too)."""
+    into blocks of `block_s` slots; with `split`, the projections in several K-blocks, o and down
+    split over K too)."""
     n = 20
     prefix, x = torch.randn(1, n, 64), torch.randn(64)
     pos = torch.tensor([n], device=DEVICE)
@@ -56,8 +57,9 @@ def step_both(base, dtype, visible_from, block_s=64, split=False):
         t = prepared(base, dtype, prefix)
         td = TritonDecode(t, visible_from)
         td.block_s = block_s
-        if split:  # o: 4 blocks of 16 inputs over 2 programs; down: 3 blocks of 32 over 3
-            td.cfg["o"], td.cfg["down"] = (8, 16, 4, 1, 2), (8, 32, 4, 1, 3)
+        if split:  # several K-blocks a program (pairs and an odd one), o and down split over K:
+            # qkv 4 blocks of 16 inputs, gate/up 2 of 32, o 4 of 16 over 2 programs, down 6 of 16 over 2
+            td.cfg = {"qkv": (8, 16, 4, 1), "o": (8, 16, 4, 1, 2), "gate_up": (8, 32, 4, 1), "down": (8, 16, 4, 1, 2)}
             td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], DEVICE)
         out = t.norm(td(x.to(DEVICE, dtype), pos))
         assert not td.count.any()  # the split counters are back to zero for the next step

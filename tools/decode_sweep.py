@@ -1,0 +1,153 @@
+"""Launch shapes and per-kernel times of the LLM decode step on a GPU (a developer tool, not part of
+the package: the tables in docs/benchmarks.md and `TritonDecode.cfg` come from runs of it).
+
+    python tools/decode_sweep.py --backend int4 --profile
+    python tools/decode_sweep.py --backend int4 --sweep gate_up,down --rows 8,16 --block-k 512,1024
+
+Builds the full-size LLM with random weights (as `minicpm bench --random-weights`), prefills a
+prompt, and times one decode token as CUDA-graph replays (median; the position stays put) and as
+synchronised `forward` calls (as the reply loop runs them, the bench's figure). `--profile` lists
+the step's kernels with their time per step (torch.profiler, the kernels of the graph). `--sweep`
+times every candidate launch shape of the named kernels (`TritonDecode.cfg`: rows per program, K
+per iteration, warps, stages[, split]), one kernel at a time with the others at their current
+shapes, and prints the best of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import backends  # noqa: E402
+from minicpm_cli.pipeline import LLM_CONTEXT  # noqa: E402
+from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec  # noqa: E402
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def replay_ms(llm, n: int) -> float:
+    graph = llm.graphs.graphs["decode"][0]
+    times = []
+    for _ in range(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[n // 10:])
+
+
+def forward_ms(llm, n: int, pos: int) -> float:
+    times = []
+    for i in range(n):
+        llm.pos = pos  # the same position every token: comparable runs
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        llm.forward([100 + i % 64])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[n // 10:])
+
+
+def recapture(llm, pos: int) -> None:
+    llm.graphs.graphs.pop("decode", None)
+    llm.pos = pos
+    llm.forward([5])
+    torch.cuda.synchronize()
+
+
+def profile(llm, steps: int = 10) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    graph = llm.graphs.graphs["decode"][0]
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name.split("(")[0][:48]
+            per[name][0] += ev.device_time_total
+            per[name][1] += 1
+    total = sum(us for us, _ in per.values()) / steps
+    print(f"kernels, one step: {total:.0f} us in all (with PDL, kernels overlap)")
+    for name, (us, count) in sorted(per.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {name:48s} {us / steps:8.1f} us/step {count // steps:4d}x {us / count:7.2f} us each")
+
+
+def candidates(cfg: tuple, args) -> list[tuple]:
+    out = []
+    for r, k, w, s in itertools.product(args.rows, args.block_k, args.warps, args.stages):
+        out.extend((r, k, w, s, sp) if len(cfg) == 5 else (r, k, w, s) for sp in (args.split if len(cfg) == 5 else [0]))
+    return list(dict.fromkeys(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="int4", choices=["compile", "int4"])
+    ap.add_argument("--prompt", type=int, default=350, help="tokens before the timed position")
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--pdl", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--sweep", default="", help="kernels to sweep: qkv,o,gate_up,down")
+    ap.add_argument("--rows", type=ints, default=[8, 16])
+    ap.add_argument("--block-k", type=ints, default=[512, 1024])
+    ap.add_argument("--warps", type=ints, default=[2, 4, 8])
+    ap.add_argument("--stages", type=ints, default=[2, 3])
+    ap.add_argument("--split", type=ints, default=[1])
+    args = ap.parse_args()
+
+    from backends.kernels import kernels_scratch
+
+    dev = torch.device("cuda")
+    ckpt = RandomCheckpoint(SyntheticSpec.full())
+    llm = backends.get(args.backend).create(ckpt, ckpt.config, device=dev, dtype=torch.bfloat16, max_len=LLM_CONTEXT)
+    td = llm.triton
+    print(f"{torch.cuda.get_device_name()} | {llm.version} | {args.backend}, position {args.prompt}")
+    llm.reset()
+    llm.forward(list(range(1000, 1000 + args.prompt)))
+    pos = llm.pos
+
+    def measure(label: str) -> float:
+        recapture(llm, pos)
+        rep, fwd = replay_ms(llm, args.reps), forward_ms(llm, args.reps, pos)
+        print(f"{label}: graph replay {rep:.3f} ms, forward {fwd:.3f} ms", flush=True)
+        return rep
+
+    for pdl in ([True, False] if args.pdl == "both" else [args.pdl == "on"]):
+        td.pdl = pdl
+        measure(f"step, PDL {'on' if pdl else 'off'}, cfg {td.cfg}")
+        if args.profile:
+            profile(llm)
+    for name in [n for n in args.sweep.split(",") if n]:
+        base = td.cfg[name]
+        results = []
+        for cand in candidates(base, args):
+            td.cfg[name] = cand
+            td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+            try:
+                results.append((measure(f"  {name} {cand}"), cand))
+            except Exception as e:  # a shape Triton cannot compile (shared memory, registers)
+                print(f"  {name} {cand}: failed ({str(e).splitlines()[0][:100]})")
+        best = min(results) if results else (None, base)
+        td.cfg[name] = best[1]
+        td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+        print(f"best {name}: {best[1]} ({best[0]:.3f} ms; was {base})" if results else f"{name}: nothing ran")
+
+
+if __name__ == "__main__":
+    main()
