@@ -593,12 +593,14 @@ SCRATCH = 1 << 25  # elements of the dequantized slice of a 4-bit weight a prefi
 def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: tl.constexpr, K: tl.constexpr,
            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
            SPLIT: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr, MAGIC: tl.constexpr, BASE: tl.constexpr,
-           INTERPRETED: tl.constexpr = False):
+           TOK_LEFT: tl.constexpr = False, INTERPRETED: tl.constexpr = False):
     """out (M, N) = x (M, K) @ W^T (+ bias) for a one-group 4-bit W (`_mac`'s layout), the prefill
     product. Program (i, j, s): rows n of W from i * BLOCK_N against tokens t from j * BLOCK_T, on
     inputs s * KS..: each K-block of W is unpacked in registers for a tensor-core product with the
-    tokens' inputs (float32 sums; W is the left operand, so a few tokens fill the narrow side of
-    the product), and the row scale multiplies the sums.
+    tokens' inputs (float32 sums), and the row scale multiplies the sums. W is the left operand
+    (so that a few tokens fill the narrow side of the product), or with TOK_LEFT the right one
+    (the tokens' tile is then the left operand, read from shared memory, and the unpacked weights
+    go through shared memory too: for 64 tokens and more).
 
     One AND of a word shifted by 4p gives its values 2p and 2p + 1 (`pair_nibbles`) in its 16-bit
     halves. 16-bit x (MAGIC, the 16-bit pattern of BASE = 2^m: 128.0 in bfloat16, 1024.0 in
@@ -617,7 +619,10 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
     zero = tl.load(z_ptr + n, mask=nm, other=0.0)
     quad = (pn * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4))[:, None, None]
     lane = tl.arange(0, 4)[None, None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    if TOK_LEFT:
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     xsum = tl.zeros([BLOCK_T], dtype=tl.float32)
     k_lo = ps * KS
     for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
@@ -626,23 +631,34 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
                         mask=(quad * 4 < N) & (kw < K // 8)[None, :, None], other=0)  # (quads, words, 4 rows)
         words = tl.reshape(tl.permute(words, (0, 2, 1)), [BLOCK_N, BLOCK_K // 8])  # row n = quad * 4 + lane
         k = (k_lo + i) + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & (k < K)[:, None], other=0.0)
+        if TOK_LEFT:
+            xt = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tm[:, None] & (k < K)[None, :], other=0.0)
+        else:
+            xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & (k < K)[:, None], other=0.0)
         pairs = _pairs(words)
         if MAGIC:
             pairs = pairs | (MAGIC * 65537)
             lo = pairs.to(tl.int16).to(dtype, bitcast=True)  # 2^m + q
             hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)
             wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # inputs in order
-            xsum += tl.sum(xt.to(tl.float32), 0)
-            if INTERPRETED:  # Triton's interpreter multiplies 16-bit floats wrongly (3.6): exact in float32
-                acc = tl.dot(wq.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(wq, xt, acc)
+            xsum += tl.sum(xt.to(tl.float32), 1 if TOK_LEFT else 0)
         else:
             lo = (pairs & 0xFFFF).to(tl.float32) - zero[:, None, None]  # q - z: exact
             hi = (pairs >> 16).to(tl.float32) - zero[:, None, None]
             wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K]).to(dtype)
-            acc = tl.dot(wq, xt, acc, input_precision="ieee")  # float32 models: no TF32
+        if not MAGIC or INTERPRETED:  # float32 models: no TF32; Triton's interpreter (3.6) multiplies
+            wq = wq.to(tl.float32)  # 16-bit floats wrongly: exact in float32
+            xt = xt.to(tl.float32)
+            if TOK_LEFT:
+                acc = tl.dot(xt, tl.trans(wq), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(wq, xt, acc, input_precision="ieee")
+        elif TOK_LEFT:
+            acc = tl.dot(xt, tl.trans(wq), acc)
+        else:
+            acc = tl.dot(wq, xt, acc)
+    if TOK_LEFT:
+        acc = tl.trans(acc)
     if MAGIC:
         acc -= (BASE + zero)[:, None] * xsum[None, :]
     if SPLIT == 1:
@@ -667,26 +683,29 @@ def _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N: tl.constexpr, HAS_BI
 
 
 def q4_mm_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) of `_q4_mm` for m tokens: the tokens in
-    one tile up to 128, wider row blocks when there are many (each row block reads the tokens'
-    inputs once), and K split so that the SMs have work (the best of a sweep on an H200,
-    docs/benchmarks.md)."""
+    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) of `_q4_mm` for m tokens, the best of
+    sweeps on an H100 (tools/q4mm_sweep.py, docs/benchmarks.md). Up to 32 tokens: one tile, 64
+    rows a program, K split for about four programs per SM. More tokens: a weight of many rows
+    (gate/up) in tiles of 128 rows and K-blocks of 32 over up to 128 tokens; one of few rows (q/k/v,
+    o, down) in tiles of 64 rows and 64 tokens (several token tiles), K split for about one
+    program per SM. Tiles of 128 rows x 64 inputs against 128 tokens gave wrong sums (Triton
+    3.6, H100 and H200): the shapes here keep clear of them."""
     bt = min(max(16, triton.next_power_of_2(m)), 128)
     sms = _sm_count(w.w.device)
-    bk = 64
-    blocks = triton.cdiv(w.k, bk)
     if bt <= 32:
-        bn = 64
-        split = max(1, min(triton.cdiv(4 * sms, triton.cdiv(w.n, bn)), blocks // 4))
-    else:  # each tile carries more work: about one program per SM, at least two per tile
-        bn = 128
-        split = max(2, min(triton.cdiv(sms, triton.cdiv(w.n, bn) * triton.cdiv(m, bt)), blocks // 8))
-    return bn, bt, bk, 4, 3, split
+        bn, bk, stages, programs = 64, 64, 3, 4 * sms
+    elif triton.cdiv(w.n, 128) >= 2 * sms:
+        bn, bk, stages, programs = 128, 32, 4, sms
+    else:
+        bn, bt, bk, stages, programs = 64, 64, 64, 3, sms
+    tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bt)
+    split = max(1, min(triton.cdiv(programs, tiles), triton.cdiv(w.k, bk) // 4))
+    return bn, bt, bk, 4, stages, split
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # 2^m as a 16-bit pattern (`_q4_mm`)
-MM_MAX_M = 128  # prefills up to this many tokens (one token tile) take `q4_mm`; above, dequantize + cuBLAS
+MM_MAX_M = 128  # prefills up to this many tokens take `q4_mm` (the range swept); above, dequantize + cuBLAS
 
 
 @functools.cache
@@ -698,11 +717,10 @@ def _sm_count(device: torch.device) -> int:
 
 def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -> Tensor:
     """x (M, K) contiguous @ W^T + bias -> (M, N) in x's dtype on `_q4_mm` (one-group 4-bit W);
-    `cfg` overrides `q4_mm_config`."""
+    `cfg` (BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split[, tokens left]) overrides
+    `q4_mm_config`."""
     m = x.shape[0]
-    bn, bt, bk, warps, stages, split = cfg or q4_mm_config(m, w)
-    if m > bt:  # several token tiles gave wrong sums on an H200 (gate/up, 256 tokens): not used
-        raise ValueError(f"q4_mm takes at most one tile of tokens ({m} > {bt})")
+    bn, bt, bk, warps, stages, split, *rest = cfg or q4_mm_config(m, w)
     bk = min(bk, max(16, triton.next_power_of_2(w.k)))
     split, ks = split_k(w.k, bk, split)
     grid = (triton.cdiv(w.n, bn), triton.cdiv(m, bt), split)
@@ -715,7 +733,7 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
     _q4_mm[grid](x, *w.args(), bias if bias is not None else y, y, part, count, m, N=w.n, K=w.k,
                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, SPLIT=split, KS=ks, STAGES=stages,
                  MAGIC=_MAGIC.get(x.dtype, (0, 0.0))[0], BASE=_MAGIC.get(x.dtype, (0, 0.0))[1],
-                 INTERPRETED=_INTERPRETED, num_warps=warps)
+                 TOK_LEFT=bool(rest and rest[0]), INTERPRETED=_INTERPRETED, num_warps=warps)
     return y
 
 

@@ -1,0 +1,201 @@
+"""Launch shapes of the 4-bit prefill product `q4_mm` on a GPU, against cuBLAS on bf16 weights (a
+developer tool, not part of the package; the shapes in `q4_mm_config` come from runs of it).
+
+    python tools/q4mm_sweep.py --m 64,128 --jobs 12
+    python tools/q4mm_sweep.py --m 1 --decode        # q4_mm as a one-token product, vs the GEMV
+
+For every Qwen2-7B projection shape (q/k/v, o, gate/up, down) and token count M it times, as CUDA
+graph replays over enough copies of the weights that they do not stay in L2: cuBLAS on bf16
+weights, `q4_mm` at its current launch shape and at every candidate shape, and with `--decode`
+the decode GEMV (`gemv` at `TritonDecode`'s 4-bit shapes). Each result is checked against the
+float32 product with the dequantized weights (relative error of the whole output). Candidates
+are compiled first by `--jobs` worker processes into Triton's on-disk cache, so that the timed
+process only loads them. The table at the end gives, per shape and M, the best candidate and
+the microseconds per layer of the best shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing as mp
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
+DECODE_CFG = {"qkv": (8, 1024, 4, 2), "o": (8, 1024, 4, 2), "gate_up": (8, 512, 2, 2), "down": (8, 1024, 2, 3)}
+L2_ROTATE_BYTES = 256 << 20  # the weight copies a timing rotates through
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def weight(n: int, k: int, dev, seed: int):
+    """A random one-group 4-bit weight in the kernels' layout, and its values q (n, k) uint8."""
+    from backends.gptq import interleave, pack_rows, pair_nibbles
+    from backends.kernels import Weight
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=g)
+    words = torch.cat([pack_rows(q[i:i + 4096].T.int()).T for i in range(0, n, 4096)])  # (n, k/8)
+    packed = interleave(pair_nibbles(words))
+    scales = torch.full((n, 1), 0.02 / 4.6, dtype=torch.float32, device=dev)
+    zeros = torch.full((n, 1), 8.0, dtype=torch.float32, device=dev)
+    return Weight(packed, scales, zeros, k), q
+
+
+def candidates(m: int, decode: bool, wide: bool = False) -> list[tuple]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split, tokens left) to try for m tokens; a split
+    of 0 or less asks for about 1 - split programs per SM (`resolve`). `wide`: the first sweep's
+    whole grid of weights-left shapes; else the shapes that the first sweep left in question
+    (weights left with small tiles) and tokens-left ones."""
+    bt = min(max(16, 1 << (m - 1).bit_length()), 128)
+    if decode:
+        return [(bn, bt, bk, w, s, 1, False) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512),
+                                                                                     (2, 4), (2, 3, 4))]
+    if wide:
+        out = [(bn, bt, bk, w, s, 0, False)
+               for bn, bk, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+        out += [(256, bt, bk, 8, 3, 0, False) for bk in (32, 64)]
+        return out + [(bn, bt, 64, 4, 3, sp, False) for bn in (64, 128) for sp in (1, -1)]
+    out = [(128, bt, 32, 4, s, sp, False) for s in (3, 4) for sp in (0, 1)]
+    out += [(64, bt, 64, 4, s, 0, False) for s in (3, 4)]
+    if bt < 64:
+        return out
+    out += [(bn, bt, bk, w, s, 0, True) for bn, bk, w, s in itertools.product((128, 256), (32, 64), (4, 8), (3, 4))]
+    out += [(64, bt, bk, 4, s, 0, True) for bk in (32, 64) for s in (3, 4)]
+    if bt == 128:  # two tiles of 64 tokens
+        out += [(bn, 64, bk, 4, s, 0, tl_) for bn, bk, s, tl_ in ((128, 32, 4, False), (64, 64, 3, False),
+                                                                 (128, 64, 3, True), (256, 64, 3, True))]
+    return out
+
+
+def resolve(cfg: tuple, m: int, w) -> tuple:
+    """A candidate with its split made concrete: 1 - split programs per SM when split <= 0."""
+    import triton
+
+    from backends.kernels import _sm_count
+
+    bn, bt, bk, warps, stages, split, *rest = cfg
+    if split <= 0:
+        tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bt)
+        split = max(1, min(triton.cdiv((1 - split) * _sm_count(w.w.device), tiles), triton.cdiv(w.k, bk) // 4))
+    return bn, bt, bk, warps, stages, split, bool(rest and rest[0])
+
+
+def precompile(jobs: list[tuple]) -> None:
+    """Worker: compile (shape, m, cfg) jobs into Triton's cache by running each once."""
+    from backends.kernels import q4_mm
+
+    dev = torch.device("cuda")
+    made = {}
+    for name, m, cfg in jobs:
+        n, k = SHAPES[name]
+        if name not in made:
+            made[name] = weight(n, k, dev, 0)[0]
+        w = made[name]
+        x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+        try:
+            q4_mm(x, w, None, resolve(cfg, m, w))
+        except Exception:  # reported by the timed pass
+            pass
+    torch.cuda.synchronize()
+
+
+def bench_us(fn_list) -> float:
+    """Median time of one call, as CUDA-graph replays of the calls in fn_list (one per weight copy)."""
+    import triton.testing
+
+    def run():
+        for f in fn_list:
+            f()
+
+    return triton.testing.do_bench_cudagraph(run, rep=20, return_mode="median") * 1e3 / len(fn_list)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=ints, default=[64, 128])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--decode", action="store_true", help="one-token candidates (and the GEMV)")
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--wide", action="store_true", help="the first sweep's grid of shapes")
+    ap.add_argument("--repeat", type=int, default=3, help="correctness checks per shape, fresh inputs each")
+    args = ap.parse_args()
+
+    from backends.kernels import gemv, q4_mm, q4_mm_config
+
+    dev = torch.device("cuda")
+    names = [s for s in args.shapes.split(",") if s]
+    plan = [(name, m, cfg) for m in args.m for name in names for cfg in candidates(m, args.decode, args.wide)]
+    if args.jobs > 1:
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(args.jobs) as pool:
+            pool.map(precompile, [plan[i::args.jobs] for i in range(args.jobs)])
+    print(f"{torch.cuda.get_device_name()}: {len(plan)} candidates", flush=True)
+    summary = []
+    for name in names:
+        n, k = SHAPES[name]
+        w0, q = weight(n, k, dev, 0)
+        deq = ((q.float() - 8.0) * (0.02 / 4.6)).to(torch.bfloat16)  # exactly the 4-bit values
+        del q
+        copies = max(1, L2_ROTATE_BYTES // (n * k // 2))
+        ws = [w0] + [weight(n, k, dev, i)[0] for i in range(1, copies)]
+        dense = [deq] + [deq.clone() for _ in range(min(copies, max(1, L2_ROTATE_BYTES // (n * k * 2))) - 1)]
+        for m in args.m:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+            ref = x.float() @ deq.float().T
+            cub = bench_us([lambda d=d: x @ d.T for d in dense])
+            rows = []
+            if args.decode and m == 1:
+                r, bk, wp, st = DECODE_CFG[name]
+                out = torch.empty(n, dtype=torch.bfloat16, device=dev)
+                us = bench_us([lambda w=w: gemv(w, x[0], out, rows=r, block_k=bk, warps=wp, stages=st) for w in ws])
+                gemv(w0, x[0], out, rows=r, block_k=bk, warps=wp, stages=st)
+                err = ((out.float() - ref[0]).norm() / ref.norm()).item()
+                rows.append((us, f"gemv {DECODE_CFG[name]}", err))
+            base = (*q4_mm_config(m, w0), False)
+            for cfg in [base] + candidates(m, args.decode, args.wide):
+                cfg = resolve(cfg, m, w0)
+                try:
+                    err = 0.0
+                    for r in range(args.repeat):
+                        xr = x if r == 0 else torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+                        yr = q4_mm(xr, w0, None, cfg)
+                        rr = ref if r == 0 else xr.float() @ deq.float().T
+                        err = max(err, ((yr.float() - rr).norm() / rr.norm()).item())
+                    us = bench_us([lambda w=w: q4_mm(x, w, None, cfg) for w in ws])
+                except Exception as e:
+                    print(f"  {name} M={m} {cfg}: failed ({str(e).splitlines()[0][:80]})", flush=True)
+                    continue
+                rows.append((us, ("current " if cfg == base else "") + str(cfg), err))
+            rows.sort()
+            print(f"{name} (N={n}, K={k}) M={m}: cuBLAS bf16 {cub:.1f} us", flush=True)
+            for us, label, err in [r for r in rows if r[2] <= 1e-2][:args.top]:
+                print(f"  {us:7.1f} us  {label}  rel.err {err:.1e}", flush=True)
+            cur = next(r for r in rows if r[1].startswith("current"))
+            bad = [r for r in rows if r[2] > 1e-2]
+            for us, label, err in bad:
+                print(f"  WRONG: {label} rel.err {err:.1e}", flush=True)
+            good = [r for r in rows if r[2] <= 1e-2]
+            summary.append((name, m, cub, cur[0], good[0][0], good[0][1]))
+        del ws, dense, deq
+        torch.cuda.empty_cache()
+    print("\n| shape | M | cuBLAS bf16 (us) | q4_mm current (us) | best (us) | best shape |")
+    print("|---|---|---|---|---|---|")
+    for name, m, cub, cur, best, label in summary:
+        print(f"| {name} | {m} | {cub:.1f} | {cur:.1f} | {best:.1f} | {label} |")
+    for m in args.m:
+        tot = [sum(r[i] for r in summary if r[1] == m) for i in (2, 3, 4)]
+        print(f"per layer, M={m}: cuBLAS {tot[0]:.0f} us, q4_mm current {tot[1]:.0f} us, best shapes {tot[2]:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
