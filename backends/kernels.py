@@ -156,7 +156,7 @@ def _words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
+def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr,
          TWO: tl.constexpr):
     """One K-block of matrix-vector products: acc += W[rows, block] * v'[block] elementwise for
@@ -170,10 +170,8 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
     consecutive rows interleaved, (N/4, K/8, 4), so that one 16-byte load brings a word of each of
     four rows; acc (BLOCK_K/8, BLOCK_R/4, 4), ss (BLOCK_K/8,): the eight values of a word add into
     one element (`_total` sums up the rows); their words come loaded, `pre` (`_words`: the
-    kernels load the next block's while this one is computed). With groups the zero point and scale
-    are applied here; with one group (the official layout) the sums of the inputs go to vz
-    (BLOCK_K/8,), and `_total` takes the zero point off and `_row_scale` applies the scale, once
-    per output."""
+    kernels load the next block's while this one is computed). The zero point is applied here, a
+    group's scale too, a per-row scale (one group) by the caller (`_row_scale`), once per output."""
     if Q4:
         # tile (words, quads, 4 rows): the order makes Triton give each thread whole columns
         # (every row of the block for its words, so the inputs are loaded and scaled once per
@@ -192,8 +190,10 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
             # word shifted by 16 for j >= 6) are, as a float32, the denormal q * 2^(sh-149)
             # (patterns below 2^24 read as their integer times 2^-149), so one AND makes the
             # weight and v * 2^(100-sh) turns the product into q * v * 2^-49, exactly (no FTZ:
-            # the GPU's FMA keeps denormals). The zero point comes off the row's total (`_total`:
-            # - z * sum(v) * 2^-49), `_row_scale` applies 2^49 with the row's scale.
+            # the GPU's FMA keeps denormals). The zero point comes off per word:
+            # - z * (sum of its eight v) * 2^-49; `_row_scale` applies 2^49 with the row's scale.
+            zero = tl.load(z_ptr + r3, mask=mr, other=0.0)
+            zero2 = tl.load(z_ptr + r3b, mask=mr, other=0.0)
             high = words >> 16
             high2 = words2 >> 16
             vj = _vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
@@ -212,7 +212,10 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
                 acc += (src & (0xF << sh)).to(tl.float32, bitcast=True) * vs
                 if TWO:
                     acc2 += (src2 & (0xF << sh)).to(tl.float32, bitcast=True) * vs
-            vz += vsum
+            vz = (vsum * 1.7763568394002505e-15)[:, None, None]  # 2^-49
+            acc -= zero * vz
+            if TWO:
+                acc2 -= zero2 * vz
         else:
             # groups: zero point and scale per row and word (a word's eight values share a group)
             grp = r3 * (K // GS) + kw3 * 8 // GS
@@ -242,42 +245,7 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
             rows2 = row02 + tl.arange(0, BLOCK_R)
             w2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=m & cm[None, :], other=0.0)
             acc2 += w2.to(tl.float32) * v[None, :]
-    return acc, acc2, ss, vz
-
-
-@triton.jit
-def _sweep(acc, acc2, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k_lo, K: tl.constexpr, KS: tl.constexpr,
-           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr,
-           GAIN: tl.constexpr, TWO: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    """`_mac` over inputs k_lo..k_lo+KS in K-blocks -> (acc, acc2, ss, vz). A block's 4-bit words are
-    loaded while the one before is computed, two blocks an iteration, so that the two sets of words
-    take turns in the same registers (a set carried from one iteration to the next was copied over
-    every time: a tenth of the loop's instructions); dense weights are loaded by `_mac`, one block
-    an iteration. Under PDL the first words are loaded before the kernel waits for the previous
-    one, and the next kernel may start once this one's loop is done."""
-    ss = tl.zeros([VW], dtype=tl.float32)
-    vz = tl.zeros([VW], dtype=tl.float32)
-    pre = _words(w_ptr, row0, row02, LIM, k_lo, K, BLOCK_R, BLOCK_K, Q4, TWO)
-    _wait_previous(PDL)
-    if Q4:
-        nb = (KS + BLOCK_K - 1) // BLOCK_K
-        for i in tl.range(0, nb // 2 * 2 * BLOCK_K, 2 * BLOCK_K, num_stages=STAGES):
-            k0 = k_lo + i
-            nxt = _words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
-            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0,
-                                     K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
-            pre = _words(w_ptr, row0, row02, LIM, k0 + 2 * BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
-            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, nxt, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr,
-                                     k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
-        if nb % 2 == 1:
-            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr,
-                                     k_lo + (nb - 1) * BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
-    else:
-        for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
-            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr,
-                                     k_lo + i, K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
-    _let_next(PDL)
-    return acc, acc2, ss, vz
+    return acc, acc2, ss
 
 
 @triton.jit
@@ -291,13 +259,10 @@ def _acc(BLOCK_R: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr):
 
 
 @triton.jit
-def _total(acc, vz, z_ptr, rows, rmask, K: tl.constexpr, BLOCK_R: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
-    """`_mac`'s accumulators summed per row: (BLOCK_R,) for `rows` (row0 first); for a one-group
-    4-bit weight minus the zero point's share, z * sum(v) * 2^-49 (see `_mac`)."""
+def _total(acc, BLOCK_R: tl.constexpr, Q4: tl.constexpr):
+    """`_mac`'s accumulators summed per row: (BLOCK_R,), row0 first."""
     if Q4:
         t = tl.reshape(tl.sum(acc, 0), [BLOCK_R])
-        if GS == K:
-            t -= tl.load(z_ptr + rows, mask=rmask, other=0.0) * (tl.sum(vz, 0) * 1.7763568394002505e-15)  # 2^-49
     else:
         t = tl.sum(acc, 1)
     return t
@@ -327,14 +292,23 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     row0 = head * D + j * BLOCK_R
     r1 = row0 + tl.arange(0, BLOCK_R)
     r2 = r1 + D // 2
+    acc1 = _acc(BLOCK_R, VW, Q4)
+    acc2 = _acc(BLOCK_R, VW, Q4)
+    ss = tl.zeros([VW], dtype=tl.float32)
     every = r1 >= 0
     lim = (HQ + 2 * HKV) * D
-    acc1, acc2, ss, vz = _sweep(_acc(BLOCK_R, VW, Q4), _acc(BLOCK_R, VW, Q4), w_ptr, s_ptr, z_ptr, row0, row0 + D // 2,
-                                lim, x_ptr, nw_ptr, 0, DIM, DIM, BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL)
+    pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
+    _wait_previous(PDL)
     pos = tl.load(pos_ptr)
+    for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
+        nxt = _words(w_ptr, row0, row0 + D // 2, lim, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
+        acc1, acc2, ss = _mac(acc1, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, k0,
+                              DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
+        pre = nxt
+    _let_next(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    y1 = _row_scale(_total(acc1, vz, z_ptr, r1, every, DIM, BLOCK_R, Q4, GS), s_ptr, r1, every, DIM, Q4, GS) * inv
-    y2 = _row_scale(_total(acc2, vz, z_ptr, r2, every, DIM, BLOCK_R, Q4, GS), s_ptr, r2, every, DIM, Q4, GS) * inv
+    y1 = _row_scale(_total(acc1, BLOCK_R, Q4), s_ptr, r1, every, DIM, Q4, GS) * inv
+    y2 = _row_scale(_total(acc2, BLOCK_R, Q4), s_ptr, r2, every, DIM, Q4, GS) * inv
     if HAS_BIAS:
         y1 += tl.load(b_ptr + r1).to(tl.float32)
         y2 += tl.load(b_ptr + r2).to(tl.float32)
@@ -472,10 +446,18 @@ def _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, k_lo, N: tl.constexpr, K: tl.co
                VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """`_gemv`'s row sums over inputs k_lo..k_lo+KS (BLOCK_R,), before the row scale (the loads
     are masked at K)."""
-    acc, _, _, vz = _sweep(_acc(BLOCK_R, VW, Q4), _acc(BLOCK_R, VW, Q4), w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr,
-                           y_ptr, k_lo, K, KS, BLOCK_R, BLOCK_K, VW, Q4, GS, False, False, STAGES, PDL)
-    rows = row0 + tl.arange(0, BLOCK_R)
-    return _total(acc, vz, z_ptr, rows, rows < N, K, BLOCK_R, Q4, GS)
+    acc = _acc(BLOCK_R, VW, Q4)
+    ss = tl.zeros([VW], dtype=tl.float32)
+    pre = _words(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False)
+    _wait_previous(PDL)
+    for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
+        k0 = k_lo + i
+        nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
+        acc, _, ss = _mac(acc, acc, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R,
+                          BLOCK_K, Q4, GS, False, False)
+        pre = nxt
+    _let_next(PDL)
+    return _total(acc, BLOCK_R, Q4)
 
 
 @triton.jit
@@ -593,14 +575,13 @@ SCRATCH = 1 << 25  # elements of the dequantized slice of a 4-bit weight a prefi
 def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: tl.constexpr, K: tl.constexpr,
            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
            SPLIT: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr, MAGIC: tl.constexpr, BASE: tl.constexpr,
-           TOK_LEFT: tl.constexpr = False, INTERPRETED: tl.constexpr = False):
+           INTERPRETED: tl.constexpr = False):
     """out (M, N) = x (M, K) @ W^T (+ bias) for a one-group 4-bit W (`_mac`'s layout), the prefill
     product. Program (i, j, s): rows n of W from i * BLOCK_N against tokens t from j * BLOCK_T, on
     inputs s * KS..: each K-block of W is unpacked in registers for a tensor-core product with the
-    tokens' inputs (float32 sums), and the row scale multiplies the sums. W is the left operand
-    (so that a few tokens fill the narrow side of the product), or with TOK_LEFT the right one
-    (the tokens' tile is then the left operand, read from shared memory, and the unpacked weights
-    go through shared memory too: for 64 tokens and more).
+    tokens' inputs (float32 sums; W is the left operand, so a few tokens fill the narrow side of
+    the product; the tokens as the left operand, the unpacked weights through shared memory, was
+    slower at 64 and 128 tokens on an H100), and the row scale multiplies the sums.
 
     One AND of a word shifted by 4p gives its values 2p and 2p + 1 (`pair_nibbles`) in its 16-bit
     halves. 16-bit x (MAGIC, the 16-bit pattern of BASE = 2^m: 128.0 in bfloat16, 1024.0 in
@@ -619,10 +600,7 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
     zero = tl.load(z_ptr + n, mask=nm, other=0.0)
     quad = (pn * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4))[:, None, None]
     lane = tl.arange(0, 4)[None, None, :]
-    if TOK_LEFT:
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
     xsum = tl.zeros([BLOCK_T], dtype=tl.float32)
     k_lo = ps * KS
     for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
@@ -631,34 +609,23 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
                         mask=(quad * 4 < N) & (kw < K // 8)[None, :, None], other=0)  # (quads, words, 4 rows)
         words = tl.reshape(tl.permute(words, (0, 2, 1)), [BLOCK_N, BLOCK_K // 8])  # row n = quad * 4 + lane
         k = (k_lo + i) + tl.arange(0, BLOCK_K)
-        if TOK_LEFT:
-            xt = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tm[:, None] & (k < K)[None, :], other=0.0)
-        else:
-            xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & (k < K)[:, None], other=0.0)
+        xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & (k < K)[:, None], other=0.0)
         pairs = _pairs(words)
         if MAGIC:
             pairs = pairs | (MAGIC * 65537)
             lo = pairs.to(tl.int16).to(dtype, bitcast=True)  # 2^m + q
             hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)
             wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # inputs in order
-            xsum += tl.sum(xt.to(tl.float32), 1 if TOK_LEFT else 0)
+            xsum += tl.sum(xt.to(tl.float32), 0)
         else:
             lo = (pairs & 0xFFFF).to(tl.float32) - zero[:, None, None]  # q - z: exact
             hi = (pairs >> 16).to(tl.float32) - zero[:, None, None]
             wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K]).to(dtype)
         if not MAGIC or INTERPRETED:  # float32 models: no TF32; Triton's interpreter (3.6) multiplies
-            wq = wq.to(tl.float32)  # 16-bit floats wrongly: exact in float32
-            xt = xt.to(tl.float32)
-            if TOK_LEFT:
-                acc = tl.dot(xt, tl.trans(wq), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(wq, xt, acc, input_precision="ieee")
-        elif TOK_LEFT:
-            acc = tl.dot(xt, tl.trans(wq), acc)
+            # 16-bit floats wrongly: exact in float32
+            acc = tl.dot(wq.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(wq, xt, acc)
-    if TOK_LEFT:
-        acc = tl.trans(acc)
     if MAGIC:
         acc -= (BASE + zero)[:, None] * xsum[None, :]
     if SPLIT == 1:
@@ -717,10 +684,9 @@ def _sm_count(device: torch.device) -> int:
 
 def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -> Tensor:
     """x (M, K) contiguous @ W^T + bias -> (M, N) in x's dtype on `_q4_mm` (one-group 4-bit W);
-    `cfg` (BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split[, tokens left]) overrides
-    `q4_mm_config`."""
+    `cfg` (BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) overrides `q4_mm_config`."""
     m = x.shape[0]
-    bn, bt, bk, warps, stages, split, *rest = cfg or q4_mm_config(m, w)
+    bn, bt, bk, warps, stages, split = cfg or q4_mm_config(m, w)
     bk = min(bk, max(16, triton.next_power_of_2(w.k)))
     split, ks = split_k(w.k, bk, split)
     grid = (triton.cdiv(w.n, bn), triton.cdiv(m, bt), split)
@@ -733,7 +699,7 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
     _q4_mm[grid](x, *w.args(), bias if bias is not None else y, y, part, count, m, N=w.n, K=w.k,
                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, SPLIT=split, KS=ks, STAGES=stages,
                  MAGIC=_MAGIC.get(x.dtype, (0, 0.0))[0], BASE=_MAGIC.get(x.dtype, (0, 0.0))[1],
-                 TOK_LEFT=bool(rest and rest[0]), INTERPRETED=_INTERPRETED, num_warps=warps)
+                 INTERPRETED=_INTERPRETED, num_warps=warps)
     return y
 
 
@@ -772,14 +738,20 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
-    acc_g, acc_u, ss, vz = _sweep(_acc(BLOCK_R, VW, Q4), _acc(BLOCK_R, VW, Q4), w_ptr, s_ptr, z_ptr, row0,
-                                  row0 + INTER, INTER, x_ptr, nw_ptr, 0, DIM, DIM, BLOCK_R, BLOCK_K, VW, Q4, GS, True,
-                                  True, STAGES, PDL)
+    acc_g = _acc(BLOCK_R, VW, Q4)
+    acc_u = _acc(BLOCK_R, VW, Q4)
+    ss = tl.zeros([VW], dtype=tl.float32)
+    pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
+    _wait_previous(PDL)
+    for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
+        nxt = _words(w_ptr, row0, row0 + INTER, INTER, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
+        acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr,
+                                k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
+        pre = nxt
+    _let_next(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    g = _rnd(_row_scale(_total(acc_g, vz, z_ptr, rows, rm, DIM, BLOCK_R, Q4, GS), s_ptr, rows, rm, DIM, Q4, GS) * inv,
-             dtype)
-    u = _rnd(_row_scale(_total(acc_u, vz, z_ptr, rows + INTER, rm, DIM, BLOCK_R, Q4, GS), s_ptr, rows + INTER, rm, DIM,
-                        Q4, GS) * inv, dtype)
+    g = _rnd(_row_scale(_total(acc_g, BLOCK_R, Q4), s_ptr, rows, rm, DIM, Q4, GS) * inv, dtype)
+    u = _rnd(_row_scale(_total(acc_u, BLOCK_R, Q4), s_ptr, rows + INTER, rm, DIM, Q4, GS) * inv, dtype)
     act = _rnd(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 

@@ -57,7 +57,7 @@ def step_both(base, dtype, visible_from, block_s=64, split=False):
         t = prepared(base, dtype, prefix)
         td = TritonDecode(t, visible_from)
         td.block_s = block_s
-        if split:  # several K-blocks a program (pairs and an odd one), o and down split over K:
+        if split:  # several K-blocks a program, o and down split over K:
             # qkv 4 blocks of 16 inputs, gate/up 2 of 32, o 4 of 16 over 2 programs, down 6 of 16 over 2
             td.cfg = {"qkv": (8, 16, 4, 1), "o": (8, 16, 4, 1, 2), "gate_up": (8, 32, 4, 1), "down": (8, 16, 4, 1, 2)}
             td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], DEVICE)

@@ -51,28 +51,21 @@ def weight(n: int, k: int, dev, seed: int):
 
 
 def candidates(m: int, decode: bool, wide: bool = False) -> list[tuple]:
-    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split, tokens left) to try for m tokens; a split
-    of 0 or less asks for about 1 - split programs per SM (`resolve`). `wide`: the first sweep's
-    whole grid of weights-left shapes; else the shapes that the first sweep left in question
-    (weights left with small tiles) and tokens-left ones."""
+    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) to try for m tokens; a split of 0 or less
+    asks for about 1 - split programs per SM (`resolve`). `wide`: the first sweep's whole grid;
+    else the shapes that it left in question (small tiles, several tiles of 64 tokens)."""
     bt = min(max(16, 1 << (m - 1).bit_length()), 128)
     if decode:
-        return [(bn, bt, bk, w, s, 1, False) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512),
-                                                                                     (2, 4), (2, 3, 4))]
+        return [(bn, bt, bk, w, s, 1) for bn, bk, w, s in itertools.product((16, 32, 64), (128, 256, 512), (2, 4),
+                                                                             (2, 3, 4))]
     if wide:
-        out = [(bn, bt, bk, w, s, 0, False)
-               for bn, bk, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
-        out += [(256, bt, bk, 8, 3, 0, False) for bk in (32, 64)]
-        return out + [(bn, bt, 64, 4, 3, sp, False) for bn in (64, 128) for sp in (1, -1)]
-    out = [(128, bt, 32, 4, s, sp, False) for s in (3, 4) for sp in (0, 1)]
-    out += [(64, bt, 64, 4, s, 0, False) for s in (3, 4)]
-    if bt < 64:
-        return out
-    out += [(bn, bt, bk, w, s, 0, True) for bn, bk, w, s in itertools.product((128, 256), (32, 64), (4, 8), (3, 4))]
-    out += [(64, bt, bk, 4, s, 0, True) for bk in (32, 64) for s in (3, 4)]
+        out = [(bn, bt, bk, w, s, 0) for bn, bk, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
+        out += [(256, bt, bk, 8, 3, 0) for bk in (32, 64)]
+        return out + [(bn, bt, 64, 4, 3, sp) for bn in (64, 128) for sp in (1, -1)]
+    out = [(128, bt, 32, 4, s, sp) for s in (3, 4) for sp in (0, 1)]
+    out += [(64, bt, 64, 4, s, 0) for s in (3, 4)]
     if bt == 128:  # two tiles of 64 tokens
-        out += [(bn, 64, bk, 4, s, 0, tl_) for bn, bk, s, tl_ in ((128, 32, 4, False), (64, 64, 3, False),
-                                                                 (128, 64, 3, True), (256, 64, 3, True))]
+        out += [(128, 64, 32, 4, 4, 0), (64, 64, 64, 4, 3, 0)]
     return out
 
 
@@ -82,11 +75,11 @@ def resolve(cfg: tuple, m: int, w) -> tuple:
 
     from backends.kernels import _sm_count
 
-    bn, bt, bk, warps, stages, split, *rest = cfg
+    bn, bt, bk, warps, stages, split = cfg
     if split <= 0:
         tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bt)
         split = max(1, min(triton.cdiv((1 - split) * _sm_count(w.w.device), tiles), triton.cdiv(w.k, bk) // 4))
-    return bn, bt, bk, warps, stages, split, bool(rest and rest[0])
+    return bn, bt, bk, warps, stages, split
 
 
 def precompile(jobs: list[tuple]) -> None:
@@ -161,7 +154,7 @@ def main() -> None:
                 gemv(w0, x[0], out, rows=r, block_k=bk, warps=wp, stages=st)
                 err = ((out.float() - ref[0]).norm() / ref.norm()).item()
                 rows.append((us, f"gemv {DECODE_CFG[name]}", err))
-            base = (*q4_mm_config(m, w0), False)
+            base = q4_mm_config(m, w0)
             for cfg in [base] + candidates(m, args.decode, args.wide):
                 cfg = resolve(cfg, m, w0)
                 try:
