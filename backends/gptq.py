@@ -157,6 +157,14 @@ def pair_nibbles(words: Tensor) -> Tensor:
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
+def kernel_words(q: Tensor) -> Tensor:
+    """4-bit values q (n, k) 0..15, a row per output, -> the words of the kernels' layout (what
+    `Q4Linear.packed` holds): eight values to an int32 along k in `pair_nibbles` order, the rows of
+    every four interleaved. Packed in slices of rows (`pack_rows` works in int64)."""
+    rows = torch.cat([pack_rows(q[i:i + 4096].T).T for i in range(0, q.shape[0], 4096)])
+    return interleave(pair_nibbles(rows))
+
+
 def deinterleave(words: Tensor, n: int) -> Tensor:
     """Inverse of interleave: (ceil(n / 4), c, 4) -> (n, c)."""
     return words.transpose(1, 2).reshape(-1, words.shape[1])[:n]

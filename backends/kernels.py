@@ -620,7 +620,7 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
         else:
             lo = (pairs & 0xFFFF).to(tl.float32) - zero[:, None, None]  # q - z: exact
             hi = (pairs >> 16).to(tl.float32) - zero[:, None, None]
-            wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K]).to(dtype)
+            wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
         if not MAGIC or INTERPRETED:  # float32 models: no TF32; Triton's interpreter (3.6) multiplies
             # 16-bit floats wrongly: exact in float32
             acc = tl.dot(wq.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
@@ -665,9 +665,14 @@ def q4_mm_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
         bn, bk, stages, programs = 128, 32, 4, sms
     else:
         bn, bt, bk, stages, programs = 64, 64, 64, 3, sms
+    return bn, bt, bk, 4, stages, q4_mm_split(m, w, bn, bt, bk, programs)
+
+
+def q4_mm_split(m: int, w: Weight, bn: int, bt: int, bk: int, programs: int) -> int:
+    """Programs per output tile of `_q4_mm` (split K) for about `programs` in all, each at least
+    four K-blocks."""
     tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bt)
-    split = max(1, min(triton.cdiv(programs, tiles), triton.cdiv(w.k, bk) // 4))
-    return bn, bt, bk, 4, stages, split
+    return max(1, min(triton.cdiv(programs, tiles), triton.cdiv(w.k, bk) // 4))
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -38,13 +38,12 @@ def ints(text: str) -> list[int]:
 
 def weight(n: int, k: int, dev, seed: int):
     """A random one-group 4-bit weight in the kernels' layout, and its values q (n, k) uint8."""
-    from backends.gptq import interleave, pack_rows, pair_nibbles
+    from backends.gptq import kernel_words
     from backends.kernels import Weight
 
     g = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=g)
-    words = torch.cat([pack_rows(q[i:i + 4096].T.int()).T for i in range(0, n, 4096)])  # (n, k/8)
-    packed = interleave(pair_nibbles(words))
+    packed = kernel_words(q.int())
     scales = torch.full((n, 1), 0.02 / 4.6, dtype=torch.float32, device=dev)
     zeros = torch.full((n, 1), 8.0, dtype=torch.float32, device=dev)
     return Weight(packed, scales, zeros, k), q
@@ -71,14 +70,11 @@ def candidates(m: int, decode: bool, wide: bool = False) -> list[tuple]:
 
 def resolve(cfg: tuple, m: int, w) -> tuple:
     """A candidate with its split made concrete: 1 - split programs per SM when split <= 0."""
-    import triton
-
-    from backends.kernels import _sm_count
+    from backends.kernels import _sm_count, q4_mm_split
 
     bn, bt, bk, warps, stages, split = cfg
     if split <= 0:
-        tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bt)
-        split = max(1, min(triton.cdiv((1 - split) * _sm_count(w.w.device), tiles), triton.cdiv(w.k, bk) // 4))
+        split = q4_mm_split(m, w, bn, bt, bk, (1 - split) * _sm_count(w.w.device))
     return bn, bt, bk, warps, stages, split
 
 
@@ -173,12 +169,11 @@ def main() -> None:
             print(f"{name} (N={n}, K={k}) M={m}: cuBLAS bf16 {cub:.1f} us", flush=True)
             for us, label, err in [r for r in rows if r[2] <= 1e-2][:args.top]:
                 print(f"  {us:7.1f} us  {label}  rel.err {err:.1e}", flush=True)
-            cur = next(r for r in rows if r[1].startswith("current"))
-            bad = [r for r in rows if r[2] > 1e-2]
-            for us, label, err in bad:
+            for us, label, err in [r for r in rows if r[2] > 1e-2]:
                 print(f"  WRONG: {label} rel.err {err:.1e}", flush=True)
-            good = [r for r in rows if r[2] <= 1e-2]
-            summary.append((name, m, cub, cur[0], good[0][0], good[0][1]))
+            cur = next((r[0] for r in rows if r[1].startswith("current")), float("nan"))
+            best = next((r for r in rows if r[2] <= 1e-2), (float("nan"), "none right"))
+            summary.append((name, m, cub, cur, best[0], best[1]))
         del ws, dense, deq
         torch.cuda.empty_cache()
     print("\n| shape | M | cuBLAS bf16 (us) | q4_mm current (us) | best (us) | best shape |")
