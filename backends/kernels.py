@@ -156,13 +156,14 @@ def _words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
+def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr,
          TWO: tl.constexpr):
     """One K-block of matrix-vector products: acc += W[rows, block] * v'[block] elementwise for
     rows = row0 + 0..BLOCK_R-1 (those below LIM; with TWO, acc2 the same for rows from row02, for
     the kernels that make two outputs from one input: the halves of a rotated head, gate and up),
-    with v' = g * v under GAIN (an RMSNorm's gain; then ss += v^2 for its scale), else v.
+    with v' = g * v under GAIN (an RMSNorm's gain; then ss += v^2 for its scale), else v; with
+    one-group 4-bit W, vz += the sum of v' (for the zero point, see below).
 
     Dense W (N, K): acc (BLOCK_R, BLOCK_K), ss (BLOCK_K,). 4-bit W (`Weight`): values packed eight
     to an int32 along K (value j of a word in nibble j/2 for even j, 4 + j//2 for odd j:
@@ -170,8 +171,9 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
     consecutive rows interleaved, (N/4, K/8, 4), so that one 16-byte load brings a word of each of
     four rows; acc (BLOCK_K/8, BLOCK_R/4, 4), ss (BLOCK_K/8,): the eight values of a word add into
     one element (`_total` sums up the rows); their words come loaded, `pre` (`_words`: the
-    kernels load the next block's while this one is computed). The zero point is applied here, a
-    group's scale too, a per-row scale (one group) by the caller (`_row_scale`), once per output."""
+    kernels load the next block's while this one is computed). With groups the zero point and
+    scale are applied here; with one group `_total` takes the zero point's share off each row's
+    total and `_row_scale` applies the scale, once per output."""
     if Q4:
         # tile (words, quads, 4 rows): the order makes Triton give each thread whole columns
         # (every row of the block for its words, so the inputs are loaded and scaled once per
@@ -190,10 +192,8 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
             # word shifted by 16 for j >= 6) are, as a float32, the denormal q * 2^(sh-149)
             # (patterns below 2^24 read as their integer times 2^-149), so one AND makes the
             # weight and v * 2^(100-sh) turns the product into q * v * 2^-49, exactly (no FTZ:
-            # the GPU's FMA keeps denormals). The zero point comes off per word:
-            # - z * (sum of its eight v) * 2^-49; `_row_scale` applies 2^49 with the row's scale.
-            zero = tl.load(z_ptr + r3, mask=mr, other=0.0)
-            zero2 = tl.load(z_ptr + r3b, mask=mr, other=0.0)
+            # the GPU's FMA keeps denormals). The zero point comes off the row's total, z * sum(v)
+            # * 2^-49 (`_total`, sum(v) from vz); `_row_scale` applies 2^49 with the row's scale.
             high = words >> 16
             high2 = words2 >> 16
             vj = _vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
@@ -212,10 +212,7 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
                 acc += (src & (0xF << sh)).to(tl.float32, bitcast=True) * vs
                 if TWO:
                     acc2 += (src2 & (0xF << sh)).to(tl.float32, bitcast=True) * vs
-            vz = (vsum * 1.7763568394002505e-15)[:, None, None]  # 2^-49
-            acc -= zero * vz
-            if TWO:
-                acc2 -= zero2 * vz
+            vz += vsum
         else:
             # groups: zero point and scale per row and word (a word's eight values share a group)
             grp = r3 * (K // GS) + kw3 * 8 // GS
@@ -245,7 +242,7 @@ def _mac(acc, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr
             rows2 = row02 + tl.arange(0, BLOCK_R)
             w2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=m & cm[None, :], other=0.0)
             acc2 += w2.to(tl.float32) * v[None, :]
-    return acc, acc2, ss
+    return acc, acc2, ss, vz
 
 
 @triton.jit
@@ -259,10 +256,14 @@ def _acc(BLOCK_R: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr):
 
 
 @triton.jit
-def _total(acc, BLOCK_R: tl.constexpr, Q4: tl.constexpr):
-    """`_mac`'s accumulators summed per row: (BLOCK_R,), row0 first."""
+def _total(acc, vz, z_ptr, rows, rmask, K: tl.constexpr, BLOCK_R: tl.constexpr, Q4: tl.constexpr,
+           GS: tl.constexpr):
+    """`_mac`'s accumulators summed per row: (BLOCK_R,) for rows (row0 first); for a one-group
+    4-bit weight minus the zero point's share, z * sum(v) * 2^-49 (see `_mac`)."""
     if Q4:
         t = tl.reshape(tl.sum(acc, 0), [BLOCK_R])
+        if GS == K:
+            t -= tl.load(z_ptr + rows, mask=rmask, other=0.0) * (tl.sum(vz, 0) * 1.7763568394002505e-15)  # 2^-49
     else:
         t = tl.sum(acc, 1)
     return t
@@ -295,6 +296,7 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     acc1 = _acc(BLOCK_R, VW, Q4)
     acc2 = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
+    vz = tl.zeros([VW], dtype=tl.float32)
     every = r1 >= 0
     lim = (HQ + 2 * HKV) * D
     pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
@@ -302,13 +304,13 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     pos = tl.load(pos_ptr)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0 + D // 2, lim, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
-        acc1, acc2, ss = _mac(acc1, acc2, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, k0,
+        acc1, acc2, ss, vz = _mac(acc1, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, k0,
                               DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
         pre = nxt
     _let_next(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    y1 = _row_scale(_total(acc1, BLOCK_R, Q4), s_ptr, r1, every, DIM, Q4, GS) * inv
-    y2 = _row_scale(_total(acc2, BLOCK_R, Q4), s_ptr, r2, every, DIM, Q4, GS) * inv
+    y1 = _row_scale(_total(acc1, vz, z_ptr, r1, every, DIM, BLOCK_R, Q4, GS), s_ptr, r1, every, DIM, Q4, GS) * inv
+    y2 = _row_scale(_total(acc2, vz, z_ptr, r2, every, DIM, BLOCK_R, Q4, GS), s_ptr, r2, every, DIM, Q4, GS) * inv
     if HAS_BIAS:
         y1 += tl.load(b_ptr + r1).to(tl.float32)
         y2 += tl.load(b_ptr + r2).to(tl.float32)
@@ -356,43 +358,59 @@ def rms_norm(x: Tensor, norm, out: Tensor, pdl: bool = False) -> Tensor:
 
 
 @triton.jit
+def _attend_block(q, k, v, s, pos, vis_ptr, m, acc, total, scale, HAS_VIS: tl.constexpr):
+    """Online softmax over one block of cache slots s (k, v (BLOCK_S, D) float32, zeros past pos)."""
+    used = s <= pos
+    seen = used
+    if HAS_VIS:
+        seen = used & (tl.load(vis_ptr + s, mask=used, other=0) <= pos)
+    sc = tl.where(seen, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+    m_new = tl.maximum(tl.max(sc, 0), m)
+    p = tl.exp(sc - m_new)
+    alpha = tl.exp(m - m_new)
+    return m_new, acc * alpha + tl.sum(p[:, None] * v, 0), total * alpha + tl.sum(p, 0)
+
+
+@triton.jit
 def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len,
             SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
             BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (h, j): query head h against the cache blocks j, j + SPLITS, ... of BLOCK_S slots
     up to the position (split-K "flash decoding", online softmax across a program's blocks); each
     split leaves (unnormalised output, max, sum) in `part`, and the head's last split to finish
-    (counted with an atomic, reset for the next step) merges them in a fixed order."""
-    _wait_previous(PDL)
+    (counted with an atomic, reset for the next step) merges them in a fixed order.
+
+    Only q and the current slot's k/v come from the previous kernel (the q/k/v projection): the
+    position (written before the step's first kernel) and the program's first block of older slots
+    are loaded before `_wait_previous`, so under PDL those loads overlap the previous kernel."""
     h = tl.program_id(0)
     j = tl.program_id(1)
     pos = tl.load(pos_ptr)
     n_blocks = pos // BLOCK_S + 1
     n_used = tl.minimum(n_blocks, SPLITS)
+    hk = h // GROUP
+    dd = tl.arange(0, D)
+    s = j * BLOCK_S + tl.arange(0, BLOCK_S)
+    older = s < tl.where(j < n_used, pos, 0)  # slots before the current one, if this split has any
+    off = (hk * max_len + s)[:, None] * D + dd[None, :]
+    k = tl.load(kc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
+    v = tl.load(vc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
+    _wait_previous(PDL)
     if j < n_used:
-        hk = h // GROUP
-        dd = tl.arange(0, D)
         q = tl.load(q_ptr + h * D + dd).to(tl.float32)
-        m = -1e30  # finite even when no slot of the split is seen
-        acc = tl.zeros([D], dtype=tl.float32)
-        total = 0.0
-        for blk0 in range(0, NB, SPLITS):  # every SPLITS-th block from j, up to the position's
+        now = (s == pos)[:, None]
+        k = tl.where(now, tl.load(kc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], k)
+        v = tl.where(now, tl.load(vc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], v)
+        m, acc, total = _attend_block(q, k, v, s, pos, vis_ptr, -1e30, tl.zeros([D], dtype=tl.float32), 0.0, scale,
+                                      HAS_VIS)  # m: finite even when no slot of the split is seen
+        for blk0 in range(SPLITS, NB, SPLITS):  # every SPLITS-th block from j, up to the position's
             if blk0 + j < n_blocks:
                 s = (blk0 + j) * BLOCK_S + tl.arange(0, BLOCK_S)
-                used = s <= pos
-                seen = used
-                if HAS_VIS:
-                    seen = used & (tl.load(vis_ptr + s, mask=used, other=0) <= pos)
                 off = (hk * max_len + s)[:, None] * D + dd[None, :]
-                k = tl.load(kc_ptr + off, mask=used[:, None], other=0.0).to(tl.float32)
-                v = tl.load(vc_ptr + off, mask=used[:, None], other=0.0).to(tl.float32)
-                sc = tl.where(seen, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
-                m_new = tl.maximum(tl.max(sc, 0), m)
-                p = tl.exp(sc - m_new)
-                alpha = tl.exp(m - m_new)
-                acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-                total = total * alpha + tl.sum(p, 0)
-                m = m_new
+                used = (s <= pos)[:, None]
+                k = tl.load(kc_ptr + off, mask=used, other=0.0).to(tl.float32)
+                v = tl.load(vc_ptr + off, mask=used, other=0.0).to(tl.float32)
+                m, acc, total = _attend_block(q, k, v, s, pos, vis_ptr, m, acc, total, scale, HAS_VIS)
         _let_next(PDL)
         base = part_ptr + (h * SPLITS + j) * (D + 2)
         tl.store(base + dd, acc)
@@ -448,16 +466,18 @@ def _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, k_lo, N: tl.constexpr, K: tl.co
     are masked at K)."""
     acc = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
+    vz = tl.zeros([VW], dtype=tl.float32)
     pre = _words(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False)
     _wait_previous(PDL)
     for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
         k0 = k_lo + i
         nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
-        acc, _, ss = _mac(acc, acc, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R,
+        acc, _, ss, vz = _mac(acc, acc, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R,
                           BLOCK_K, Q4, GS, False, False)
         pre = nxt
     _let_next(PDL)
-    return _total(acc, BLOCK_R, Q4)
+    rows = row0 + tl.arange(0, BLOCK_R)
+    return _total(acc, vz, z_ptr, rows, rows < N, K, BLOCK_R, Q4, GS)
 
 
 @triton.jit
@@ -746,17 +766,20 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     acc_g = _acc(BLOCK_R, VW, Q4)
     acc_u = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
+    vz = tl.zeros([VW], dtype=tl.float32)
     pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
     _wait_previous(PDL)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0 + INTER, INTER, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
-        acc_g, acc_u, ss = _mac(acc_g, acc_u, ss, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr,
+        acc_g, acc_u, ss, vz = _mac(acc_g, acc_u, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr,
                                 k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
         pre = nxt
     _let_next(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    g = _rnd(_row_scale(_total(acc_g, BLOCK_R, Q4), s_ptr, rows, rm, DIM, Q4, GS) * inv, dtype)
-    u = _rnd(_row_scale(_total(acc_u, BLOCK_R, Q4), s_ptr, rows + INTER, rm, DIM, Q4, GS) * inv, dtype)
+    g = _rnd(_row_scale(_total(acc_g, vz, z_ptr, rows, rm, DIM, BLOCK_R, Q4, GS), s_ptr, rows, rm, DIM, Q4, GS) * inv,
+             dtype)
+    u = _rnd(_row_scale(_total(acc_u, vz, z_ptr, rows + INTER, rm, DIM, BLOCK_R, Q4, GS), s_ptr, rows + INTER, rm,
+                        DIM, Q4, GS) * inv, dtype)
     act = _rnd(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 
@@ -853,9 +876,10 @@ class TritonDecode:
         # are in flight at once[, programs per row block (split-K) for o and down]); the qkv
         # kernel's rows are per half head. The best of a sweep on an H200 (docs/benchmarks.md): a
         # small model wants all of K in one iteration (latency), a large one more, shorter programs.
-        if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others
+        if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others; down's
+            # 448 row blocks leave too few warps per SM, so its K is split in two
             self.cfg = {"qkv": (8, 1024, 4, 2), "o": (8, 1024, 4, 2, 1), "gate_up": (8, 512, 2, 2),
-                        "down": (8, 1024, 2, 3, 1)}
+                        "down": (8, 1024, 2, 2, 2)}
         elif c.dim <= 1024:
             k = triton.next_power_of_2(c.dim)
             self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1, 1)}

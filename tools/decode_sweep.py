@@ -3,20 +3,25 @@ the package: the tables in docs/benchmarks.md and `TritonDecode.cfg` come from r
 
     python tools/decode_sweep.py --backend int4 --profile
     python tools/decode_sweep.py --backend int4 --sweep gate_up,down --rows 8,16 --block-k 512,1024
+    python tools/decode_sweep.py --backend int4 --alt old_kernels.py --alt-set down=8,1024,2,3,1 --rounds 5
 
 Builds the full-size LLM with random weights (as `minicpm bench --random-weights`), prefills a
 prompt, and times one decode token as CUDA-graph replays (median; the position stays put) and as
 synchronised `forward` calls (as the reply loop runs them, the bench's figure). `--profile` lists
 the step's kernels with their time per step (torch.profiler, the kernels of the graph). `--sweep`
 times every candidate launch shape of the named kernels (`TritonDecode.cfg`: rows per program, K
-per iteration, warps, stages[, split]), one kernel at a time with the others at their current
-shapes, and prints the best of each.
+per iteration, warps, stages[, split]; "attn": cache slots per block, warps), one kernel at a time with the others at their current
+shapes, and prints the best of each. `--alt` / `--alt-set` time a second variant of the step
+(the kernels of another copy of backends/kernels.py, other launch shapes) against the current one,
+alternating for `--rounds` rounds on the same model and position (the medians of each, so that drift
+of the GPU's clocks falls on both).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import itertools
 import statistics
 import sys
@@ -89,6 +94,46 @@ def profile(llm, steps: int = 10) -> None:
         print(f"  {name:48s} {us / steps:8.1f} us/step {count // steps:4d}x {us / count:7.2f} us each")
 
 
+def shapes(text: str) -> dict[str, tuple]:
+    """`name=r,k,w,s[,split];...` -> launch shapes for `TritonDecode.cfg`."""
+    out = {}
+    for item in [x for x in text.split(";") if x]:
+        name, vals = item.split("=")
+        out[name.strip()] = tuple(ints(vals))
+    return out
+
+
+def variant(llm, path: str | None, cfg: dict, dev):
+    """A TritonDecode over the same model with the kernels of `path` (default: backends/kernels.py)
+    and launch shapes `cfg` on top of its defaults."""
+    import backends.kernels as main_kernels
+
+    mod = main_kernels
+    if path:
+        spec = importlib.util.spec_from_file_location("alt_kernels", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    td = mod.TritonDecode(llm.triton.decoder)
+    td.cfg.update(cfg)
+    td.scratch = mod.kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+    return td
+
+
+def get_shape(td, name: str) -> tuple:
+    """A kernel's launch shape: `TritonDecode.cfg[name]`, or for "attn" (slots per block, warps)."""
+    return (td.block_s, td.attn_warps) if name == "attn" else td.cfg[name]
+
+
+def set_shape(td, name: str, shape: tuple, dev) -> None:
+    from backends.kernels import kernels_scratch
+
+    if name == "attn":
+        td.block_s, td.attn_warps = shape
+    else:
+        td.cfg[name] = shape
+        td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+
+
 def candidates(cfg: tuple, args) -> list[tuple]:
     out = []
     for r, k, w, s in itertools.product(args.rows, args.block_k, args.warps, args.stages):
@@ -109,6 +154,12 @@ def main() -> None:
     ap.add_argument("--warps", type=ints, default=[2, 4, 8])
     ap.add_argument("--stages", type=ints, default=[2, 3])
     ap.add_argument("--split", type=ints, default=[1])
+    ap.add_argument("--block-s", type=ints, default=[16, 32, 64], help="attention: cache slots per block (--sweep attn)")
+    ap.add_argument("--set", type=shapes, default={},
+                    help="launch shapes of the current variant: 'down=8,1024,2,2,2;o=...'")
+    ap.add_argument("--alt", default=None, help="a copy of backends/kernels.py to time against the current one")
+    ap.add_argument("--alt-set", type=shapes, default=None, help="launch shapes of the second variant")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
     from backends.kernels import kernels_scratch
@@ -121,6 +172,8 @@ def main() -> None:
     llm.reset()
     llm.forward(list(range(1000, 1000 + args.prompt)))
     pos = llm.pos
+    td.cfg.update(args.set)
+    td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
 
     def measure(label: str) -> float:
         recapture(llm, pos)
@@ -128,26 +181,39 @@ def main() -> None:
         print(f"{label}: graph replay {rep:.3f} ms, forward {fwd:.3f} ms", flush=True)
         return rep
 
+    if args.alt or args.alt_set is not None:
+        pair = {"current": td, "alt": variant(llm, args.alt, args.alt_set or {}, dev)}
+        got = {name: ([], []) for name in pair}
+        for r in range(args.rounds):
+            for name, t in pair.items():
+                llm.triton = t
+                recapture(llm, pos)
+                got[name][0].append(replay_ms(llm, args.reps))
+                got[name][1].append(forward_ms(llm, args.reps, pos))
+            last = ", ".join(f"{n} {got[n][0][-1]:.3f}/{got[n][1][-1]:.3f}" for n in pair)
+            print(f"round {r + 1} (replay/forward ms): {last}", flush=True)
+        for name, t in pair.items():
+            print(f"{name} ({t.cfg}): graph replay median {statistics.median(got[name][0]):.3f} ms, "
+                  f"forward median {statistics.median(got[name][1]):.3f} ms")
+        llm.triton = td
     for pdl in ([True, False] if args.pdl == "both" else [args.pdl == "on"]):
         td.pdl = pdl
         measure(f"step, PDL {'on' if pdl else 'off'}, cfg {td.cfg}")
         if args.profile:
             profile(llm)
     for name in [n for n in args.sweep.split(",") if n]:
-        base = td.cfg[name]
+        base = get_shape(td, name)
         results = []
-        for cand in candidates(base, args):
-            td.cfg[name] = cand
-            td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+        cands = ([(b, w) for b in args.block_s for w in args.warps] if name == "attn" else candidates(base, args))
+        for cand in cands:
+            set_shape(td, name, cand, dev)
             try:
                 results.append((measure(f"  {name} {cand}"), cand))
             except Exception as e:  # a shape Triton cannot compile (shared memory, registers)
                 print(f"  {name} {cand}: failed ({str(e).splitlines()[0][:100]})")
         best = min(results) if results else (None, base)
-        td.cfg[name] = best[1]
-        td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+        set_shape(td, name, best[1], dev)
         print(f"best {name}: {best[1]} ({best[0]:.3f} ms; was {base})" if results else f"{name}: nothing ran")
-
 
 if __name__ == "__main__":
     main()

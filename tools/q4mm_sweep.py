@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}
-DECODE_CFG = {"qkv": (8, 1024, 4, 2), "o": (8, 1024, 4, 2), "gate_up": (8, 512, 2, 2), "down": (8, 1024, 2, 3)}
+DECODE_CFG = {"qkv": (8, 1024, 4, 2, 1), "o": (8, 1024, 4, 2, 1), "gate_up": (8, 512, 2, 2, 1),
+              "down": (8, 1024, 2, 2, 2)}  # TritonDecode.cfg's 4-bit shapes (rows, K-block, warps, stages, split)
 L2_ROTATE_BYTES = 256 << 20  # the weight copies a timing rotates through
 
 
@@ -119,7 +120,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="correctness checks per shape, fresh inputs each")
     args = ap.parse_args()
 
-    from backends.kernels import gemv, q4_mm, q4_mm_config
+    from backends.kernels import SplitScratch, gemv, q4_mm, q4_mm_config
 
     dev = torch.device("cuda")
     names = [s for s in args.shapes.split(",") if s]
@@ -144,10 +145,11 @@ def main() -> None:
             cub = bench_us([lambda d=d: x @ d.T for d in dense])
             rows = []
             if args.decode and m == 1:
-                r, bk, wp, st = DECODE_CFG[name]
+                r, bk, wp, st, sp = DECODE_CFG[name]
                 out = torch.empty(n, dtype=torch.bfloat16, device=dev)
-                us = bench_us([lambda w=w: gemv(w, x[0], out, rows=r, block_k=bk, warps=wp, stages=st) for w in ws])
-                gemv(w0, x[0], out, rows=r, block_k=bk, warps=wp, stages=st)
+                kw = dict(rows=r, block_k=bk, warps=wp, stages=st, split=sp, scratch=SplitScratch(dev))
+                us = bench_us([lambda w=w: gemv(w, x[0], out, **kw) for w in ws])
+                gemv(w0, x[0], out, **kw)
                 err = ((out.float() - ref[0]).norm() / ref.norm()).item()
                 rows.append((us, f"gemv {DECODE_CFG[name]}", err))
             base = q4_mm_config(m, w0)
