@@ -256,26 +256,39 @@ def _acc(BLOCK_R: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr):
 
 
 @triton.jit
-def _total(acc, vz, z_ptr, rows, rmask, K: tl.constexpr, BLOCK_R: tl.constexpr, Q4: tl.constexpr,
-           GS: tl.constexpr):
-    """`_mac`'s accumulators summed per row: (BLOCK_R,) for rows (row0 first); for a one-group
-    4-bit weight minus the zero point's share, z * sum(v) * 2^-49 (see `_mac`)."""
+def _row_params(s_ptr, z_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
+    """(scale * 2^49, zero point) of rows of a one-group 4-bit weight for `_total` and `_row_scale`
+    (placeholders otherwise). Weights: the kernels load them before `_wait_previous`, so that they
+    are not a memory round trip at the end of every program."""
+    scale = 1.0
+    zero = 0.0
+    if Q4:
+        if GS == K:
+            scale = tl.load(s_ptr + rows, mask=rmask, other=0.0) * 562949953421312.0
+            zero = tl.load(z_ptr + rows, mask=rmask, other=0.0)
+    return scale, zero
+
+
+@triton.jit
+def _total(acc, vz, zero, K: tl.constexpr, BLOCK_R: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
+    """`_mac`'s accumulators summed per row: (BLOCK_R,), row0 first; for a one-group 4-bit weight
+    minus the zero point's share, z * sum(v) * 2^-49 (see `_mac`; zero from `_row_params`)."""
     if Q4:
         t = tl.reshape(tl.sum(acc, 0), [BLOCK_R])
         if GS == K:
-            t -= tl.load(z_ptr + rows, mask=rmask, other=0.0) * (tl.sum(vz, 0) * 1.7763568394002505e-15)  # 2^-49
+            t -= zero * (tl.sum(vz, 0) * 1.7763568394002505e-15)  # 2^-49
     else:
         t = tl.sum(acc, 1)
     return t
 
 
 @triton.jit
-def _row_scale(y, s_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
-    """The per-row scale of a one-group 4-bit weight, applied to the finished row sums (times 2^49,
-    see `_mac`)."""
+def _row_scale(y, scale, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
+    """The per-row scale of a one-group 4-bit weight (from `_row_params`, times 2^49, see `_mac`),
+    applied to the finished row sums."""
     if Q4:
         if GS == K:
-            y = y * (tl.load(s_ptr + rows, mask=rmask, other=0.0) * 562949953421312.0)
+            y = y * scale
     return y
 
 
@@ -300,25 +313,31 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     every = r1 >= 0
     lim = (HQ + 2 * HKV) * D
     pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
-    _wait_previous(PDL)
+    # before the wait: weights, and the position (written before the step's first kernel)
+    sc1, z1 = _row_params(s_ptr, z_ptr, r1, every, DIM, Q4, GS)
+    sc2, z2 = _row_params(s_ptr, z_ptr, r2, every, DIM, Q4, GS)
+    if HAS_BIAS:
+        b1 = tl.load(b_ptr + r1).to(tl.float32)
+        b2 = tl.load(b_ptr + r2).to(tl.float32)
     pos = tl.load(pos_ptr)
+    c = _rnd(tl.load(cos_ptr + pos * D + d), dtype)
+    s = _rnd(tl.load(sin_ptr + pos * D + d), dtype)
+    _wait_previous(PDL)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0 + D // 2, lim, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
-        acc1, acc2, ss, vz = _mac(acc1, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, k0,
-                              DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
+        acc1, acc2, ss, vz = _mac(acc1, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr,
+                                  nw_ptr, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
         pre = nxt
     _let_next(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    y1 = _row_scale(_total(acc1, vz, z_ptr, r1, every, DIM, BLOCK_R, Q4, GS), s_ptr, r1, every, DIM, Q4, GS) * inv
-    y2 = _row_scale(_total(acc2, vz, z_ptr, r2, every, DIM, BLOCK_R, Q4, GS), s_ptr, r2, every, DIM, Q4, GS) * inv
+    y1 = _row_scale(_total(acc1, vz, z1, DIM, BLOCK_R, Q4, GS), sc1, DIM, Q4, GS) * inv
+    y2 = _row_scale(_total(acc2, vz, z2, DIM, BLOCK_R, Q4, GS), sc2, DIM, Q4, GS) * inv
     if HAS_BIAS:
-        y1 += tl.load(b_ptr + r1).to(tl.float32)
-        y2 += tl.load(b_ptr + r2).to(tl.float32)
+        y1 += b1
+        y2 += b2
     y1 = _rnd(y1, dtype)
     y2 = _rnd(y2, dtype)
     if head < HQ + HKV:  # q and k heads rotate: x * cos + rotate_half(x) * sin
-        c = _rnd(tl.load(cos_ptr + pos * D + d), dtype)
-        s = _rnd(tl.load(sin_ptr + pos * D + d), dtype)
         o1 = _rnd(_rnd(y1 * c, dtype) - _rnd(y2 * s, dtype), dtype)
         o2 = _rnd(_rnd(y2 * c, dtype) + _rnd(y1 * s, dtype), dtype)
     else:
@@ -444,49 +463,52 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.c
     row0 = blk * BLOCK_R
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < N
+    k_lo = tl.program_id(1) * KS  # (0 without a split)
+    scale, zero = _row_params(s_ptr, z_ptr, rows, rm, K, Q4, GS)
+    pre = _words(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False)
+    _wait_previous(PDL)
+    res = 0.0
+    if RESIDUAL:  # read now, not at the end of the program
+        res = tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32)
+    t = _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, pre, zero, row0, k_lo, N, K, KS, Q4, GS, BLOCK_R, BLOCK_K, VW, STAGES,
+                   PDL)
     if SPLIT == 1:
-        t = _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, 0, N, K, K, Q4, GS, BLOCK_R, BLOCK_K, VW, STAGES, PDL)
-        _gemv_out(t, s_ptr, x_ptr, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
+        _gemv_out(t, scale, res, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
     else:
-        t = _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, tl.program_id(1) * KS, N, K, KS, Q4, GS, BLOCK_R,
-                       BLOCK_K, VW, STAGES, PDL)
         r = tl.arange(0, BLOCK_R)
         tl.store(part_ptr + (blk * SPLIT + tl.program_id(1)) * BLOCK_R + r, t)
         if _arrive_last(cnt_ptr + blk, SPLIT):
             t = _sum_parts(part_ptr + blk * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
-            _gemv_out(t, s_ptr, x_ptr, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
+            _gemv_out(t, scale, res, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
             tl.store(cnt_ptr + blk, 0)
 
 
 @triton.jit
-def _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, row0, k_lo, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
+def _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, pre, zero, row0, k_lo, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
                Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """`_gemv`'s row sums over inputs k_lo..k_lo+KS (BLOCK_R,), before the row scale (the loads
-    are masked at K)."""
+    are masked at K); `pre`: the first K-block's words, loaded."""
     acc = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     vz = tl.zeros([VW], dtype=tl.float32)
-    pre = _words(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False)
-    _wait_previous(PDL)
     for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
         k0 = k_lo + i
         nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
-        acc, _, ss, vz = _mac(acc, acc, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K, BLOCK_R,
-                          BLOCK_K, Q4, GS, False, False)
+        acc, _, ss, vz = _mac(acc, acc, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K,
+                              BLOCK_R, BLOCK_K, Q4, GS, False, False)
         pre = nxt
     _let_next(PDL)
-    rows = row0 + tl.arange(0, BLOCK_R)
-    return _total(acc, vz, z_ptr, rows, rows < N, K, BLOCK_R, Q4, GS)
+    return _total(acc, vz, zero, K, BLOCK_R, Q4, GS)
 
 
 @triton.jit
-def _gemv_out(t, s_ptr, x_ptr, out_ptr, rows, rm, K: tl.constexpr, RESIDUAL: tl.constexpr, Q4: tl.constexpr,
+def _gemv_out(t, scale, res, out_ptr, rows, rm, K: tl.constexpr, RESIDUAL: tl.constexpr, Q4: tl.constexpr,
               GS: tl.constexpr, dtype: tl.constexpr):
-    """`_gemv`'s rows from their sums t: scale, rounding, residual."""
-    o = _rnd(_row_scale(t, s_ptr, rows, rm, K, Q4, GS), dtype)
+    """`_gemv`'s rows from their sums t: scale, rounding, residual (res, float32)."""
+    o = _rnd(_row_scale(t, scale, K, Q4, GS), dtype)
     if RESIDUAL:
-        o = _rnd(tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32) + o, dtype)
+        o = _rnd(res + o, dtype)
     tl.store(out_ptr + rows, o.to(out_ptr.dtype.element_ty), mask=rm)
 
 
@@ -768,18 +790,18 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     ss = tl.zeros([VW], dtype=tl.float32)
     vz = tl.zeros([VW], dtype=tl.float32)
     pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
+    sc_g, z_g = _row_params(s_ptr, z_ptr, rows, rm, DIM, Q4, GS)
+    sc_u, z_u = _row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, Q4, GS)
     _wait_previous(PDL)
     for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
         nxt = _words(w_ptr, row0, row0 + INTER, INTER, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
-        acc_g, acc_u, ss, vz = _mac(acc_g, acc_u, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr,
-                                k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
+        acc_g, acc_u, ss, vz = _mac(acc_g, acc_u, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr,
+                                    nw_ptr, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
         pre = nxt
     _let_next(PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    g = _rnd(_row_scale(_total(acc_g, vz, z_ptr, rows, rm, DIM, BLOCK_R, Q4, GS), s_ptr, rows, rm, DIM, Q4, GS) * inv,
-             dtype)
-    u = _rnd(_row_scale(_total(acc_u, vz, z_ptr, rows + INTER, rm, DIM, BLOCK_R, Q4, GS), s_ptr, rows + INTER, rm,
-                        DIM, Q4, GS) * inv, dtype)
+    g = _rnd(_row_scale(_total(acc_g, vz, z_g, DIM, BLOCK_R, Q4, GS), sc_g, DIM, Q4, GS) * inv, dtype)
+    u = _rnd(_row_scale(_total(acc_u, vz, z_u, DIM, BLOCK_R, Q4, GS), sc_u, DIM, Q4, GS) * inv, dtype)
     act = _rnd(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 
