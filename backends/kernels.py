@@ -256,6 +256,29 @@ def _acc(BLOCK_R: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr):
 
 
 @triton.jit
+def _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k_lo, K: tl.constexpr, KS: tl.constexpr,
+            BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr,
+            GAIN: tl.constexpr, TWO: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    """`_mac` over inputs k_lo..k_lo+KS in K-blocks -> (acc, acc2, ss, vz), the kernels' main loop.
+    `pre`: the first block's words (`_words`), which the kernel loads before `_wait_previous`; each
+    next block's are loaded while one is computed. Under PDL the next kernel may start after it."""
+    acc = _acc(BLOCK_R, VW, Q4)
+    acc2 = acc
+    if TWO:
+        acc2 = _acc(BLOCK_R, VW, Q4)
+    ss = tl.zeros([VW], dtype=tl.float32)
+    vz = tl.zeros([VW], dtype=tl.float32)
+    for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
+        k0 = k_lo + i
+        nxt = _words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
+        acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K,
+                                 BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
+        pre = nxt
+    _let_next(PDL)
+    return acc, acc2, ss, vz
+
+
+@triton.jit
 def _row_params(s_ptr, z_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
     """(scale * 2^49, zero point) of rows of a one-group 4-bit weight for `_total` and `_row_scale`
     (placeholders otherwise). Weights: the kernels load them before `_wait_previous`, so that they
@@ -306,10 +329,6 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     row0 = head * D + j * BLOCK_R
     r1 = row0 + tl.arange(0, BLOCK_R)
     r2 = r1 + D // 2
-    acc1 = _acc(BLOCK_R, VW, Q4)
-    acc2 = _acc(BLOCK_R, VW, Q4)
-    ss = tl.zeros([VW], dtype=tl.float32)
-    vz = tl.zeros([VW], dtype=tl.float32)
     every = r1 >= 0
     lim = (HQ + 2 * HKV) * D
     pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
@@ -323,12 +342,8 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     c = _rnd(tl.load(cos_ptr + pos * D + d), dtype)
     s = _rnd(tl.load(sin_ptr + pos * D + d), dtype)
     _wait_previous(PDL)
-    for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
-        nxt = _words(w_ptr, row0, row0 + D // 2, lim, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
-        acc1, acc2, ss, vz = _mac(acc1, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr,
-                                  nw_ptr, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
-        pre = nxt
-    _let_next(PDL)
+    acc1, acc2, ss, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, 0, DIM, DIM,
+                                 BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     y1 = _row_scale(_total(acc1, vz, z1, DIM, BLOCK_R, Q4, GS), sc1, DIM, Q4, GS) * inv
     y2 = _row_scale(_total(acc2, vz, z2, DIM, BLOCK_R, Q4, GS), sc2, DIM, Q4, GS) * inv
@@ -470,8 +485,9 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.c
     res = 0.0
     if RESIDUAL:  # read now, not at the end of the program
         res = tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32)
-    t = _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, pre, zero, row0, k_lo, N, K, KS, Q4, GS, BLOCK_R, BLOCK_K, VW, STAGES,
-                   PDL)
+    acc, _, _, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k_lo, K, KS, BLOCK_R, BLOCK_K, VW,
+                            Q4, GS, False, False, STAGES, PDL)
+    t = _total(acc, vz, zero, K, BLOCK_R, Q4, GS)  # row sums over this program's inputs, before the scale
     if SPLIT == 1:
         _gemv_out(t, scale, res, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
     else:
@@ -481,25 +497,6 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.c
             t = _sum_parts(part_ptr + blk * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
             _gemv_out(t, scale, res, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
             tl.store(cnt_ptr + blk, 0)
-
-
-@triton.jit
-def _gemv_sums(y_ptr, w_ptr, s_ptr, z_ptr, pre, zero, row0, k_lo, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr,
-               Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-               VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    """`_gemv`'s row sums over inputs k_lo..k_lo+KS (BLOCK_R,), before the row scale (the loads
-    are masked at K); `pre`: the first K-block's words, loaded."""
-    acc = _acc(BLOCK_R, VW, Q4)
-    ss = tl.zeros([VW], dtype=tl.float32)
-    vz = tl.zeros([VW], dtype=tl.float32)
-    for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
-        k0 = k_lo + i
-        nxt = _words(w_ptr, row0, row0, N, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, False)
-        acc, _, ss, vz = _mac(acc, acc, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k0, K,
-                              BLOCK_R, BLOCK_K, Q4, GS, False, False)
-        pre = nxt
-    _let_next(PDL)
-    return _total(acc, vz, zero, K, BLOCK_R, Q4, GS)
 
 
 @triton.jit
@@ -785,20 +782,12 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
-    acc_g = _acc(BLOCK_R, VW, Q4)
-    acc_u = _acc(BLOCK_R, VW, Q4)
-    ss = tl.zeros([VW], dtype=tl.float32)
-    vz = tl.zeros([VW], dtype=tl.float32)
     pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
     sc_g, z_g = _row_params(s_ptr, z_ptr, rows, rm, DIM, Q4, GS)
     sc_u, z_u = _row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, Q4, GS)
     _wait_previous(PDL)
-    for k0 in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
-        nxt = _words(w_ptr, row0, row0 + INTER, INTER, k0 + BLOCK_K, DIM, BLOCK_R, BLOCK_K, Q4, True)
-        acc_g, acc_u, ss, vz = _mac(acc_g, acc_u, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr,
-                                    nw_ptr, k0, DIM, BLOCK_R, BLOCK_K, Q4, GS, True, True)
-        pre = nxt
-    _let_next(PDL)
+    acc_g, acc_u, ss, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0, DIM, DIM,
+                                   BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     g = _rnd(_row_scale(_total(acc_g, vz, z_g, DIM, BLOCK_R, Q4, GS), sc_g, DIM, Q4, GS) * inv, dtype)
     u = _rnd(_row_scale(_total(acc_u, vz, z_u, DIM, BLOCK_R, Q4, GS), sc_u, DIM, Q4, GS) * inv, dtype)
