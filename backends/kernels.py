@@ -86,6 +86,18 @@ def _pairs(words):
 
 
 @triton.jit
+def _pairs16(words, nz, MAGIC: tl.constexpr, ONE: tl.constexpr, FMA: tl.constexpr):
+    """`_pairs` as two 16-bit floats q - z a word (R, W, 4): one LOP3 puts 16-bit MAGIC (the
+    pattern of 2^m) over each 4-bit value q, which makes the float 2^m + q exactly, and one paired
+    FMA (x * ONE + nz, nz = -(2^m + z) in both halves (R, 1, 1)) leaves q - z, exactly."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; lop3.b32 t, $1, $2, $3, 0xEA; " + FMA + " $0, t, $4, $5; }", "=r,r,r,r,r,r",
+        [words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :], tl.full([1, 1, 4], 0x000F000F, tl.int32),
+         tl.full([1, 1, 4], MAGIC * 65537, tl.int32), tl.full([1, 1, 4], ONE * 65537, tl.int32), nz],
+        dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _rnd(v, dtype: tl.constexpr):
     """Round a float32 value to the model dtype (and back), as an eager op's output would be."""
     return v.to(dtype).to(tl.float32)
@@ -614,7 +626,7 @@ SCRATCH = 1 << 25  # elements of the dequantized slice of a 4-bit weight a prefi
 def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: tl.constexpr, K: tl.constexpr,
            HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
            SPLIT: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr, MAGIC: tl.constexpr, BASE: tl.constexpr,
-           INTERPRETED: tl.constexpr = False):
+           ONE: tl.constexpr, FMA: tl.constexpr, INTERPRETED: tl.constexpr = False):
     """out (M, N) = x (M, K) @ W^T (+ bias) for a one-group 4-bit W (`_mac`'s layout), the prefill
     product. Program (i, j, s): rows n of W from i * BLOCK_N against tokens t from j * BLOCK_T, on
     inputs s * KS..: each K-block of W is unpacked in registers for a tensor-core product with the
@@ -624,8 +636,10 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
 
     One AND of a word shifted by 4p gives its values 2p and 2p + 1 (`pair_nibbles`) in its 16-bit
     halves. 16-bit x (MAGIC, the 16-bit pattern of BASE = 2^m: 128.0 in bfloat16, 1024.0 in
-    float16): an OR makes them the 16-bit floats 2^m + q, exactly, and (2^m + z) * sum(x) comes
-    off the sums at the end. float32 x: (q - z), exactly.
+    float16): `_pairs16` makes them the 16-bit floats q - z, exactly, in three instructions a
+    pair (shift, LOP3, paired FMA); the zero point subtracted there instead of (2^m + z) * sum(x)
+    off the sums at the end took the inputs' sums out of the loop (179 -> 137 sm_90 instructions
+    a K-block for gate/up at 64 tokens, 266 -> 166 for down). float32 x: (q - z), exactly.
     SPLIT > 1: as `_gemv`, each program leaves its sums in `part` and a tile's last program to
     finish adds them in a fixed order and writes the tile."""
     pn = tl.program_id(0)
@@ -640,7 +654,9 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
     quad = (pn * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4))[:, None, None]
     lane = tl.arange(0, 4)[None, None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    xsum = tl.zeros([BLOCK_T], dtype=tl.float32)
+    nz = zero[:, None, None]
+    if MAGIC and not INTERPRETED:  # -(2^m + z) as a 16-bit float in both halves of a word
+        nz = ((-(BASE + nz)).to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 65537
     k_lo = ps * KS
     for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
         kw = (k_lo + i) // 8 + tl.arange(0, BLOCK_K // 8)
@@ -649,24 +665,26 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
         words = tl.reshape(tl.permute(words, (0, 2, 1)), [BLOCK_N, BLOCK_K // 8])  # row n = quad * 4 + lane
         k = (k_lo + i) + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & (k < K)[:, None], other=0.0)
-        pairs = _pairs(words)
-        if MAGIC:
-            pairs = pairs | (MAGIC * 65537)
-            lo = pairs.to(tl.int16).to(dtype, bitcast=True)  # 2^m + q
+        if MAGIC and not INTERPRETED:
+            pairs = _pairs16(words, nz, MAGIC, ONE, FMA)
+            lo = pairs.to(tl.int16).to(dtype, bitcast=True)  # q - z
             hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)
             wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # inputs in order
-            xsum += tl.sum(xt.to(tl.float32), 0)
-        else:
-            lo = (pairs & 0xFFFF).to(tl.float32) - zero[:, None, None]  # q - z: exact
-            hi = (pairs >> 16).to(tl.float32) - zero[:, None, None]
-            wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])
-        if not MAGIC or INTERPRETED:  # float32 models: no TF32; Triton's interpreter (3.6) multiplies
-            # 16-bit floats wrongly: exact in float32
-            acc = tl.dot(wq.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        else:
             acc = tl.dot(wq, xt, acc)
-    if MAGIC:
-        acc -= (BASE + zero)[:, None] * xsum[None, :]
+        else:  # float32 models (no TF32), and Triton's interpreter (3.6), which multiplies 16-bit floats
+            # wrongly: exact in float32
+            pairs = _pairs(words)
+            if MAGIC:  # the same 16-bit floats 2^m + q, then 2^m + z off them
+                pairs = pairs | (MAGIC * 65537)
+                lo = pairs.to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+                hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+                zero16 = (BASE + zero)[:, None, None]
+            else:
+                lo = (pairs & 0xFFFF).to(tl.float32)
+                hi = (pairs >> 16).to(tl.float32)
+                zero16 = zero[:, None, None]
+            wq = tl.reshape(tl.join(lo - zero16, hi - zero16), [BLOCK_N, BLOCK_K])  # q - z: exact
+            acc = tl.dot(wq, xt.to(tl.float32), acc, input_precision="ieee")
     if SPLIT == 1:
         _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N, HAS_BIAS, dtype)
     else:
@@ -689,22 +707,24 @@ def _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N: tl.constexpr, HAS_BI
 
 
 def q4_mm_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) of `_q4_mm` for m tokens, the best of
-    sweeps on an H100 (tools/q4mm_sweep.py, docs/benchmarks.md). Up to 32 tokens: one tile, 64
-    rows a program, K split for about four programs per SM. More tokens: a weight of many rows
-    (gate/up) in tiles of 128 rows and K-blocks of 32 over up to 128 tokens; one of few rows (q/k/v,
-    o, down) in tiles of 64 rows and 64 tokens (several token tiles), K split for about one
-    program per SM. Tiles of 128 rows x 64 inputs against 128 tokens gave wrong sums (Triton
-    3.6, H100 and H200): the shapes here keep clear of them."""
+    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) of `_q4_mm` for m tokens, after sweeps on
+    an H200 (tools/q4mm_sweep.py, docs/benchmarks.md): tiles of 64 rows (four warps) against up to
+    128 tokens. A weight of many rows (gate/up: four tiles per SM or more) is not split, K-blocks of
+    64, 4 stages (3 past 128 tokens). A long one (down: K at least 4 N) takes K-blocks of 64 split
+    for about six programs per SM up to 32 tokens, four at 64 tokens, K-blocks of 128 for about one
+    past 64. The others (q/k/v, o): K-blocks of 128 for about four programs per SM up to 32 tokens,
+    K-blocks of 64 for about two at 64 tokens, K-blocks of 128 for about one past 64. Tiles of 128
+    rows against 128 tokens gave wrong sums (Triton 3.6, H100 and H200): the shapes here keep clear
+    of them."""
     bt = min(max(16, triton.next_power_of_2(m)), 128)
     sms = _sm_count(w.w.device)
-    if bt <= 32:
-        bn, bk, stages, programs = 64, 64, 3, 4 * sms
-    elif triton.cdiv(w.n, 128) >= 2 * sms:
-        bn, bk, stages, programs = 128, 32, 4, sms
+    if triton.cdiv(w.n, 64) * triton.cdiv(m, bt) >= 4 * sms:
+        bk, stages, per_sm = 64, 4 if m <= 128 else 3, 1
+    elif w.k >= 4 * w.n:
+        bk, stages, per_sm = (64, 3, 6) if bt <= 32 else (64, 4, 4) if bt == 64 else (128, 3, 1)
     else:
-        bn, bt, bk, stages, programs = 64, 64, 64, 3, sms
-    return bn, bt, bk, 4, stages, q4_mm_split(m, w, bn, bt, bk, programs)
+        bk, stages, per_sm = (128, 3, 4) if bt <= 32 else (64, 3, 2) if bt == 64 else (128, 3, 1)
+    return 64, bt, bk, 4, stages, q4_mm_split(m, w, 64, bt, bk, per_sm * sms)
 
 
 def q4_mm_split(m: int, w: Weight, bn: int, bt: int, bk: int, programs: int) -> int:
@@ -715,8 +735,9 @@ def q4_mm_split(m: int, w: Weight, bn: int, bt: int, bk: int, programs: int) -> 
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # 2^m as a 16-bit pattern (`_q4_mm`)
-MM_MAX_M = 128  # prefills up to this many tokens take `q4_mm` (the range swept); above, dequantize + cuBLAS
+_MAGIC = {torch.bfloat16: (0x4300, 128.0, 0x3F80, "fma.rn.bf16x2"),  # `_q4_mm`: 2^m as a 16-bit pattern, 2^m,
+          torch.float16: (0x6400, 1024.0, 0x3C00, "fma.rn.f16x2")}    # 1.0's pattern, the paired FMA
+MM_MAX_M = 512  # prefills up to this many tokens take `q4_mm` (the range swept); above, dequantize + cuBLAS
 
 
 @functools.cache
@@ -742,7 +763,7 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
         part = count = y
     _q4_mm[grid](x, *w.args(), bias if bias is not None else y, y, part, count, m, N=w.n, K=w.k,
                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, SPLIT=split, KS=ks, STAGES=stages,
-                 MAGIC=_MAGIC.get(x.dtype, (0, 0.0))[0], BASE=_MAGIC.get(x.dtype, (0, 0.0))[1],
+                 **dict(zip(("MAGIC", "BASE", "ONE", "FMA"), _MAGIC.get(x.dtype, (0, 0.0, 0, "")))),
                  INTERPRETED=_INTERPRETED, num_warps=warps)
     return y
 

@@ -62,7 +62,7 @@ def test_prefill_product_matches_dequantized(cfg, dtype):
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 def test_prefill_product_full_size_on_gpu(n, k):
     """`q4_mm` at its own launch shapes on Qwen2-7B's projection shapes, for every token tile size
-    the prefill uses, three fresh inputs each: the float32 product with the dequantized weights to
+    the prefill uses (up to `MM_MAX_M` tokens; float16 once: its own paired FMA), three fresh inputs each: the float32 product with the dequantized weights to
     the bf16 output's rounding, 0.5% (launch shapes of 128 rows x 64 inputs against 128 tokens gave
     errors of 2.8-4.5% of the output in tools/q4mm_sweep.py on an H100, Triton 3.6)."""
     from backends.gptq import kernel_words
@@ -75,12 +75,13 @@ def test_prefill_product_full_size_on_gpu(n, k):
     w = Weight(kernel_words(q), s, z, k)
     deq = (q.float() - z) * s
     del q
-    for m in (1, 9, 32, 64, 100, 128):
+    for m, dtype in [(m, torch.bfloat16) for m in (1, 9, 32, 64, 100, 128, 200, 512)] + [(64, torch.float16)]:
         for _ in range(3):
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            x = torch.randn(m, k, device="cuda").to(dtype)
             ref = x.float() @ deq.T
-            y = q4_mm(x, w, None).float()
-            assert ((y - ref).norm() / ref.norm()).item() < 5e-3, m
+            y = q4_mm(x, w, None)
+            assert y.dtype == dtype
+            assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3, (m, dtype)
 
 
 @pytest.mark.parametrize("sym", [True, False])

@@ -3,6 +3,7 @@ developer tool, not part of the package; the shapes in `q4_mm_config` come from 
 
     python tools/q4mm_sweep.py --m 64,128 --jobs 12
     python tools/q4mm_sweep.py --m 1 --decode        # q4_mm as a one-token product, vs the GEMV
+    python tools/q4mm_sweep.py --kernels old_kernels.py   # another copy of backends/kernels.py
 
 For every Qwen2-7B projection shape (q/k/v, o, gate/up, down) and token count M it times, as CUDA
 graph replays over enough copies of the weights that they do not stay in L2: cuBLAS on bf16
@@ -17,6 +18,7 @@ the microseconds per layer of the best shapes.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import multiprocessing as mp
 import os
@@ -31,6 +33,20 @@ SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "dow
 DECODE_CFG = {"qkv": (8, 1024, 4, 2, 1), "o": (8, 1024, 4, 2, 1), "gate_up": (8, 512, 2, 2, 1),
               "down": (8, 1024, 2, 2, 2)}  # TritonDecode.cfg's 4-bit shapes (rows, K-block, warps, stages, split)
 L2_ROTATE_BYTES = 256 << 20  # the weight copies a timing rotates through
+
+
+KERNELS_ENV = "Q4MM_SWEEP_KERNELS"  # --kernels, passed on to the compile workers
+
+
+def use_kernels() -> None:
+    """Make the file named by KERNELS_ENV (a copy of backends/kernels.py) the `backends.kernels`
+    module that the sweep imports."""
+    path = os.environ.get(KERNELS_ENV)
+    if path and "backends.kernels" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("backends.kernels", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["backends.kernels"] = mod
+        spec.loader.exec_module(mod)
 
 
 def ints(text: str) -> list[int]:
@@ -62,10 +78,16 @@ def candidates(m: int, decode: bool, wide: bool = False) -> list[tuple]:
         out = [(bn, bt, bk, w, s, 0) for bn, bk, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))]
         out += [(256, bt, bk, 8, 3, 0) for bk in (32, 64)]
         return out + [(bn, bt, 64, 4, 3, sp) for bn in (64, 128) for sp in (1, -1)]
-    out = [(128, bt, 32, 4, s, sp) for s in (3, 4) for sp in (0, 1)]
-    out += [(64, bt, 64, 4, s, 0) for s in (3, 4)]
+    if bt <= 32:
+        return [(64, bt, bk, 4, s, sp) for bk in (64, 128) for s in (3, 4, 5) for sp in (-3, -5)]
+    if m > 128:  # several tiles of 128 tokens
+        return [(64, 128, bk, 4, s, sp) for bk in (64, 128) for s in (3, 4) for sp in (0, -1, -3)] + [
+            (64, 64, 64, 4, 4, sp) for sp in (0, -1)]
+    out = [(bn, bt, bk, 4, s, sp) for bn, bk in ((64, 64), (64, 128), (128, 64)) for s in (3, 4, 5)
+           for sp in (0, -1, -3)]
+    out += [(128, bt, 64, 8, 4, 0), (128, bt, 64, 8, 4, -1), (128, bt, 128, 8, 3, 0)]
     if bt == 128:  # two tiles of 64 tokens
-        out += [(128, 64, 32, 4, 4, 0), (64, 64, 64, 4, 3, 0)]
+        out += [(64, 64, 64, 4, 4, 0), (64, 64, 64, 4, 4, -1)]
     return out
 
 
@@ -81,6 +103,7 @@ def resolve(cfg: tuple, m: int, w) -> tuple:
 
 def precompile(jobs: list[tuple]) -> None:
     """Worker: compile (shape, m, cfg) jobs into Triton's cache by running each once."""
+    use_kernels()
     from backends.kernels import q4_mm
 
     dev = torch.device("cuda")
@@ -118,13 +141,19 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--wide", action="store_true", help="the first sweep's grid of shapes")
     ap.add_argument("--repeat", type=int, default=3, help="correctness checks per shape, fresh inputs each")
+    ap.add_argument("--current", action="store_true", help="time q4_mm_config's shapes only")
+    ap.add_argument("--kernels", default=None, help="a copy of backends/kernels.py to time instead of the current one")
     args = ap.parse_args()
 
-    from backends.kernels import SplitScratch, gemv, q4_mm, q4_mm_config
+    if args.kernels:
+        os.environ[KERNELS_ENV] = str(Path(args.kernels).resolve())
+    use_kernels()
+    from backends.kernels import SplitScratch, gemv, q4_linear, q4_mm, q4_mm_config
 
     dev = torch.device("cuda")
     names = [s for s in args.shapes.split(",") if s]
-    plan = [(name, m, cfg) for m in args.m for name in names for cfg in candidates(m, args.decode, args.wide)]
+    cands = (lambda m: []) if args.current else (lambda m: candidates(m, args.decode, args.wide))
+    plan = [(name, m, cfg) for m in args.m for name in names for cfg in cands(m)]
     if args.jobs > 1:
         ctx = mp.get_context("spawn")
         with ctx.Pool(args.jobs) as pool:
@@ -152,8 +181,11 @@ def main() -> None:
                 gemv(w0, x[0], out, **kw)
                 err = ((out.float() - ref[0]).norm() / ref.norm()).item()
                 rows.append((us, f"gemv {DECODE_CFG[name]}", err))
+            if m > 1:  # what a prefill runs: `q4_mm` up to MM_MAX_M tokens, else dequantize + cuBLAS
+                err = ((q4_linear(x, w0, None).float() - ref).norm() / ref.norm()).item()
+                rows.append((bench_us([lambda w=w: q4_linear(x, w, None) for w in ws]), "q4_linear", err))
             base = q4_mm_config(m, w0)
-            for cfg in [base] + candidates(m, args.decode, args.wide):
+            for cfg in [base] + cands(m):
                 cfg = resolve(cfg, m, w0)
                 try:
                     err = 0.0
