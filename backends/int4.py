@@ -4,7 +4,7 @@ The Qwen2 model is built as usual, then the q/k/v/o and gate/up/down Linears of 
 are swapped for 4-bit ones (backends/gptq.py), filled from the checkpoint's qweight/qzeros/scales/
 g_idx; embeddings, norms and lm_head stay in the model dtype, as in the checkpoint. On CUDA they are
 `Q4Linear`s: q/k/v and gate/up are stacked, one-token steps run the compile backend's fused Triton
-decode kernels reading the 4-bit weights directly, and prefills of up to 128 tokens a Triton
+decode kernels reading the 4-bit weights directly, and prefills of up to 512 tokens a Triton
 tensor-core product that unpacks the words in registers (longer ones dequantize slices of the
 weights into a scratch buffer for cuBLAS). On a CPU they are `Int4Linear`s on torch's int4 kernel. A
 checkpoint without GPTQ tensors (a bf16 one) is quantized while loading, round-to-nearest with one

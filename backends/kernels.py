@@ -17,7 +17,7 @@ kernels, not by arithmetic or bandwidth, so the layer is fused into five launche
 
 Projection weights come as a `Weight`: a dense matrix, or 4-bit GPTQ values packed eight to an
 int32 (the int4 backend's `Q4Linear`), unpacked inside the same kernels (`_mac`); prefills with 4-bit
-weights run `q4_mm` (a tensor-core product, up to 128 tokens) or dequantize slices for cuBLAS
+weights run `q4_mm` (a tensor-core product, up to 512 tokens) or dequantize slices for cuBLAS
 (`q4_linear`). On Hopper and later GPUs the step's kernels launch as programmatic dependents
 (`_wait_previous`).
 
