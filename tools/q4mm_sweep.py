@@ -80,9 +80,10 @@ def candidates(m: int, decode: bool, wide: bool = False) -> list[tuple]:
         return out + [(bn, bt, 64, 4, 3, sp) for bn in (64, 128) for sp in (1, -1)]
     if bt <= 32:
         return [(64, bt, bk, 4, s, sp) for bk in (64, 128) for s in (3, 4, 5) for sp in (-3, -5)]
-    if m > 128:  # several tiles of 128 tokens
+    if m > 128:  # several tiles of 128 tokens, or tiles of 256
         return [(64, 128, bk, 4, s, sp) for bk in (64, 128) for s in (3, 4) for sp in (0, -1, -3)] + [
-            (64, 64, 64, 4, 4, sp) for sp in (0, -1)]
+            (64, 64, 64, 4, 4, sp) for sp in (0, -1)] + [
+            (bn, 256, bk, bn // 16, s, sp) for bn in (64, 128) for bk in (32, 64) for s in (3, 4) for sp in (0, -1)]
     out = [(bn, bt, bk, 4, s, sp) for bn, bk in ((64, 64), (64, 128), (128, 64)) for s in (3, 4, 5)
            for sp in (0, -1, -3)]
     out += [(128, bt, 64, 8, 4, 0), (128, bt, 64, 8, 4, -1), (128, bt, 128, 8, 3, 0)]
