@@ -79,10 +79,17 @@ def _sum_parts(part_ptr, offs, SIZE: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def _shifted(words):
+    """Words (R, W) shifted by 4p (R, W, 4): values 2p and 2p + 1 (`pair_nibbles` order) in the low
+    4 bits of each 16-bit half."""
+    return words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]
+
+
+@triton.jit
 def _pairs(words):
     """The 4-bit values of words (R, W) in `pair_nibbles` order as (R, W, 4) int32: element p holds
     values 2p and 2p + 1 in its low and high 16 bits."""
-    return (words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]) & 0x000F000F
+    return _shifted(words) & 0x000F000F
 
 
 @triton.jit
@@ -92,7 +99,7 @@ def _pairs16(words, nz, MAGIC: tl.constexpr, ONE: tl.constexpr, FMA: tl.constexp
     FMA (x * ONE + nz, nz = -(2^m + z) in both halves (R, 1, 1)) leaves q - z, exactly."""
     return tl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $1, $2, $3, 0xEA; " + FMA + " $0, t, $4, $5; }", "=r,r,r,r,r,r",
-        [words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :], tl.full([1, 1, 4], 0x000F000F, tl.int32),
+        [_shifted(words), tl.full([1, 1, 4], 0x000F000F, tl.int32),
          tl.full([1, 1, 4], MAGIC * 65537, tl.int32), tl.full([1, 1, 4], ONE * 65537, tl.int32), nz],
         dtype=tl.int32, is_pure=True, pack=1)
 
@@ -654,9 +661,12 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
     quad = (pn * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4))[:, None, None]
     lane = tl.arange(0, 4)[None, None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-    nz = zero[:, None, None]
     if MAGIC and not INTERPRETED:  # -(2^m + z) as a 16-bit float in both halves of a word
-        nz = ((-(BASE + nz)).to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 65537
+        nz = ((-(BASE + zero[:, None, None])).to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 65537
+    elif MAGIC:  # what comes off the 16-bit floats 2^m + q (float32 below)
+        zero16 = (BASE + zero)[:, None, None]
+    else:
+        zero16 = zero[:, None, None]
     k_lo = ps * KS
     for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
         kw = (k_lo + i) // 8 + tl.arange(0, BLOCK_K // 8)
@@ -678,11 +688,9 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
                 pairs = pairs | (MAGIC * 65537)
                 lo = pairs.to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
                 hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
-                zero16 = (BASE + zero)[:, None, None]
             else:
                 lo = (pairs & 0xFFFF).to(tl.float32)
                 hi = (pairs >> 16).to(tl.float32)
-                zero16 = zero[:, None, None]
             wq = tl.reshape(tl.join(lo - zero16, hi - zero16), [BLOCK_N, BLOCK_K])  # q - z: exact
             acc = tl.dot(wq, xt.to(tl.float32), acc, input_precision="ieee")
     if SPLIT == 1:

@@ -43,8 +43,8 @@ def test_q4_linear_matches_dequantized(group_size, desc_act, sym, m):
 def test_prefill_product_matches_dequantized(cfg, dtype):
     """The prefill product of a one-group 4-bit weight (`q4_mm`) in launch shapes that split K over
     programs, tokens in several tiles, and rows and tokens past the tiles' edges: the dequantized
-    product with the bias (float32: to its rounding; 16-bit: the 2^m + q values, to the output's
-    rounding)."""
+    product with the bias (float32: to its rounding; 16-bit, in Triton's interpreter the 2^m + q
+    patterns that the GPU's `_pairs16` starts from: to the output's rounding)."""
     from backends.kernels import q4_mm
 
     torch.manual_seed(3)
@@ -62,9 +62,10 @@ def test_prefill_product_matches_dequantized(cfg, dtype):
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 def test_prefill_product_full_size_on_gpu(n, k):
     """`q4_mm` at its own launch shapes on Qwen2-7B's projection shapes, for every token tile size
-    the prefill uses (up to `MM_MAX_M` tokens; float16 once: its own paired FMA), three fresh inputs each: the float32 product with the dequantized weights to
-    the bf16 output's rounding, 0.5% (launch shapes of 128 rows x 64 inputs against 128 tokens gave
-    errors of 2.8-4.5% of the output in tools/q4mm_sweep.py on an H100, Triton 3.6)."""
+    the prefill uses (up to `MM_MAX_M` tokens; float16 once: its own paired FMA), three fresh
+    inputs each: the float32 product with the dequantized weights to the output's rounding, 0.5%
+    (launch shapes of 128 rows x 64 inputs against 128 tokens gave errors of 2.8-4.5% of the output
+    in tools/q4mm_sweep.py on an H100, Triton 3.6)."""
     from backends.gptq import kernel_words
     from backends.kernels import Weight, q4_mm
 
