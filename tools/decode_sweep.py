@@ -10,8 +10,8 @@ prompt, and times one decode token as CUDA-graph replays (median; the position s
 synchronised `forward` calls (as the reply loop runs them, the bench's figure). `--profile` lists
 the step's kernels with their time per step (torch.profiler, the kernels of the graph). `--sweep`
 times every candidate launch shape of the named kernels (`TritonDecode.cfg`: rows per program, K
-per iteration, warps, stages[, split]; "attn": cache slots per block, warps), one kernel at a time with the others at their current
-shapes, and prints the best of each. `--alt` / `--alt-set` time a second variant of the step
+per iteration, warps, stages[, split]; "attn": cache slots per block, warps), one kernel at a time
+with the others at their current shapes, and prints the best of each. `--alt` / `--alt-set` time a second variant of the step
 (the kernels of another copy of backends/kernels.py, other launch shapes) against the current one,
 alternating for `--rounds` rounds on the same model and position (the medians of each, so that drift
 of the GPU's clocks falls on both).
@@ -103,19 +103,26 @@ def shapes(text: str) -> dict[str, tuple]:
     return out
 
 
+def reshape(td, cfg: dict, dev, mod=None) -> None:
+    """Launch shapes `cfg` on top of `td.cfg`, and the split-K scratch they need (`kernels_scratch`
+    of `mod`, td's kernels module; default backends.kernels)."""
+    if mod is None:
+        import backends.kernels as mod
+    td.cfg.update(cfg)
+    td.scratch = mod.kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+
+
 def variant(llm, path: str | None, cfg: dict, dev):
     """A TritonDecode over the same model with the kernels of `path` (default: backends/kernels.py)
     and launch shapes `cfg` on top of its defaults."""
-    import backends.kernels as main_kernels
+    import backends.kernels as mod
 
-    mod = main_kernels
     if path:
         spec = importlib.util.spec_from_file_location("alt_kernels", path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     td = mod.TritonDecode(llm.triton.decoder)
-    td.cfg.update(cfg)
-    td.scratch = mod.kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+    reshape(td, cfg, dev, mod)
     return td
 
 
@@ -125,13 +132,10 @@ def get_shape(td, name: str) -> tuple:
 
 
 def set_shape(td, name: str, shape: tuple, dev) -> None:
-    from backends.kernels import kernels_scratch
-
     if name == "attn":
         td.block_s, td.attn_warps = shape
     else:
-        td.cfg[name] = shape
-        td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+        reshape(td, {name: shape}, dev)
 
 
 def candidates(cfg: tuple, args) -> list[tuple]:
@@ -162,8 +166,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
-    from backends.kernels import kernels_scratch
-
     dev = torch.device("cuda")
     ckpt = RandomCheckpoint(SyntheticSpec.full())
     llm = backends.get(args.backend).create(ckpt, ckpt.config, device=dev, dtype=torch.bfloat16, max_len=LLM_CONTEXT)
@@ -172,8 +174,7 @@ def main() -> None:
     llm.reset()
     llm.forward(list(range(1000, 1000 + args.prompt)))
     pos = llm.pos
-    td.cfg.update(args.set)
-    td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
+    reshape(td, args.set, dev)
 
     def measure(label: str) -> float:
         recapture(llm, pos)
@@ -214,6 +215,7 @@ def main() -> None:
         best = min(results) if results else (None, base)
         set_shape(td, name, best[1], dev)
         print(f"best {name}: {best[1]} ({best[0]:.3f} ms; was {base})" if results else f"{name}: nothing ran")
+
 
 if __name__ == "__main__":
     main()
