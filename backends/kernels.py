@@ -175,6 +175,18 @@ def _words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
+def _first(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+           Q4: tl.constexpr, TWO: tl.constexpr, PIPE: tl.constexpr):
+    """`_words` of the first K-block, which `_k_loop` takes as `pre`; none (a placeholder) under PIPE."""
+    if PIPE:
+        words = tl.zeros([1], dtype=tl.int32)
+        pre = (words, words)
+    else:
+        pre = _words(w_ptr, row0, row02, LIM, k0, K, BLOCK_R, BLOCK_K, Q4, TWO)
+    return pre
+
+
+@triton.jit
 def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr,
          TWO: tl.constexpr):
@@ -277,22 +289,31 @@ def _acc(BLOCK_R: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr):
 @triton.jit
 def _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k_lo, K: tl.constexpr, KS: tl.constexpr,
             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr,
-            GAIN: tl.constexpr, TWO: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+            GAIN: tl.constexpr, TWO: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr):
     """`_mac` over inputs k_lo..k_lo+KS in K-blocks -> (acc, acc2, ss, vz), the kernels' main loop.
-    `pre`: the first block's words (`_words`), which the kernel loads before `_wait_previous`; each
-    next block's are loaded while one is computed. Under PDL the next kernel may start after it."""
+    `pre`: the first block's words (`_first`), which the kernel loads before `_wait_previous`; each
+    next block's are loaded while one is computed. PIPE: the 4-bit words too go through Triton's
+    pipelining (STAGES K-blocks in flight, asynchronous copies through shared memory; no `pre`).
+    Under PDL the next kernel may start after the loop."""
     acc = _acc(BLOCK_R, VW, Q4)
     acc2 = acc
     if TWO:
         acc2 = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     vz = tl.zeros([VW], dtype=tl.float32)
-    for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
-        k0 = k_lo + i
-        nxt = _words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
-        acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K,
-                                 BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
-        pre = nxt
+    if PIPE:
+        for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
+            k0 = k_lo + i
+            cur = _words(w_ptr, row0, row02, LIM, k0, K, BLOCK_R, BLOCK_K, Q4, TWO)
+            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, cur, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0,
+                                     K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
+    else:
+        for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
+            k0 = k_lo + i
+            nxt = _words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
+            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0,
+                                     K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
+            pre = nxt
     _let_next(PDL)
     return acc, acc2, ss, vz
 
@@ -338,7 +359,8 @@ def _row_scale(y, scale, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
 def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
                   eps, max_len, DIM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                   HAS_BIAS: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                  BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
+                  PIPE: tl.constexpr = False):
     # program (head, j): rows j*BLOCK_R.. of the head's first half and the matching second-half
     # rows, which the rotation pairs up
     head = tl.program_id(0)
@@ -350,7 +372,7 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     r2 = r1 + D // 2
     every = r1 >= 0
     lim = (HQ + 2 * HKV) * D
-    pre = _words(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
+    pre = _first(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True, PIPE)
     # before the wait: weights, and the position (written before the step's first kernel)
     sc1, z1 = _row_params(s_ptr, z_ptr, r1, every, DIM, Q4, GS)
     sc2, z2 = _row_params(s_ptr, z_ptr, r2, every, DIM, Q4, GS)
@@ -362,7 +384,7 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     s = _rnd(tl.load(sin_ptr + pos * D + d), dtype)
     _wait_previous(PDL)
     acc1, acc2, ss, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, 0, DIM, DIM,
-                                 BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL)
+                                 BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL, PIPE)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     y1 = _row_scale(_total(acc1, vz, z1, DIM, BLOCK_R, Q4, GS), sc1, DIM, Q4, GS) * inv
     y2 = _row_scale(_total(acc2, vz, z2, DIM, BLOCK_R, Q4, GS), sc2, DIM, Q4, GS) * inv
@@ -486,7 +508,7 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
 def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.constexpr, K: tl.constexpr,
           RESIDUAL: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr,
           BLOCK_K: tl.constexpr, VW: tl.constexpr, STAGES: tl.constexpr, SPLIT: tl.constexpr, KS: tl.constexpr,
-          PDL: tl.constexpr = False):
+          PDL: tl.constexpr = False, PIPE: tl.constexpr = False):
     """out[rows] = W[rows] @ y, rounded to y's dtype as `linear(y)` is, plus x[rows] (rounded like
     `x + linear(y)`) when RESIDUAL; out may be x itself (each row block has one writer).
 
@@ -499,13 +521,13 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.c
     rm = rows < N
     k_lo = tl.program_id(1) * KS  # (0 without a split)
     scale, zero = _row_params(s_ptr, z_ptr, rows, rm, K, Q4, GS)
-    pre = _words(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False)
+    pre = _first(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False, PIPE)
     _wait_previous(PDL)
     res = 0.0
     if RESIDUAL:  # read now, not at the end of the program
         res = tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32)
     acc, _, _, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k_lo, K, KS, BLOCK_R, BLOCK_K, VW,
-                            Q4, GS, False, False, STAGES, PDL)
+                            Q4, GS, False, False, STAGES, PDL, PIPE)
     t = _total(acc, vz, zero, K, BLOCK_R, Q4, GS)  # row sums over this program's inputs, before the scale
     if SPLIT == 1:
         _gemv_out(t, scale, res, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
@@ -584,9 +606,11 @@ def split_k(k: int, bk: int, split: int) -> tuple[int, int]:
 
 def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
          block_k: int = 512, warps: int = 4, stages: int = 1, split: int = 1,
-         scratch: SplitScratch | None = None, pdl: bool = False) -> Tensor:
+         scratch: SplitScratch | None = None, pdl: bool = False, pipe: bool = False) -> Tensor:
     """out = W @ y (+ residual) for y (K,); out may be residual (in place). `stages` > 1 pipelines
-    the loads of that many K-blocks (asynchronous copies through shared memory); `split` > 1 shares
+    the loads of that many K-blocks (asynchronous copies through shared memory): of the inputs, and
+    with `pipe` of 4-bit words too (else the next block's words are loaded into registers while one
+    is computed, the first before `_wait_previous`); `split` > 1 shares
     K out over that many programs per row block (sums in `scratch`, which grows to fit); `pdl`:
     launched as a programmatic dependent of the previous kernel (see `_wait_previous`)."""
     x = residual if residual is not None else out
@@ -601,7 +625,7 @@ def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, r
         part = count = out
     _gemv[(blocks, split)](y, *w.args(), x, out, part, count, N=w.n, K=w.k, RESIDUAL=residual is not None,
                            Q4=w.q4, GS=w.group, BLOCK_R=rows, BLOCK_K=w.block_k(block_k), VW=w.vw(block_k),
-                           STAGES=stages, SPLIT=split, KS=ks, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+                           STAGES=stages, SPLIT=split, KS=ks, PDL=pdl, PIPE=pipe, num_warps=warps, launch_pdl=pdl)
     return out
 
 
@@ -805,18 +829,18 @@ def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
 @triton.jit
 def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
                  Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False):
+                 VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False, PIPE: tl.constexpr = False):
     """h[rows] = silu(gate) * up of RMSNorm(x), W = [gate; up] stacked (2 * INTER, DIM)."""
     row0 = tl.program_id(0) * BLOCK_R
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
-    pre = _words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True)
+    pre = _first(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True, PIPE)
     sc_g, z_g = _row_params(s_ptr, z_ptr, rows, rm, DIM, Q4, GS)
     sc_u, z_u = _row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, Q4, GS)
     _wait_previous(PDL)
     acc_g, acc_u, ss, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0, DIM, DIM,
-                                   BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL)
+                                   BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL, PIPE)
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     g = _rnd(_row_scale(_total(acc_g, vz, z_g, DIM, BLOCK_R, Q4, GS), sc_g, DIM, Q4, GS) * inv, dtype)
     u = _rnd(_row_scale(_total(acc_u, vz, z_u, DIM, BLOCK_R, Q4, GS), sc_u, DIM, Q4, GS) * inv, dtype)
@@ -873,12 +897,17 @@ def sample_codes(raw: Tensor, temps: Tensor, bos: Tensor, block_eos: Tensor, noi
                         BLOCK_V=triton.next_power_of_2(v), num_warps=2)
 
 
+def _launch(shape: tuple, n: int) -> tuple:
+    """A `TritonDecode.cfg` launch shape of n elements and the optional last one (PIPE), 0 if absent."""
+    return tuple(shape) + (0,) * (n + 1 - len(shape))
+
+
 def kernels_scratch(cfg: dict, wo: Weight, wdown: Weight, device) -> SplitScratch:
     """Split-K scratch for the o and down launches of `cfg` (sized up front: nothing is allocated
     while a graph is captured, and `cfg` may change before, as the sweeps do)."""
     scratch = SplitScratch(device)
     for name, w in (("o", wo), ("down", wdown)):
-        r, k, _, _, sp = cfg[name]
+        r, k, _, _, sp = cfg[name][:5]
         sp = split_k(w.k, w.block_k(k), sp)[0]
         blocks = triton.cdiv(w.n, r)
         scratch.reserve(blocks * sp * r if sp > 1 else 0, blocks if sp > 1 else 0)
@@ -913,13 +942,14 @@ class TritonDecode:
         self.y = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.h = torch.zeros(c.intermediate, dtype=dt, device=dev)
         # Launch shapes per kernel: (rows per program, K per iteration, warps, K-blocks whose loads
-        # are in flight at once[, programs per row block (split-K) for o and down]); the qkv
+        # are in flight at once[, programs per row block (split-K) for o and down][, 1: 4-bit
+        # words through Triton's pipelining, see `_k_loop`]); the qkv
         # kernel's rows are per half head. The best of a sweep on an H200 (docs/benchmarks.md): a
         # small model wants all of K in one iteration (latency), a large one more, shorter programs.
-        if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others; down's
-            # 448 row blocks leave too few warps per SM, so its K is split in two
-            self.cfg = {"qkv": (8, 1024, 4, 2), "o": (8, 1024, 4, 2, 1), "gate_up": (8, 512, 2, 2),
-                        "down": (8, 1024, 2, 2, 2)}
+        if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others; the
+            # words through Triton's pipelining, programs of one or two warps
+            self.cfg = {"qkv": (4, 1024, 2, 3, 1), "o": (4, 512, 1, 4, 1, 1), "gate_up": (8, 512, 1, 4, 1),
+                        "down": (8, 1024, 2, 4, 1, 1)}
         elif c.dim <= 1024:
             k = triton.next_power_of_2(c.dim)
             self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1, 1)}
@@ -945,9 +975,11 @@ class TritonDecode:
             self.x.copy_(x.reshape(-1))
         vis = self.visible_from if self.visible_from is not None else pos
         splits = min(triton.cdiv(self.max_len, self.block_s), self.max_splits)
-        qr, qk, qw, qs = cfg["qkv"]
+        qr, qk, qw, qs, qp = _launch(cfg["qkv"], 4)
         qr = min(qr, D // 2)
-        gr, gk, gw, gs = cfg["gate_up"]
+        gr, gk, gw, gs, gp = _launch(cfg["gate_up"], 4)
+        r_o, k_o, w_o, st_o, sp_o, p_o = _launch(cfg["o"], 5)
+        r_d, k_d, w_d, st_d, sp_d, p_d = _launch(cfg["down"], 5)
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, self.weights):
             a = layer.self_attn
             bias = a.qkv_proj.bias
@@ -956,21 +988,19 @@ class TritonDecode:
                 dec.rope_cos, dec.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps,
                 self.max_len, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, Q4=wqkv.q4,
                 GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), VW=wqkv.vw(qk), STAGES=qs, PDL=pdl,
-                num_warps=qw, launch_pdl=pdl)
+                PIPE=bool(qp), num_warps=qw, launch_pdl=pdl)
             _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
                                  NB=triton.cdiv(self.max_len, self.block_s), PDL=pdl, num_warps=self.attn_warps,
                                  launch_pdl=pdl)
-            r, k, w, st, sp = cfg["o"]
-            gemv(wo, self.y, self.x, self.x, rows=r, block_k=k, warps=w, stages=st, split=sp, scratch=self.scratch,
-                 pdl=pdl)
+            gemv(wo, self.y, self.x, self.x, rows=r_o, block_k=k_o, warps=w_o, stages=st_o, split=sp_o,
+                 scratch=self.scratch, pdl=pdl, pipe=bool(p_o))
             _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
                 self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
                 layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
-                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, PDL=pdl, num_warps=gw,
-                launch_pdl=pdl)
-            r, k, w, st, sp = cfg["down"]
-            gemv(wdown, self.h, self.x, self.x, rows=r, block_k=k, warps=w, stages=st, split=sp,
-                 scratch=self.scratch, pdl=pdl)
+                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, PDL=pdl, PIPE=bool(gp),
+                num_warps=gw, launch_pdl=pdl)
+            gemv(wdown, self.h, self.x, self.x, rows=r_d, block_k=k_d, warps=w_d, stages=st_d, split=sp_d,
+                 scratch=self.scratch, pdl=pdl, pipe=bool(p_d))
         return self.x

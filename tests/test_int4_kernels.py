@@ -85,12 +85,14 @@ def test_prefill_product_full_size_on_gpu(n, k):
             assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3, (m, dtype)
 
 
+@pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group,block_k,split", [(-1, 64, 4), (-1, 32, 1), (-1, 64, 1), (-1, 32, 3), (32, 32, 3),
                                                  (64, 64, 1)])
-def test_split_k_gemv_matches_dequantized(sym, group, block_k, split):
+def test_split_k_gemv_matches_dequantized(sym, group, block_k, split, pipe):
     """A one-row product over K-blocks of 256 inputs (8, 4 or 3 a program),
-    split over K (`split` programs a row block), added to a residual in place: the rows of the
+    split over K (`split` programs a row block), added to a residual in place, with the words
+    prefetched into registers or (`pipe`) through Triton's pipelining: the rows of the
     dequantized product; the counters end at zero."""
     from backends.kernels import SplitScratch, Weight, gemv
 
@@ -103,7 +105,8 @@ def test_split_k_gemv_matches_dequantized(sym, group, block_k, split):
     scratch = SplitScratch(DEVICE)
     for _ in range(2):  # the second call reuses the scratch: the counters were reset
         out = x.to(DEVICE, copy=True)
-        gemv(w, y.to(DEVICE), out, out, rows=8, block_k=block_k, split=split, scratch=scratch)
+        gemv(w, y.to(DEVICE), out, out, rows=8, block_k=block_k, split=split, scratch=scratch, stages=3 if pipe else 1,
+             pipe=pipe)
         torch.testing.assert_close(out.cpu(), ref, rtol=1e-5, atol=1e-5)
         assert not scratch.count.any()
     if split > 1:
@@ -149,12 +152,13 @@ def channel(tiny_dir, tmp_path_factory):
     return write_gptq_checkpoint(tiny_dir, root / "int4", group_size=-1, desc_act=True, dequantized_to=root / "deq"), root / "deq"
 
 
-@pytest.mark.parametrize("blocks", [False, True])
+@pytest.mark.parametrize("blocks", [None, "registers", "pipe"])
 def test_fused_4bit_decode_matches_dequantized_model(channel, blocks):
     """The official layout (per channel, act-order): prompt and greedy tokens decoded on the fused
     kernels with 4-bit weights equal the float model on the dequantized weights; with `blocks`, the
     kernels take their inputs in several K-blocks (qkv and o 4 of 16, gate/up 2 of 32, down 8 of 16
-    over 3 programs: 3, 3 and 2)."""
+    over 3 programs: 3, 3 and 2), the next block's words prefetched into registers or (pipe)
+    through Triton's pipelining, with programs of four rows for q/k/v and gate/up."""
     from backends.kernels import kernels_scratch
 
     int4_dir, deq_dir = channel
@@ -163,6 +167,9 @@ def test_fused_4bit_decode_matches_dequantized_model(channel, blocks):
     if blocks:
         td = llm.triton
         td.cfg = {"qkv": (8, 16, 4, 1), "o": (8, 16, 4, 1, 1), "gate_up": (8, 32, 4, 1), "down": (8, 16, 4, 1, 3)}
+        if blocks == "pipe":
+            td.cfg = {"qkv": (4, 16, 1, 3, 1), "o": (8, 16, 2, 3, 1, 1), "gate_up": (4, 32, 1, 3, 1),
+                      "down": (8, 16, 1, 3, 3, 1)}
         td.scratch = kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], DEVICE)
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Q4Linear)
     ref = Synthesizer.load(str(deq_dir), backend="eager", device=DEVICE, dtype="float32")

@@ -10,7 +10,7 @@ prompt, and times one decode token as CUDA-graph replays (median; the position s
 synchronised `forward` calls (as the reply loop runs them, the bench's figure). `--profile` lists
 the step's kernels with their time per step (torch.profiler, the kernels of the graph). `--sweep`
 times every candidate launch shape of the named kernels (`TritonDecode.cfg`: rows per program, K
-per iteration, warps, stages[, split]; "attn": cache slots per block, warps), one kernel at a time
+per iteration, warps, stages[, split], pipe; "attn": cache slots per block, warps), one kernel at a time
 with the others at their current shapes, and prints the best of each. `--alt` / `--alt-set` time a second variant of the step
 (the kernels of another copy of backends/kernels.py, other launch shapes) against the current one,
 alternating for `--rounds` rounds on the same model and position (the medians of each, so that drift
@@ -95,7 +95,7 @@ def profile(llm, steps: int = 10) -> None:
 
 
 def shapes(text: str) -> dict[str, tuple]:
-    """`name=r,k,w,s[,split];...` -> launch shapes for `TritonDecode.cfg`."""
+    """`name=r,k,w,s[,split][,pipe];...` -> launch shapes for `TritonDecode.cfg`."""
     out = {}
     for item in [x for x in text.split(";") if x]:
         name, vals = item.split("=")
@@ -138,10 +138,13 @@ def set_shape(td, name: str, shape: tuple, dev) -> None:
         reshape(td, {name: shape}, dev)
 
 
-def candidates(cfg: tuple, args) -> list[tuple]:
+def candidates(name: str, args) -> list[tuple]:
+    """Launch shapes of `--rows` x `--block-k` x `--warps` x `--stages` (x `--split` for o and down)
+    x `--pipe`."""
     out = []
-    for r, k, w, s in itertools.product(args.rows, args.block_k, args.warps, args.stages):
-        out.extend((r, k, w, s, sp) if len(cfg) == 5 else (r, k, w, s) for sp in (args.split if len(cfg) == 5 else [0]))
+    splits = args.split if name in ("o", "down") else [None]
+    for r, k, w, s, sp, p in itertools.product(args.rows, args.block_k, args.warps, args.stages, splits, args.pipe):
+        out.append((r, k, w, s) + ((sp,) if sp is not None else ()) + (p,))
     return list(dict.fromkeys(out))
 
 
@@ -158,6 +161,7 @@ def main() -> None:
     ap.add_argument("--warps", type=ints, default=[2, 4, 8])
     ap.add_argument("--stages", type=ints, default=[2, 3])
     ap.add_argument("--split", type=ints, default=[1])
+    ap.add_argument("--pipe", type=ints, default=[0], help="1: 4-bit words through Triton's pipelining (PIPE)")
     ap.add_argument("--block-s", type=ints, default=[16, 32, 64], help="attention: cache slots per block (--sweep attn)")
     ap.add_argument("--set", type=shapes, default={},
                     help="launch shapes of the current variant: 'down=8,1024,2,2,2;o=...'")
@@ -205,7 +209,7 @@ def main() -> None:
     for name in [n for n in args.sweep.split(",") if n]:
         base = get_shape(td, name)
         results = []
-        cands = ([(b, w) for b in args.block_s for w in args.warps] if name == "attn" else candidates(base, args))
+        cands = ([(b, w) for b in args.block_s for w in args.warps] if name == "attn" else candidates(name, args))
         for cand in cands:
             set_shape(td, name, cand, dev)
             try:
