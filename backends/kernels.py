@@ -187,6 +187,33 @@ def _first(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
+def _nibbles(acc, acc2, words, words2, vj, SCALE: tl.constexpr, TWO: tl.constexpr):
+    """`_mac`'s one-group step: the eight 4-bit values of words (`pair_nibbles` order: nibble j
+    holds value 2j for j < 4, 2j - 7 above), each masked in place as a float32 denormal, times
+    their inputs vj into acc, and under TWO those of words2 into acc2. SCALE: vj are the inputs,
+    scaled here by 2^(100 - shift) of their nibble (see `_mac`); else they come scaled."""
+    high = words >> 16  # nibbles 6 and 7 from bits 8..15: bits 24.. of a float32 are its exponent
+    high2 = words2 >> 16
+    for j in tl.static_range(8):
+        if j < 6:
+            sh = 4 * j
+            src = words
+            src2 = words2
+        else:
+            sh = 4 * j - 16
+            src = high
+            src2 = high2
+        vs = vj[2 * j if j < 4 else 2 * j - 7]
+        if SCALE:
+            vs = vs * (1267650600228229401496703205376.0 / (1 << sh))
+        vs = vs[:, None, None]
+        acc += (src & (0xF << sh)).to(tl.float32, bitcast=True) * vs
+        if TWO:
+            acc2 += (src2 & (0xF << sh)).to(tl.float32, bitcast=True) * vs
+    return acc, acc2
+
+
+@triton.jit
 def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K: tl.constexpr,
          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr, GAIN: tl.constexpr,
          TWO: tl.constexpr):
@@ -225,24 +252,10 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
             # weight and v * 2^(100-sh) turns the product into q * v * 2^-49, exactly (no FTZ:
             # the GPU's FMA keeps denormals). The zero point comes off the row's total, z * sum(v)
             # * 2^-49 (`_total`, sum(v) from vz); `_row_scale` applies 2^49 with the row's scale.
-            high = words >> 16
-            high2 = words2 >> 16
             vj = _vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
             ss = vj[8]
             vsum = vj[0] + vj[1] + vj[2] + vj[3] + vj[4] + vj[5] + vj[6] + vj[7]
-            for j in tl.static_range(8):  # nibble j: value 2j (j < 4) or 2j - 7
-                if j < 6:
-                    sh = 4 * j
-                    src = words
-                    src2 = words2
-                else:
-                    sh = 4 * j - 16
-                    src = high
-                    src2 = high2
-                vs = (vj[2 * j if j < 4 else 2 * j - 7] * (1267650600228229401496703205376.0 / (1 << sh)))[:, None, None]
-                acc += (src & (0xF << sh)).to(tl.float32, bitcast=True) * vs
-                if TWO:
-                    acc2 += (src2 & (0xF << sh)).to(tl.float32, bitcast=True) * vs
+            acc, acc2 = _nibbles(acc, acc2, words, words2, vj, True, TWO)
             vz += vsum
         else:
             # groups: zero point and scale per row and word (a word's eight values share a group)
