@@ -144,6 +144,13 @@ def _vec8(v_ptr, g_ptr, kw, km, ss, GAIN: tl.constexpr):
     if GAIN:
         ss += tl.sum(v * v, 1)
         v = v * tl.load(g_ptr + cols, mask=km[:, None], other=0.0).to(tl.float32)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _eight(v)
+    return v0, v1, v2, v3, v4, v5, v6, v7, ss
+
+
+@triton.jit
+def _eight(v):
+    """The columns of v (words, 8) as eight (words,) vectors."""
     even, odd = tl.split(tl.reshape(v, [v.shape[0], 4, 2]))  # (words, 4): j = 0 2 4 6 and 1 3 5 7
     e04, e26 = tl.split(tl.reshape(even, [v.shape[0], 2, 2]))
     o15, o37 = tl.split(tl.reshape(odd, [v.shape[0], 2, 2]))
@@ -151,7 +158,7 @@ def _vec8(v_ptr, g_ptr, kw, km, ss, GAIN: tl.constexpr):
     v2, v6 = tl.split(e26)
     v1, v5 = tl.split(o15)
     v3, v7 = tl.split(o37)
-    return v0, v1, v2, v3, v4, v5, v6, v7, ss
+    return v0, v1, v2, v3, v4, v5, v6, v7
 
 
 @triton.jit
@@ -314,19 +321,15 @@ def _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k_lo, K: t
         acc2 = _acc(BLOCK_R, VW, Q4)
     ss = tl.zeros([VW], dtype=tl.float32)
     vz = tl.zeros([VW], dtype=tl.float32)
-    if PIPE:
-        for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
-            k0 = k_lo + i
+    for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
+        k0 = k_lo + i
+        if PIPE:
             cur = _words(w_ptr, row0, row02, LIM, k0, K, BLOCK_R, BLOCK_K, Q4, TWO)
-            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, cur, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0,
-                                     K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
-    else:
-        for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
-            k0 = k_lo + i
-            nxt = _words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
-            acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0,
-                                     K, BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
-            pre = nxt
+        else:
+            cur = pre
+            pre = _words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
+        acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, cur, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K,
+                                 BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
     _let_next(PDL)
     return acc, acc2, ss, vz
 

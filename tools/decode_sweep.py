@@ -41,7 +41,11 @@ def ints(text: str) -> list[int]:
 
 
 def replay_ms(llm, n: int) -> float:
-    graph = llm.graphs.graphs["decode"][0]
+    return graph_ms(llm.graphs.graphs["decode"][0], n)
+
+
+def graph_ms(graph, n: int) -> float:
+    """Median ms of n replays of a CUDA graph, the first tenth left out (warm-up)."""
     times = []
     for _ in range(n):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -35,6 +35,7 @@ import triton.language as tl  # noqa: E402
 
 from backends import kernels as K  # noqa: E402
 from backends import kernels as kern  # noqa: E402  (where a kernel has a parameter K)
+from decode_sweep import graph_ms  # noqa: E402
 
 
 @triton.jit
@@ -86,16 +87,8 @@ def _words_even(w_ptr, row0, row02, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 def _mac_lean(acc, acc2, ss, vz, words, words2, v_ptr, g_ptr, u_ptr, k0, BLOCK_K: tl.constexpr, UVEC: tl.constexpr):
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     if UVEC:  # the scaled inputs come computed (a stand-in for work done once a step)
-        cols = kw[:, None] * 8 + tl.arange(0, 8)[None, :]
-        v = tl.load(u_ptr + cols)
-        even, odd = tl.split(tl.reshape(v, [v.shape[0], 4, 2]))
-        e04, e26 = tl.split(tl.reshape(even, [v.shape[0], 2, 2]))
-        o15, o37 = tl.split(tl.reshape(odd, [v.shape[0], 2, 2]))
-        v0, v4 = tl.split(e04)
-        v2, v6 = tl.split(e26)
-        v1, v5 = tl.split(o15)
-        v3, v7 = tl.split(o37)
-        acc, acc2 = K._nibbles(acc, acc2, words, words2, (v0, v1, v2, v3, v4, v5, v6, v7), False, True)
+        vj = K._eight(tl.load(u_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :]))
+        acc, acc2 = K._nibbles(acc, acc2, words, words2, vj, False, True)
     else:
         vj = K._vec8(v_ptr, g_ptr, kw, kw >= 0, ss, True)
         ss = vj[8]
@@ -265,18 +258,6 @@ def graph_of(launch, n: int):
     return g
 
 
-def time_graph(g, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times[reps // 5:])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=28)
@@ -394,7 +375,7 @@ def main() -> None:
         for key, g in graphs.items():
             if args.verbose:
                 print("timing", key, flush=True)
-            got[key].append(time_graph(g, args.reps) * 1000 / args.layers)
+            got[key].append(graph_ms(g, args.reps) * 1000 / args.layers)
     for (label, shape, rows, nreg), ts in got.items():
         us = statistics.median(ts)
         nbytes = (dense[0].numel() * 2 if label.startswith("bf16") else 3584 * (18944 // 2 + 8) if label.startswith("down")
