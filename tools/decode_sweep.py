@@ -4,6 +4,7 @@ the package: the tables in docs/benchmarks.md and `TritonDecode.cfg` come from r
     python tools/decode_sweep.py --backend int4 --profile
     python tools/decode_sweep.py --backend int4 --sweep gate_up,down --rows 8,16 --block-k 512,1024
     python tools/decode_sweep.py --backend int4 --alt old_kernels.py --alt-set down=8,1024,2,3,1 --rounds 5
+    python tools/decode_sweep.py --backend int4 --alt-set down=4,1024,1,4,1,1 --alt-set down=8,1024,2,4,2,1
 
 Builds the full-size LLM with random weights (as `minicpm bench --random-weights`), prefills a
 prompt, and times one decode token as CUDA-graph replays (median; the position stays put) and as
@@ -11,10 +12,10 @@ synchronised `forward` calls (as the reply loop runs them, the bench's figure). 
 the step's kernels with their time per step (torch.profiler, the kernels of the graph). `--sweep`
 times every candidate launch shape of the named kernels (`TritonDecode.cfg`: rows per program, K
 per iteration, warps, stages[, split], pipe; "attn": cache slots per block, warps), one kernel at a time
-with the others at their current shapes, and prints the best of each. `--alt` / `--alt-set` time a second variant of the step
-(the kernels of another copy of backends/kernels.py, other launch shapes) against the current one,
-alternating for `--rounds` rounds on the same model and position (the medians of each, so that drift
-of the GPU's clocks falls on both).
+with the others at their current shapes, and prints the best of each. `--alt` / `--alt-set` time other
+variants of the step (the kernels of another copy of backends/kernels.py; launch shapes, one variant
+per `--alt-set`) against the current one, alternating for `--rounds` rounds on the same model and
+position (the medians of each, so that drift of the GPU's clocks falls on all of them).
 """
 
 from __future__ import annotations
@@ -152,6 +153,20 @@ def candidates(name: str, args) -> list[tuple]:
     return list(dict.fromkeys(out))
 
 
+def check(llm, variants: dict, pos: int) -> None:
+    """The logits of one token at `pos` from each variant (name -> TritonDecode) against the first's."""
+    out = {}
+    for name, t in variants.items():
+        llm.triton = t
+        recapture(llm, pos)
+        llm.pos = pos
+        out[name] = llm.forward([123])[0].clone()
+    ref = out[next(iter(variants))]
+    for name, logits in out.items():
+        print(f"check {name}: logits max |diff| {(logits - ref).abs().max().item():.3g} "
+              f"(of max |logit| {ref.abs().max().item():.3g}), same argmax {logits.argmax().item() == ref.argmax().item()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="int4", choices=["compile", "int4"])
@@ -170,8 +185,11 @@ def main() -> None:
     ap.add_argument("--set", type=shapes, default={},
                     help="launch shapes of the current variant: 'down=8,1024,2,2,2;o=...'")
     ap.add_argument("--alt", default=None, help="a copy of backends/kernels.py to time against the current one")
-    ap.add_argument("--alt-set", type=shapes, default=None, help="launch shapes of the second variant")
+    ap.add_argument("--alt-set", type=shapes, action="append", default=None,
+                    help="launch shapes of the second variant (again: a third, ...; all alternate)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--check", action="store_true",
+                    help="before timing, compare each variant's logits for one token with the current kernels'")
     args = ap.parse_args()
 
     dev = torch.device("cuda")
@@ -191,7 +209,11 @@ def main() -> None:
         return rep
 
     if args.alt or args.alt_set is not None:
-        pair = {"current": td, "alt": variant(llm, args.alt, args.alt_set or {}, dev)}
+        pair = {"current": td}  # and the variants: one per --alt-set (none given: --alt's kernels as they are)
+        for n, cfg in enumerate(args.alt_set or [{}]):
+            pair[f"alt{n + 1 if n else ''}"] = variant(llm, args.alt, cfg, dev)
+        if args.check:
+            check(llm, pair, pos)
         got = {name: ([], []) for name in pair}
         for r in range(args.rounds):
             for name, t in pair.items():
