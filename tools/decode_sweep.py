@@ -158,10 +158,10 @@ def check(llm, variants: dict, pos: int) -> None:
     out = {}
     for name, t in variants.items():
         llm.triton = t
-        recapture(llm, pos)
+        recapture(llm, pos)  # (runs a token: back to pos for the compared one)
         llm.pos = pos
         out[name] = llm.forward([123])[0].clone()
-    ref = out[next(iter(variants))]
+    ref = out.pop(next(iter(variants)))
     for name, logits in out.items():
         print(f"check {name}: logits max |diff| {(logits - ref).abs().max().item():.3g} "
               f"(of max |logit| {ref.abs().max().item():.3g}), same argmax {logits.argmax().item() == ref.argmax().item()}")
@@ -209,21 +209,21 @@ def main() -> None:
         return rep
 
     if args.alt or args.alt_set is not None:
-        pair = {"current": td}  # and the variants: one per --alt-set (none given: --alt's kernels as they are)
+        variants = {"current": td}  # then one per --alt-set (none given: --alt's kernels as they are)
         for n, cfg in enumerate(args.alt_set or [{}]):
-            pair[f"alt{n + 1 if n else ''}"] = variant(llm, args.alt, cfg, dev)
+            variants[f"alt{n + 1 if n else ''}"] = variant(llm, args.alt, cfg, dev)
         if args.check:
-            check(llm, pair, pos)
-        got = {name: ([], []) for name in pair}
+            check(llm, variants, pos)
+        got = {name: ([], []) for name in variants}
         for r in range(args.rounds):
-            for name, t in pair.items():
+            for name, t in variants.items():
                 llm.triton = t
                 recapture(llm, pos)
                 got[name][0].append(replay_ms(llm, args.reps))
                 got[name][1].append(forward_ms(llm, args.reps, pos))
-            last = ", ".join(f"{n} {got[n][0][-1]:.3f}/{got[n][1][-1]:.3f}" for n in pair)
+            last = ", ".join(f"{n} {got[n][0][-1]:.3f}/{got[n][1][-1]:.3f}" for n in variants)
             print(f"round {r + 1} (replay/forward ms): {last}", flush=True)
-        for name, t in pair.items():
+        for name, t in variants.items():
             print(f"{name} ({t.cfg}): graph replay median {statistics.median(got[name][0]):.3f} ms, "
                   f"forward median {statistics.median(got[name][1]):.3f} ms")
         llm.triton = td
