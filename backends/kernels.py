@@ -864,6 +864,26 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 
 
+def cuda_gate_up_fits(w: Weight, x: Tensor) -> bool:
+    """Whether `cuda_gate_up` takes this gate/up weight and input: one-group 4-bit, bfloat16 on a
+    CUDA device, each half of K whole words for a warp's lanes."""
+    return (w.q4 and w.group == w.k and x.dtype == torch.bfloat16 and x.device.type == "cuda"
+            and w.k % 512 == 0 and (w.n // 2) % 4 == 0)
+
+
+def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, warps: int, volatile: int,
+                 pdl: bool) -> None:
+    """`_rms_gate_up` for a one-group 4-bit weight in CUDA C (backends/q4_decode.cu): blocks of
+    `warps` warps, as many as fit on the GPU at once."""
+    from backends import cuda
+
+    inter = w.n // 2
+    k = cuda.kernel("q4_decode.cu", "q4_rms_gate_up", x.device,
+                    (("DIM", w.k), ("INTER", inter), ("WARPS", warps), ("PDL", int(pdl)), ("VOLATILE", volatile)))
+    blocks = min(triton.cdiv(inter // 4, warps), _sm_count(x.device) * k.blocks_per_sm(32 * warps))
+    k((blocks,), 32 * warps, x, gain, w.w, w.scales, w.zeros, h, float(eps), pdl=pdl)
+
+
 @triton.jit
 def _sample_codes(raw_ptr, temp_ptr, bos_ptr, block_eos_ptr, noise_ptr, probs_ptr, code_ptr, top_p,
                   V: tl.constexpr, TOP_K: tl.constexpr, MIN_KEEP: tl.constexpr, SAMPLED: tl.constexpr,
@@ -965,7 +985,7 @@ class TritonDecode:
         if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others; the
             # words through Triton's pipelining, programs of one or two warps
             self.cfg = {"qkv": (4, 1024, 2, 3, 1), "o": (4, 512, 1, 4, 1, 1), "gate_up": (8, 512, 1, 4, 1),
-                        "down": (8, 1024, 2, 4, 1, 1)}
+                        "down": (8, 1024, 2, 4, 1, 1), "gate_up_cuda": (4, 1)}
         elif c.dim <= 1024:
             k = triton.next_power_of_2(c.dim)
             self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1, 1)}
@@ -996,6 +1016,8 @@ class TritonDecode:
         gr, gk, gw, gs, gp = _launch(cfg["gate_up"], 4)
         r_o, k_o, w_o, st_o, sp_o, p_o = _launch(cfg["o"], 5)
         r_d, k_d, w_d, st_d, sp_d, p_d = _launch(cfg["down"], 5)
+        gc_warps, gc_vol = _launch(cfg.get("gate_up_cuda", (0,)), 1)
+        gc = gc_warps > 0 and cuda_gate_up_fits(self.weights[0][2], self.x)
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, self.weights):
             a = layer.self_attn
             bias = a.qkv_proj.bias
@@ -1012,11 +1034,15 @@ class TritonDecode:
                                  launch_pdl=pdl)
             gemv(wo, self.y, self.x, self.x, rows=r_o, block_k=k_o, warps=w_o, stages=st_o, split=sp_o,
                  scratch=self.scratch, pdl=pdl, pipe=bool(p_o))
-            _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
-                self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
-                layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
-                BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, PDL=pdl, PIPE=bool(gp),
-                num_warps=gw, launch_pdl=pdl)
+            if gc:
+                cuda_gate_up(wgu, self.x, layer.post_attention_layernorm.weight, self.h,
+                             layer.post_attention_layernorm.eps, gc_warps, gc_vol, pdl)
+            else:
+                _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
+                    self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
+                    layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
+                    BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, PDL=pdl, PIPE=bool(gp),
+                    num_warps=gw, launch_pdl=pdl)
             gemv(wdown, self.h, self.x, self.x, rows=r_d, block_k=k_d, warps=w_d, stages=st_d, split=sp_d,
                  scratch=self.scratch, pdl=pdl, pipe=bool(p_d))
         return self.x

@@ -1,0 +1,156 @@
+"""CUDA C kernels compiled at run time and launched through the CUDA driver, for the few places
+where Triton's code generation is the limit (backends/q4_decode.cu: the int4 decode step's gate/up).
+
+NVRTC, the runtime compiler, is a library that CUDA builds of torch install with them (the
+`nvidia-cuda-nvrtc` wheel; torch's own jiterator uses it), so like Triton's JIT this needs no
+compiler on the machine. The module loads the library and the driver with ctypes: a kernel is
+compiled once per source, constants and GPU (a fraction of a second), and launched with
+`cuLaunchKernelEx` on torch's current stream, optionally as a programmatic dependent of the
+previous kernel (PDL, Hopper and later), as the Triton kernels of a decode step are; launches on
+a capturing stream go into its CUDA graph. Imported only where such a kernel is built (CUDA)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from minicpm_cli.errors import BackendError
+
+_PDL = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+@functools.cache
+def _nvrtc() -> ctypes.CDLL:
+    """The NVRTC library of torch's CUDA version: by its name (torch has usually loaded it), else
+    from the nvidia wheels beside torch."""
+    major = str(torch.version.cuda or "").split(".")[0]
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            for name in names:
+                for path in sorted(Path(root).glob(f"**/lib/{name}")):
+                    return ctypes.CDLL(str(path))
+    except ImportError:
+        pass
+    raise BackendError(f"NVRTC (libnvrtc.so.{major}), which the int4 decode kernels are compiled with, was not "
+                       "found: it comes with CUDA builds of torch (the nvidia-cuda-nvrtc wheel)")
+
+
+def _nvrtc_error(lib: ctypes.CDLL, rc: int) -> str:
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib.nvrtcGetErrorString(rc).decode()
+
+
+def _compile(source: str, name: str, arch: str, options: tuple[str, ...]) -> bytes:
+    """CUBIN for sm_`arch` of `source`, or BackendError with NVRTC's log."""
+    lib = _nvrtc()
+    prog = ctypes.c_void_p()
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None)
+    if rc:
+        raise BackendError(f"NVRTC could not take {name}: {_nvrtc_error(lib, rc)}")
+    try:
+        opts = [f"--gpu-architecture=sm_{arch}", "--std=c++17", *options]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        if rc:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise BackendError(f"NVRTC could not compile {name} ({_nvrtc_error(lib, rc)}): "
+                               f"{log.value.decode(errors='replace').strip()}")
+        size = ctypes.c_size_t()
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _driver_check(rc: int, what: str) -> None:
+    if rc:
+        msg = ctypes.c_char_p()
+        _driver().cuGetErrorString(rc, ctypes.byref(msg))
+        raise BackendError(f"{what} failed: {msg.value.decode() if msg.value else rc}")
+
+
+class Kernel:
+    """A compiled kernel of one device. `kernel(grid, block, *args, pdl=...)` launches it on the
+    current stream: tensors pass their data pointers, Python floats as float, ints as int."""
+
+    def __init__(self, cubin: bytes, name: str, device: torch.device):
+        self.name, self.device = name, device
+        self._module, self._func = ctypes.c_void_p(), ctypes.c_void_p()
+        with torch.cuda.device(device):
+            torch.cuda.init()
+            torch.cuda.current_stream()  # the device's primary context is current from here on
+            _driver_check(_driver().cuModuleLoadData(ctypes.byref(self._module), cubin), f"loading {name}")
+            _driver_check(_driver().cuModuleGetFunction(ctypes.byref(self._func), self._module, name.encode()),
+                          f"finding {name}")
+        self._cubin = cubin
+
+    def blocks_per_sm(self, block: int) -> int:
+        """How many blocks of `block` threads fit on a multiprocessor at once (registers, shared memory)."""
+        n = ctypes.c_int()
+        _driver_check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self._func, block, 0),
+                      f"occupancy of {self.name}")
+        return n.value
+
+    def __call__(self, grid: tuple, block: int, *args, pdl: bool = False) -> None:
+        values = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a.device != self.device:
+                    raise ValueError(f"{self.name}: a tensor on {a.device}, kernel on {self.device}")
+                values.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, float):
+                values.append(ctypes.c_float(a))
+            elif isinstance(a, int):
+                values.append(ctypes.c_int(a))
+            else:
+                raise TypeError(f"{self.name}: cannot pass {type(a).__name__}")
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        attr = _Attr(id=_PDL, value=1)
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        cfg = _Config(grid=(ctypes.c_uint * 3)(*g), block=(ctypes.c_uint * 3)(block, 1, 1), smem=0,
+                      stream=torch.cuda.current_stream(self.device).cuda_stream,
+                      attrs=ctypes.pointer(attr) if pdl else None, n_attrs=1 if pdl else 0)
+        _driver_check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self._func, params, None), f"launching {self.name}")
+
+
+@functools.cache
+def kernel(file: str, name: str, device: torch.device, defines: tuple[tuple[str, int], ...]) -> Kernel:
+    """Kernel `name` of backends/`file` compiled for `device` (with its index) with the -D constants
+    `defines`."""
+    major, minor = torch.cuda.get_device_capability(device)
+    source = (Path(__file__).parent / file).read_text()
+    cubin = _compile(source, name, f"{major}{minor}", tuple(f"-D{k}={v}" for k, v in defines))
+    return Kernel(cubin, name, device)
