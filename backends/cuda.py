@@ -1,5 +1,5 @@
-"""CUDA C kernels compiled at run time and launched through the CUDA driver, for the few places
-where Triton's code generation is the limit (backends/q4_decode.cu: the int4 decode step's gate/up).
+"""CUDA C kernels compiled at run time and launched through the CUDA driver, where Triton's code
+generation is the limit (backends/q4_decode.cu: the int4 decode step's gate/up on the tensor cores).
 
 NVRTC, the runtime compiler, is a library that CUDA builds of torch install with them (the
 `nvidia-cuda-nvrtc` wheel; torch's own jiterator uses it), so like Triton's JIT this needs no
@@ -115,7 +115,6 @@ class Kernel:
             _driver_check(_driver().cuModuleLoadData(ctypes.byref(self._module), cubin), f"loading {name}")
             _driver_check(_driver().cuModuleGetFunction(ctypes.byref(self._func), self._module, name.encode()),
                           f"finding {name}")
-        self._cubin = cubin
 
     def blocks_per_sm(self, block: int) -> int:
         """How many blocks of `block` threads fit on a multiprocessor at once (registers, shared memory)."""

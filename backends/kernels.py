@@ -10,7 +10,9 @@ kernels, not by arithmetic or bandwidth, so the layer is fused into five launche
    (the TTS chunk mask) or causally (the LLM); the slots are split over programs and merged by the
    last one to finish;
 3. `_gemv`: o_proj, added to the residual stream in place;
-4. `_rms_gate_up`: RMSNorm, the fused gate/up projection and SiLU(gate) * up;
+4. `_rms_gate_up`: RMSNorm, the fused gate/up projection and SiLU(gate) * up (for 4-bit
+   bfloat16 weights on a GPU, `cuda_gate_up`: the same in CUDA C on the tensor cores, which
+   Triton's code generation could not match, backends/q4_decode.cu);
 5. `_gemv` again: down_proj, added to the residual stream.
 
 `_gemv` also serves the LLM's lm_head, and `_sample_codes` the TTS step's code choice.
@@ -866,20 +868,25 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
 
 def cuda_gate_up_fits(w: Weight, x: Tensor) -> bool:
     """Whether `cuda_gate_up` takes this gate/up weight and input: one-group 4-bit, bfloat16 on a
-    CUDA device, each half of K whole words for a warp's lanes."""
+    CUDA GPU with bfloat16 tensor-core products (compute capability 8.0 and later), K a multiple of
+    256 (whole 512-byte loads of a warp)."""
     return (w.q4 and w.group == w.k and x.dtype == torch.bfloat16 and x.device.type == "cuda"
-            and w.k % 512 == 0 and (w.n // 2) % 4 == 0)
+            and torch.cuda.get_device_capability(x.device) >= (8, 0) and w.k % 256 == 0 and (w.n // 2) % 4 == 0)
 
 
-def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, warps: int, volatile: int,
-                 pdl: bool) -> None:
-    """`_rms_gate_up` for a one-group 4-bit weight in CUDA C (backends/q4_decode.cu): blocks of
-    `warps` warps, as many as fit on the GPU at once."""
+def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, *, warps: int = 4, chunks: int = 2,
+                 stages: int = 2, pdl: bool = False) -> None:
+    """`_rms_gate_up` for a one-group 4-bit weight (`cuda_gate_up_fits`) on the CUDA C kernel of
+    backends/q4_decode.cu: blocks of `warps` warps, as many as fit on the GPU at once, each warp
+    walking its quads in `chunks` parts of K with `stages` of them loaded or in flight. Unlike
+    `_rms_gate_up`, the RMSNorm's output is rounded to bfloat16 before the product, as the eager
+    layer rounds it."""
     from backends import cuda
 
     inter = w.n // 2
     k = cuda.kernel("q4_decode.cu", "q4_rms_gate_up", x.device,
-                    (("DIM", w.k), ("INTER", inter), ("WARPS", warps), ("PDL", int(pdl)), ("VOLATILE", volatile)))
+                    (("DIM", w.k), ("INTER", inter), ("WARPS", warps), ("CHUNKS", chunks), ("STAGES", stages),
+                     ("PDL", int(pdl))))
     blocks = min(triton.cdiv(inter // 4, warps), _sm_count(x.device) * k.blocks_per_sm(32 * warps))
     k((blocks,), 32 * warps, x, gain, w.w, w.scales, w.zeros, h, float(eps), pdl=pdl)
 
@@ -982,10 +989,12 @@ class TritonDecode:
         # words through Triton's pipelining, see `_k_loop`]); the qkv
         # kernel's rows are per half head. The best of a sweep on an H200 (docs/benchmarks.md): a
         # small model wants all of K in one iteration (latency), a large one more, shorter programs.
+        # "gate_up_cuda": (warps a block, chunks of K, stages) of `cuda_gate_up`, which a 4-bit
+        # bfloat16 step on a GPU runs instead of `_rms_gate_up` (`cuda_gate_up_fits`; 0: never).
         if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others; the
             # words through Triton's pipelining, programs of one or two warps
             self.cfg = {"qkv": (4, 1024, 2, 3, 1), "o": (4, 512, 1, 4, 1, 1), "gate_up": (8, 512, 1, 4, 1),
-                        "down": (8, 1024, 2, 4, 1, 1), "gate_up_cuda": (4, 1)}
+                        "down": (8, 1024, 2, 4, 1, 1), "gate_up_cuda": (4, 2, 2)}
         elif c.dim <= 1024:
             k = triton.next_power_of_2(c.dim)
             self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1, 1)}
@@ -1016,7 +1025,7 @@ class TritonDecode:
         gr, gk, gw, gs, gp = _launch(cfg["gate_up"], 4)
         r_o, k_o, w_o, st_o, sp_o, p_o = _launch(cfg["o"], 5)
         r_d, k_d, w_d, st_d, sp_d, p_d = _launch(cfg["down"], 5)
-        gc_warps, gc_vol = _launch(cfg.get("gate_up_cuda", (0,)), 1)
+        gc_warps, gc_chunks, gc_stages = _launch(cfg.get("gate_up_cuda", (0,)), 2)
         gc = gc_warps > 0 and cuda_gate_up_fits(self.weights[0][2], self.x)
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, self.weights):
             a = layer.self_attn
@@ -1036,7 +1045,8 @@ class TritonDecode:
                  scratch=self.scratch, pdl=pdl, pipe=bool(p_o))
             if gc:
                 cuda_gate_up(wgu, self.x, layer.post_attention_layernorm.weight, self.h,
-                             layer.post_attention_layernorm.eps, gc_warps, gc_vol, pdl)
+                             layer.post_attention_layernorm.eps, warps=gc_warps, chunks=gc_chunks, stages=gc_stages,
+                             pdl=pdl)
             else:
                 _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
                     self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,

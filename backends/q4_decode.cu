@@ -1,58 +1,58 @@
-// The 4-bit gate/up kernel of a decode step in CUDA C (compiled at run time by NVRTC, see
-// backends/cuda.py): RMSNorm of the residual stream, the gate and up GEMVs on one-group 4-bit
-// weights in the kernels' layout (backends/kernels.py `_mac`: words of four rows interleaved,
-// values in `pair_nibbles` order), SiLU(gate) * up, rounded as `_rms_gate_up` rounds.
+// The int4 decode step's gate/up kernel in CUDA C, compiled at run time by NVRTC (backends/cuda.py):
+// RMSNorm of the residual stream, the gate and up products with one-group 4-bit weights in the
+// kernels' layout (backends/kernels.py `_mac`: the words of four rows interleaved, a word's values
+// in `pair_nibbles` order), SiLU(gate) * up, rounded where the eager layer rounds.
 //
-// Compile-time constants (NVRTC -D): DIM (inputs), INTER (rows of gate, and of up), WARPS (warps
-// a block), PDL (1: the kernel is a programmatic dependent of the previous one: its first weights
-// load before the wait).
+// Compile-time constants (NVRTC -D): DIM (inputs), INTER (rows of gate, and of up), WARPS (warps a
+// block), CHUNKS (parts of K an item is walked in), STAGES (chunks whose words are loaded or in
+// flight), PDL (1: launched as a programmatic dependent of the previous kernel: the first words
+// load before the wait for it).
 //
-// The work: 4736 items (for Qwen2-7B) of a quad (four rows of gate, the same four of up) by all
-// of K, dealt out to the warps of a grid that fills the GPU once (persistent warps); a warp walks
-// its items in two halves of K, loading the next half's words (7 KB a warp) while it computes one,
-// so that every warp keeps its loads in flight from the start to its end. The inputs, times the
-// RMSNorm gain and prescaled for the nibbles, are prepared once a block, in shared memory.
+// The work: items of a quad (four rows of gate and the same four of up) by all of K (4736 for
+// Qwen2-7B), dealt out to the warps of a grid that fills the GPU once; a warp walks its items'
+// chunks in order with the words of the next STAGES - 1 chunks in flight while it computes one,
+// so that it keeps loads in flight from its start to its end (more warps, each short, were
+// slower: docs/benchmarks.md). A lane loads 16 bytes, a word of each of the quad's four rows, so
+// a warp's load is 512 contiguous bytes. The products go through the tensor cores
+// (mma.m16n8k16, bfloat16, float32 sums): one LOP3 a pair of values makes the bfloat16 128 + q of
+// both (`pair`), the A fragments of two MMAs with rows 0 and 1 of the quad in the row places g
+// and g + 8 of lane group g = lane / 4, and two more with rows 2 and 3, for the word's four pairs.
+// Each lane group takes its own words, so its B fragment is its own words' inputs, and the
+// product's diagonal (row g, column g) holds the group's sums, which the eight groups then add.
+// The inputs are the RMSNorm's bfloat16 outputs, as the eager module makes them, prepared once a
+// block in shared memory; 128 + z times their sum comes off each row's sum at the end.
 //
 // No headers: bfloat16 values are handled as bit patterns.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-#define KW (DIM / 8)             // 4-bit words a row
-#define HW (KW / 2)              // words of a half
-#define NW (HW / 32)             // words a lane takes of each row in a half
-#define NT (WARPS * 32)          // threads a block
-#define ITEMS (INTER / 4)        // quads
+#define KW (DIM / 8)               // 4-bit words a row
+#define JW (KW / 32)               // 16-byte loads a lane makes of each of gate and up for an item
+#define CJ (JW / CHUNKS)           // of a chunk
+#define NT (WARPS * 32)            // threads a block
+#define ITEMS (INTER / 4)          // quads
 #define PREP ((KW + NT - 1) / NT)  // words whose inputs a thread prepares
 
-static_assert(HW % 32 == 0, "each half of K must be whole words a lane");
+static_assert(KW % 32 == 0 && JW % CHUNKS == 0, "K must be whole chunks of 512-byte loads");
 static_assert(INTER % 4 == 0, "whole quads");
 
-// A 16-byte load of weights. Not ld.global.nc: ptxas moves those below the wait (griddepcontrol.wait),
-// where they are no longer in flight while the previous kernel ends. VOLATILE: ld.volatile, which
-// ptxas keeps in order with the (volatile) loads of the inputs from shared memory, so that the
-// next half's words go out before this half is computed, as written (plain loads it sinks to
-// their use).
+// A 16-byte load of weights. Volatile, which ptxas keeps in order with the other volatile loads
+// (the inputs' from shared memory, ld_shared), so that a chunk's words go out before the chunk
+// before it is computed, as written: plain loads it sinks to their first use, where they are no
+// longer in flight during the computation. Not ld.global.nc either: ptxas moves those below
+// griddepcontrol.wait, where they no longer overlap the end of the previous kernel.
 __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
     uint4 r;
-#if VOLATILE
     asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-#else
-    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-#endif
     return r;
 }
 
-__device__ __forceinline__ float4 ld_shared(const float4* p) {
-    float4 r;
-#if VOLATILE
-    asm volatile("ld.volatile.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"((u32)__cvta_generic_to_shared(p)));
-#else
-    r = *p;
-#endif
+__device__ __forceinline__ uint4 ld_shared(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"((u32)__cvta_generic_to_shared(p)));
     return r;
 }
 
@@ -89,65 +89,61 @@ __device__ __forceinline__ void eight(uint4 u, float* v) {
     v[4] = bf_lo(u.z); v[5] = bf_hi(u.z); v[6] = bf_lo(u.w); v[7] = bf_hi(u.w);
 }
 
-// The eight values of a word times their inputs into acc. Nibble n holds value 2n (n < 4) or
-// 2(n - 4) + 1; masked in place (bits 4n.., or 4n - 16.. of the word shifted by 16 for n >= 6)
-// it is, as a float32, the denormal q * 2^(sh - 149), and p[n] = v * 2^(100 - sh) makes the
-// product q * v * 2^-49 exactly (the FMA keeps denormals: NVRTC's default is no flush to zero).
-__device__ __forceinline__ float dot8(u32 w, const float* p, float acc) {
-    const u32 hi = w >> 16;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        const int sh = n < 6 ? 4 * n : 4 * n - 16;
-        const u32 src = n < 6 ? w : hi;
-        acc = fmaf(__uint_as_float(src & (0xFu << sh)), p[n], acc);
-    }
-    return acc;
+__device__ __forceinline__ u32 pair(u32 w, int p) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w >> (4 * p)), "r"(0x000F000Fu), "r"(0x43004300u));
+    return r;
 }
 
-// Loads the words of quad `item`'s half `half` (gate, up) into wg, wu.
-__device__ __forceinline__ void load_half(const uint4* w, int item, int half, int lane, uint4* wg, uint4* wu) {
-    const uint4* g = w + (long long)item * KW + half * HW + lane;
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The four words of a 16-byte load (rows 0..3 of a quad) times the word's inputs b into
+// ca (rows 0, 1) and cb (rows 2, 3).
+__device__ __forceinline__ void mma4(uint4 v, uint4 b, float* ca, float* cb) {
+    mma(ca, pair(v.x, 0), pair(v.y, 0), pair(v.x, 1), pair(v.y, 1), b.x, b.y);
+    mma(ca, pair(v.x, 2), pair(v.y, 2), pair(v.x, 3), pair(v.y, 3), b.z, b.w);
+    mma(cb, pair(v.z, 0), pair(v.w, 0), pair(v.z, 1), pair(v.w, 1), b.x, b.y);
+    mma(cb, pair(v.z, 2), pair(v.w, 2), pair(v.z, 3), pair(v.w, 3), b.z, b.w);
+}
+
+__device__ __forceinline__ void load_chunk(const uint4* w, int item, int part, int lane, uint4* wg, uint4* wu) {
+    const uint4* g = w + (long long)item * KW + 32 * CJ * part + lane;
     const uint4* u = g + (long long)ITEMS * KW;
 #pragma unroll
-    for (int i = 0; i < NW; i++) {
-        wg[i] = ld_weights(g + 32 * i);
-        wu[i] = ld_weights(u + 32 * i);
+    for (int j = 0; j < CJ; j++) {
+        wg[j] = ld_weights(g + 32 * j);
+        wu[j] = ld_weights(u + 32 * j);
     }
 }
 
-// The products of one half's words with their prescaled inputs into a (gate rows, up rows).
-__device__ __forceinline__ void mac_half(const uint4* wg, const uint4* wu, const float4* pa, const float4* pb,
-                                         int half, int lane, float* a) {
+__device__ __forceinline__ void mma_chunk(const uint4* wg, const uint4* wu, const uint4* xs, int part, int lane,
+                                          float (*acc)[4]) {
 #pragma unroll
-    for (int i = 0; i < NW; i++) {
-        const int kw = half * HW + lane + 32 * i;
-        const float4 p0 = ld_shared(pa + kw), p1 = ld_shared(pb + kw);
-        const float p[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
-        a[0] = dot8(wg[i].x, p, a[0]);
-        a[1] = dot8(wg[i].y, p, a[1]);
-        a[2] = dot8(wg[i].z, p, a[2]);
-        a[3] = dot8(wg[i].w, p, a[3]);
-        a[4] = dot8(wu[i].x, p, a[4]);
-        a[5] = dot8(wu[i].y, p, a[5]);
-        a[6] = dot8(wu[i].z, p, a[6]);
-        a[7] = dot8(wu[i].w, p, a[7]);
+    for (int j = 0; j < CJ; j++) {
+        const uint4 b = ld_shared(xs + 32 * (CJ * part + j) + lane);
+        mma4(wg[j], b, acc[0], acc[1]);
+        mma4(wu[j], b, acc[2], acc[3]);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(NT)
 q4_rms_gate_up(const uint4* x, const uint4* __restrict__ gain, const uint4* __restrict__ w,
                const float* __restrict__ scales, const float* __restrict__ zeros, u16* __restrict__ h, float eps) {
-    // the inputs, prescaled for the nibbles (see dot8): p[0..3] of word kw at pa[kw], p[4..7] at pb[kw]
-    __shared__ float4 pa[KW], pb[KW];
-    __shared__ float part[WARPS][2];
-    const int t = threadIdx.x, warp = t >> 5, lane = t & 31;
+    __shared__ uint4 xs[KW];  // the RMSNorm's outputs, bfloat16, eight (a word's inputs) to 16 bytes
+    __shared__ float part[WARPS];
+    const int t = threadIdx.x, warp = t >> 5, lane = t & 31, g = lane >> 2, c = lane & 3;
     const int stride = gridDim.x * WARPS;
-    int item = blockIdx.x * WARPS + warp;  // then every stride-th
-    uint4 ag[NW], au[NW], bg[NW], bu[NW];  // the words of two halves
-    if (item < ITEMS) {
-        load_half(w, item, 0, lane, ag, au);
-        load_half(w, item, 1, lane, bg, bu);
-    }
+    const int first = blockIdx.x * WARPS + warp;
+    const int n = first < ITEMS ? ((ITEMS - 1 - first) / stride + 1) * CHUNKS : 0;
+    uint4 bg[STAGES][CJ], bu[STAGES][CJ];
+#pragma unroll
+    for (int s = 0; s < STAGES; s++)
+        if (s < n) load_chunk(w, first + (s / CHUNKS) * stride, s % CHUNKS, lane, bg[s], bu[s]);
     uint4 gn[PREP];
 #pragma unroll
     for (int j = 0; j < PREP; j++)
@@ -159,64 +155,91 @@ q4_rms_gate_up(const uint4* x, const uint4* __restrict__ gain, const uint4* __re
 #pragma unroll
     for (int j = 0; j < PREP; j++)
         if (t + NT * j < KW) xv[j] = ld_plain(x + t + NT * j);
-    float ss = 0.f, vs = 0.f;  // this thread's share of sum(x^2) (the RMS) and sum(g * x) (the zero point)
+    float ss = 0.f;
 #pragma unroll
     for (int j = 0; j < PREP; j++) {
         if (t + NT * j < KW) {
-            float v[8], g[8], p[8];
+            float v[8];
             eight(xv[j], v);
-            eight(gn[j], g);
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                ss = fmaf(v[k], v[k], ss);
-                v[k] *= g[k];
-                vs += v[k];
-            }
-#pragma unroll
-            for (int n = 0; n < 8; n++) {
-                const int sh = n < 6 ? 4 * n : 4 * n - 16;
-                p[n] = v[n < 4 ? 2 * n : 2 * n - 7] * __uint_as_float((u32)(227 - sh) << 23);  // 2^(100 - sh)
-            }
-            pa[t + NT * j] = make_float4(p[0], p[1], p[2], p[3]);
-            pb[t + NT * j] = make_float4(p[4], p[5], p[6], p[7]);
+            for (int k = 0; k < 8; k++) ss = fmaf(v[k], v[k], ss);
         }
     }
     ss = warp_sum(ss);
-    vs = warp_sum(vs);
-    if (lane == 0) { part[warp][0] = ss; part[warp][1] = vs; }
+    if (lane == 0) part[warp] = ss;
     __syncthreads();
-    float s2 = 0.f, sv = 0.f;
+    float s2 = 0.f;
 #pragma unroll
-    for (int s = 0; s < WARPS; s++) { s2 += part[s][0]; sv += part[s][1]; }
+    for (int s = 0; s < WARPS; s++) s2 += part[s];
     const float inv = 1.f / sqrtf(s2 / DIM + eps);
-    const float vz = sv * 1.7763568394002505e-15f;  // 2^-49: the zero point's share in the sums' units
-    const float two49 = 562949953421312.f;
-    while (item < ITEMS) {
-        const int next = item + stride;
-        const int r = lane & 3;
-        float sc_g = 0.f, z_g = 0.f, sc_u = 0.f, z_u = 0.f;
-        if (lane < 4) {
-            sc_g = scales[item * 4 + r]; z_g = zeros[item * 4 + r];
-            sc_u = scales[INTER + item * 4 + r]; z_u = zeros[INTER + item * 4 + r];
-        }
-        float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // gate rows 0..3, up rows 0..3 of the quad
-        mac_half(ag, au, pa, pb, 0, lane, a);
-        if (next < ITEMS) load_half(w, next, 0, lane, ag, au);
-        mac_half(bg, bu, pa, pb, 1, lane, a);
-        if (next < ITEMS) load_half(w, next, 1, lane, bg, bu);
-#if PDL
-        if (next >= ITEMS) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+    float sb = 0.f;  // this thread's share of the sum of the normalised inputs
 #pragma unroll
-        for (int k = 0; k < 8; k++) a[k] = warp_sum(a[k]);
-        if (lane < 4) {
-            const float tg = r == 0 ? a[0] : r == 1 ? a[1] : r == 2 ? a[2] : a[3];
-            const float tu = r == 0 ? a[4] : r == 1 ? a[5] : r == 2 ? a[6] : a[7];
-            const float gt = rnd((tg - z_g * vz) * (sc_g * two49) * inv);
-            const float ut = rnd((tu - z_u * vz) * (sc_u * two49) * inv);
-            const float act = rnd(gt / (1.f + expf(-gt)));
-            h[item * 4 + r] = to_bf16(act * ut);
+    for (int j = 0; j < PREP; j++) {
+        if (t + NT * j < KW) {
+            float v[8], gg[8];
+            eight(xv[j], v);
+            eight(gn[j], gg);
+            u32 o[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const u16 lo = to_bf16(rnd(v[2 * k] * inv) * gg[2 * k]);
+                const u16 hi = to_bf16(rnd(v[2 * k + 1] * inv) * gg[2 * k + 1]);
+                sb += __uint_as_float((u32)lo << 16) + __uint_as_float((u32)hi << 16);
+                o[k] = (u32)lo | ((u32)hi << 16);
+            }
+            xs[t + NT * j] = make_uint4(o[0], o[1], o[2], o[3]);
         }
-        item = next;
+    }
+    sb = warp_sum(sb);
+    __syncthreads();  // (part is read above by every thread before it is written again)
+    if (lane == 0) part[warp] = sb;
+    __syncthreads();
+    float sbt = 0.f;
+#pragma unroll
+    for (int s = 0; s < WARPS; s++) sbt += part[s];
+    const int r = lane & 3;
+    float acc[4][4];  // gate rows 0, 1; gate rows 2, 3; up rows 0, 1; up rows 2, 3 (fragments)
+    for (int c0 = 0; c0 < n; c0 += STAGES) {
+#pragma unroll
+        for (int s = 0; s < STAGES; s++) {
+            const int cc = c0 + s;
+            if (cc < n) {
+                const int item = first + (cc / CHUNKS) * stride, piece = cc % CHUNKS;
+                if (piece == 0) {
+#pragma unroll
+                    for (int k = 0; k < 16; k++) acc[k / 4][k % 4] = 0.f;
+                }
+                mma_chunk(bg[s], bu[s], xs, piece, lane, acc);
+                if (cc + STAGES < n)
+                    load_chunk(w, first + ((cc + STAGES) / CHUNKS) * stride, (cc + STAGES) % CHUNKS, lane, bg[s],
+                                   bu[s]);
+                if (piece == CHUNKS - 1) {
+#if PDL
+                    if (cc == n - 1) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+                    // the diagonal, row place g (quad rows 0, 2) and g + 8 (rows 1, 3), column g: held
+                    // by lane c = g / 2 of group g, at d[g % 2] and d[2 + g % 2]
+                    const bool diag = c == (g >> 1), odd = g & 1;
+                    float v[8];
+#pragma unroll
+                    for (int m = 0; m < 4; m++) {
+                        v[2 * m] = diag ? (odd ? acc[m][1] : acc[m][0]) : 0.f;
+                        v[2 * m + 1] = diag ? (odd ? acc[m][3] : acc[m][2]) : 0.f;
+                    }
+#pragma unroll
+                    for (int k = 0; k < 8; k++) v[k] = warp_sum(v[k]);
+                    // v: gate rows 0, 1, 2, 3 at v[0], v[1], v[2], v[3]; up at v[4..7]
+                    if (lane < 4) {
+                        const int row = item * 4 + r;
+                        const float tg = r == 0 ? v[0] : r == 1 ? v[1] : r == 2 ? v[2] : v[3];
+                        const float tu = r == 0 ? v[4] : r == 1 ? v[5] : r == 2 ? v[6] : v[7];
+                        const float gt = rnd((tg - (128.f + zeros[row]) * sbt) * scales[row]);
+                        const float ut = rnd((tu - (128.f + zeros[INTER + row]) * sbt) * scales[INTER + row]);
+                        const float act = rnd(gt / (1.f + expf(-gt)));
+                        h[row] = to_bf16(act * ut);
+                    }
+                }
+            }
+        }
     }
 }

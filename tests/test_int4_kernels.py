@@ -85,6 +85,41 @@ def test_prefill_product_full_size_on_gpu(n, k):
             assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3, (m, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim,inter", [(3584, 18944), (512, 96)])
+def test_cuda_gate_up_matches_float64(dim, inter):
+    """`cuda_gate_up`, the int4 decode step's gate/up in CUDA C on the tensor cores, at Qwen2-7B's
+    shape and a small one (one K-load a chunk), launched plainly and (Hopper) as a programmatic
+    dependent: against the eager layer in float64 (the RMSNorm's output rounded to bfloat16, the
+    exact 4-bit products, gate and up rounded, SiLU(gate) rounded, times up), within one bfloat16
+    step on all rows but at most 1% and 2% of the largest everywhere; the same bits every launch."""
+    from backends.gptq import kernel_words
+    from backends.kernels import Weight, cuda_gate_up, cuda_gate_up_fits
+
+    torch.manual_seed(7)
+    q = torch.randint(0, 16, (2 * inter, dim), dtype=torch.int32, device="cuda")
+    z = torch.randint(1, 16, (2 * inter, 1), device="cuda").float()
+    s = torch.rand(2 * inter, 1, device="cuda") * 2e-3 + 1e-4
+    w = Weight(kernel_words(q), s, z, dim)
+    x = (torch.randn(dim, device="cuda") * 3).to(torch.bfloat16)
+    gain = (1 + 0.1 * torch.randn(dim, device="cuda")).to(torch.bfloat16)
+    assert cuda_gate_up_fits(w, x)
+    inv = 1 / torch.sqrt((x.double() ** 2).mean() + 1e-6)
+    b = ((x.double() * inv).to(torch.bfloat16).double() * gain.double()).to(torch.bfloat16).double()
+    y = ((q.double() - z.double()) * b).sum(1) * s[:, 0].double()
+    g, u = y[:inter].to(torch.bfloat16).double(), y[inter:].to(torch.bfloat16).double()
+    ref = ((g / (1 + torch.exp(-g))).to(torch.bfloat16).double() * u).to(torch.bfloat16).double()
+    outs = []
+    for pdl in [False] + ([True] * 2 if torch.cuda.get_device_capability()[0] >= 9 else [False]):
+        h = torch.full((inter,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cuda_gate_up(w, x, gain, h, 1e-6, pdl=pdl)
+        outs.append(h)
+        err = (h.double() - ref).abs()
+        assert ((err > ref.abs() * 2**-7 + 1e-6).double().mean() <= 0.01).item(), pdl
+        assert (err.max() <= 0.02 * ref.abs().max()).item(), pdl
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 @pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group,block_k,split", [(-1, 64, 4), (-1, 32, 1), (-1, 64, 1), (-1, 32, 3), (32, 32, 3),
