@@ -36,6 +36,8 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
 def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                                ctypes.c_int, ctypes.c_size_t]
     return lib
 
 
