@@ -47,26 +47,30 @@ def _nvrtc() -> ctypes.CDLL:
     from the nvidia wheels beside torch."""
     major = str(torch.version.cuda or "").split(".")[0]
     names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    lib = None
     for name in names:
         try:
-            return ctypes.CDLL(name)
+            lib = ctypes.CDLL(name)
+            break
         except OSError:
             pass
-    try:
-        import nvidia
+    if lib is None:
+        try:
+            import nvidia
 
-        for root in nvidia.__path__:
-            for name in names:
-                for path in sorted(Path(root).glob(f"**/lib/{name}")):
-                    return ctypes.CDLL(str(path))
-    except ImportError:
-        pass
+            found = next((p for root in nvidia.__path__ for name in names for p in Path(root).glob(f"**/lib/{name}")),
+                         None)
+            lib = ctypes.CDLL(str(found)) if found else None
+        except ImportError:
+            pass
+    if lib is not None:
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        return lib
     raise BackendError(f"NVRTC (libnvrtc.so.{major}), which the int4 decode kernels are compiled with, was not "
                        "found: it comes with CUDA builds of torch (the nvidia-cuda-nvrtc wheel)")
 
 
 def _nvrtc_error(lib: ctypes.CDLL, rc: int) -> str:
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     return lib.nvrtcGetErrorString(rc).decode()
 
 
@@ -111,6 +115,7 @@ class Kernel:
     def __init__(self, cubin: bytes, name: str, device: torch.device):
         self.name, self.device = name, device
         self._module, self._func = ctypes.c_void_p(), ctypes.c_void_p()
+        self._occupancy: dict[int, int] = {}
         with torch.cuda.device(device):
             torch.cuda.init()
             torch.cuda.current_stream()  # the device's primary context is current from here on
@@ -119,11 +124,14 @@ class Kernel:
                           f"finding {name}")
 
     def blocks_per_sm(self, block: int) -> int:
-        """How many blocks of `block` threads fit on a multiprocessor at once (registers, shared memory)."""
-        n = ctypes.c_int()
-        _driver_check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self._func, block, 0),
-                      f"occupancy of {self.name}")
-        return n.value
+        """How many blocks of `block` threads fit on a multiprocessor at once (registers, shared memory;
+        asked of the driver once per block size)."""
+        if block not in self._occupancy:
+            n = ctypes.c_int()
+            _driver_check(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self._func, block, 0),
+                          f"occupancy of {self.name}")
+            self._occupancy[block] = n.value
+        return self._occupancy[block]
 
     def __call__(self, grid: tuple, block: int, *args, pdl: bool = False) -> None:
         values = []

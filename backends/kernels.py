@@ -866,12 +866,13 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 
 
-def cuda_gate_up_fits(w: Weight, x: Tensor) -> bool:
+def cuda_gate_up_fits(w: Weight, x: Tensor, chunks: int = 2) -> bool:
     """Whether `cuda_gate_up` takes this gate/up weight and input: one-group 4-bit, bfloat16 on a
-    CUDA GPU with bfloat16 tensor-core products (compute capability 8.0 and later), K a multiple of
-    256 (whole 512-byte loads of a warp)."""
+    CUDA GPU with bfloat16 tensor-core products (compute capability 8.0 and later), K in `chunks`
+    parts of whole 512-byte loads of a warp (as backends/q4_decode.cu asserts)."""
     return (w.q4 and w.group == w.k and x.dtype == torch.bfloat16 and x.device.type == "cuda"
-            and torch.cuda.get_device_capability(x.device) >= (8, 0) and w.k % 256 == 0 and (w.n // 2) % 4 == 0)
+            and torch.cuda.get_device_capability(x.device) >= (8, 0) and chunks > 0 and w.k % (256 * chunks) == 0
+            and (w.n // 2) % 4 == 0)
 
 
 def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, *, warps: int = 4, chunks: int = 2,
@@ -941,7 +942,8 @@ def sample_codes(raw: Tensor, temps: Tensor, bos: Tensor, block_eos: Tensor, noi
 
 
 def _launch(shape: tuple, n: int) -> tuple:
-    """A `TritonDecode.cfg` launch shape of n elements and the optional last one (PIPE), 0 if absent."""
+    """A `TritonDecode.cfg` launch shape padded with zeros to n + 1 elements (the optional last ones,
+    e.g. PIPE, 0 where absent)."""
     return tuple(shape) + (0,) * (n + 1 - len(shape))
 
 
@@ -1026,7 +1028,7 @@ class TritonDecode:
         r_o, k_o, w_o, st_o, sp_o, p_o = _launch(cfg["o"], 5)
         r_d, k_d, w_d, st_d, sp_d, p_d = _launch(cfg["down"], 5)
         gc_warps, gc_chunks, gc_stages = _launch(cfg.get("gate_up_cuda", (0,)), 2)
-        gc = gc_warps > 0 and cuda_gate_up_fits(self.weights[0][2], self.x)
+        gc = gc_warps > 0 and cuda_gate_up_fits(self.weights[0][2], self.x, gc_chunks)
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, self.weights):
             a = layer.self_attn
             bias = a.qkv_proj.bias

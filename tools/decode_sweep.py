@@ -5,6 +5,7 @@ the package: the tables in docs/benchmarks.md and `TritonDecode.cfg` come from r
     python tools/decode_sweep.py --backend int4 --sweep gate_up,down --rows 8,16 --block-k 512,1024
     python tools/decode_sweep.py --backend int4 --alt old_kernels.py --alt-set down=8,1024,2,3,1 --rounds 5
     python tools/decode_sweep.py --backend int4 --alt-set down=4,1024,1,4,1,1 --alt-set down=8,1024,2,4,2,1
+    python tools/decode_sweep.py --backend int4 --check --alt-set gate_up_cuda=0   # the Triton gate/up
 
 Builds the full-size LLM with random weights (as `minicpm bench --random-weights`), prefills a
 prompt, and times one decode token as CUDA-graph replays (median; the position stays put) and as
@@ -163,8 +164,9 @@ def check(llm, variants: dict, pos: int) -> None:
         out[name] = llm.forward([123])[0].clone()
     ref = out.pop(next(iter(variants)))
     for name, logits in out.items():
+        same = logits.argmax().item() == ref.argmax().item()
         print(f"check {name}: logits max |diff| {(logits - ref).abs().max().item():.3g} "
-              f"(of max |logit| {ref.abs().max().item():.3g}), same argmax {logits.argmax().item() == ref.argmax().item()}")
+              f"(of max |logit| {ref.abs().max().item():.3g}), same argmax {same}")
 
 
 def main() -> None:
