@@ -4,14 +4,23 @@ A backend runs the Qwen2 LLM stage of the speech path: it appends token ids to i
 the next-token logits and the post-final-norm hidden states (the TTS takes its speaker vector from
 them). Everything after the LLM (TTS head, DVAE, Vocos) is shared by all backends. Backends import
 their heavy dependencies only when created; an unknown name or a missing optional dependency is an
-error that says what to do, never a silent fallback to another backend.
+error that says what to do, never a silent fallback to another backend. `auto` is not a backend but a
+choice made once, before loading (`choose`), from the device and the checkpoint.
+
+What a backend is and what it costs are said by the backend itself: the first line of its module's
+docstring (after "`name`: ") and its "Cost:" paragraph, read from the source without importing it
+(the CLI's help and `minicpm backends` must not import torch).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
 import importlib.util
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from minicpm_cli.errors import BackendError
@@ -38,12 +47,19 @@ class LLMStage(Protocol):
 @dataclass(frozen=True)
 class Backend:
     name: str
-    summary: str
-    module: str  # imported on first use: "backends.eager" defines create(...)
+    module: str  # imported on first use: "minicpm_cli.backends.eager" defines create(...)
     requires: tuple[str, ...] = ()  # importable modules that must be present
     extra: str | None = None  # the pip extra that installs them
     default_model: str = "openbmb/MiniCPM-o-2_6"
     prefixes: tuple[str, ...] = ("llm.", "tts.")  # checkpoint tensors it needs (what is downloaded)
+
+    @property
+    def summary(self) -> str:
+        return _described(self.module)[0]
+
+    @property
+    def cost(self) -> str:
+        return _described(self.module)[1]
 
     def available(self) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in self.requires)
@@ -83,19 +99,54 @@ class Backend:
 REGISTRY: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("eager", "bf16/fp32 PyTorch, no compilation (the reference-faithful baseline)", "backends.eager"),
-        Backend("compile", "static KV caches, fused projections, torch.compile and CUDA graphs (LLM and TTS)",
-                "backends.compile"),
-        Backend("int4", "the GPTQ int4 checkpoint on torch's int4 kernel, on the compile path",
-                "backends.int4", default_model="openbmb/MiniCPM-o-2_6-int4"),
-        Backend("gguf", "llama.cpp runs the LLM from a GGUF file (--gguf); TTS, DVAE and Vocos stay ours",
-                "backends.gguf", requires=("llama_cpp",), extra="gguf", prefixes=("tts.",)),
+        Backend("eager", "minicpm_cli.backends.eager"),
+        Backend("compile", "minicpm_cli.backends.compile"),
+        Backend("int4", "minicpm_cli.backends.int4", default_model="openbmb/MiniCPM-o-2_6-int4"),
+        Backend("gguf", "minicpm_cli.backends.gguf", requires=("llama_cpp",), extra="gguf", prefixes=("tts.",)),
     )
 }
+AUTO = "auto"
+
+
+@functools.cache
+def _described(module: str) -> tuple[str, str]:
+    """(summary, cost) from a backend module's docstring, parsed without importing the module."""
+    path = Path(__file__).with_name(module.rsplit(".", 1)[1] + ".py")
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
+    summary = re.sub(r"^`[\w-]+`:\s*", "", paragraphs[0])
+    cost = next((p.removeprefix("Cost:").strip() for p in paragraphs if p.startswith("Cost:")), "")
+    return summary, cost
+
+
+def choose(model: str | None, device_type: str, *, gguf: str | None = None,
+           triton: bool | None = None) -> str:
+    """The backend `auto` stands for: gguf when given a GGUF file; int4 for a GPTQ checkpoint (a local
+    directory with quantize_config.json, or a hub repo named like the official one, `...-int4`);
+    otherwise compile on a CUDA GPU with Triton, eager elsewhere."""
+    if gguf is not None:
+        return "gguf"
+    if model is not None:
+        path = Path(model).expanduser()
+        if (path / "quantize_config.json").is_file() or (not path.exists() and model.rstrip("/").endswith("-int4")):
+            return "int4"
+    if device_type == "cuda":
+        has_triton = importlib.util.find_spec("triton") is not None if triton is None else triton
+        if has_triton:
+            return "compile"
+    return "eager"
 
 
 def get(name: str) -> Backend:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise BackendError(f"unknown backend '{name}' (available: {', '.join(REGISTRY)})") from None
+        raise BackendError(f"unknown backend '{name}' (available: {AUTO}, {', '.join(REGISTRY)})") from None
+
+
+def help_text() -> str:
+    """What each choice of --backend is and costs, for the CLI's help."""
+    parts = [f"{AUTO} (default): gguf when --gguf is given, int4 for a GPTQ checkpoint, else compile on a "
+             "CUDA GPU and eager on a CPU (-v says which)."]
+    parts += [f"{b.name}: {b.cost}" for b in REGISTRY.values()]
+    return "\n\n".join(parts)

@@ -1,4 +1,4 @@
-"""`compile`: the same model with fused projections, compiled layer halves and CUDA graphs.
+"""`compile`: fused projections; Triton decode kernels and CUDA graphs for the LLM and TTS steps (prefills torch.compile'd).
 
 The model is transformed, not forked: q/k/v and gate/up projections are concatenated
 (`Decoder.fuse`). On CUDA a one-token step (an LLM decode token, a TTS audio frame) runs the layers
@@ -11,6 +11,10 @@ written between replays (an LLM decode token's id and position through pinned ho
 in by the graph itself); nothing synchronises with the host except the one end-of-call check of
 the TTS runner and, before a decode token, the wait for the previous one's graph. On a CPU the same
 code runs without graphs.
+
+Cost: 16.7 GiB of GPU memory (bf16) and a few seconds of warm-up before the first request (Triton
+compilation, cached on disk, and CUDA-graph captures); then first audio in ~26 ms and RTF ~0.03 for
+reading on an H200 (~0.05 for replies).
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ logits and every token's output embedding, which for a causal model is the post-
 state (what the TTS takes its speaker vector from). Sampling stays in `minicpm_cli.llm`, so
 `--greedy` and the sampling options mean the same on every backend. llama-cpp-python is imported
 when the backend is created (the `gguf` extra).
+
+Cost: the `gguf` extra (llama-cpp-python; a CUDA build for the GPU) and a GGUF file (Q4_K_M: 4.7 GB);
+~6 GiB of GPU memory; the LLM decodes at llama.cpp's speed (4.6 ms a token on an H200), first audio
+~36 ms for reading.
 """
 
 from __future__ import annotations

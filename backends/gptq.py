@@ -15,6 +15,10 @@ Nothing here depends on AutoGPTQ.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
 
@@ -248,3 +252,47 @@ class Q4Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
+
+
+GPTQ_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def write_gptq_checkpoint(src: str | Path, out_dir: str | Path, *, group_size: int = -1, desc_act: bool = False,
+                          sym: bool = True, seed: int = 0, dequantized_to: str | Path | None = None) -> Path:
+    """Convert a single-file checkpoint in the official layout into the layout of
+    openbmb/MiniCPM-o-2_6-int4: every LLM decoder Linear becomes GPTQ tensors (qweight, qzeros,
+    scales, g_idx; biases kept), plus quantize_config.json; everything else is copied. With
+    `desc_act`, inputs are assigned to groups in a random order (act-order). `dequantized_to` also
+    writes the same checkpoint with the dequantized weights in place (the reference for tests)."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out_dir)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    tensors = load_file(src / "model.safetensors")
+    deq = dict(tensors)
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.startswith("llm.model.layers.") and n.endswith(".weight")]:
+        if not any(f".{layer}.weight" in name for layer in GPTQ_LAYERS):
+            continue
+        w = tensors.pop(name).float()
+        n_in = w.shape[1]
+        size = n_in if group_size == -1 else group_size
+        g_idx = torch.arange(n_in) // size
+        if desc_act:
+            g_idx = g_idx[torch.randperm(n_in, generator=g)]
+        q = quantize(w, size, sym=sym, g_idx=g_idx)
+        if group_size == -1:
+            q["g_idx"] = torch.zeros(n_in, dtype=torch.int32)
+        base = name.removesuffix(".weight")
+        tensors.update({f"{base}.{k}": v for k, v in q.items()})
+        deq[name] = dequantize(**q)  # float32: exactly the weights the int4 path computes with
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "quantize_config.json").write_text(json.dumps({
+        "bits": 4, "group_size": group_size, "damp_percent": 0.01, "desc_act": desc_act, "static_groups": False,
+        "sym": sym, "true_sequential": True, "lm_head": False, "quant_method": "gptq", "checkpoint_format": "gptq",
+    }, indent=2) + "\n")
+    if dequantized_to is not None:
+        shutil.copytree(src, dequantized_to, dirs_exist_ok=True)
+        save_file(deq, str(Path(dequantized_to) / "model.safetensors"), metadata={"format": "pt"})
+    return out

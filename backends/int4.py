@@ -1,4 +1,4 @@
-"""`int4`: MiniCPM-o 2.6's LLM in 4 bits (the official GPTQ int4 checkpoint), on the compile path.
+"""`int4`: the official GPTQ int4 checkpoint, its 4-bit weights read by our Triton/CUDA kernels on the compile path.
 
 The Qwen2 model is built as usual, then the q/k/v/o and gate/up/down Linears of every decoder layer
 are swapped for 4-bit ones (backends/gptq.py), filled from the checkpoint's qweight/qzeros/scales/
@@ -10,6 +10,10 @@ weights into a scratch buffer for cuBLAS). On a CPU they are `Int4Linear`s on to
 checkpoint without GPTQ tensors (a bf16 one) is quantized while loading, round-to-nearest with one
 group per output channel (the official checkpoint's layout); random weights are drawn as 4-bit
 values directly.
+
+Cost: ~6.5 GiB of GPU memory; the LLM decodes 2.3x as fast as compile on an H200 (1.73 against 3.90
+ms a token), the rest is compile's. 4-bit weights: output close to, not equal to, the bf16 model's. A bf16
+checkpoint is quantized while loading (slower to start than the official int4 checkpoint).
 """
 
 from __future__ import annotations

@@ -882,7 +882,7 @@ def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, *, w
     walking its quads in `chunks` parts of K with `stages` of them loaded or in flight. Unlike
     `_rms_gate_up`, the RMSNorm's output is rounded to bfloat16 before the product, as the eager
     layer rounds it."""
-    from backends import cuda
+    from . import cuda
 
     inter = w.n // 2
     k = cuda.kernel("q4_decode.cu", "q4_rms_gate_up", x.device,

@@ -16,7 +16,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from .errors import MinicpmError, UsageError
+from . import __version__
+from . import backends as registry
+from .entry import interrupt
+from .errors import MinicpmError, OptionError, UsageError
 
 app = typer.Typer(
     name="minicpm",
@@ -28,7 +31,8 @@ app = typer.Typer(
 )
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Checkpoint directory or Hugging Face repo id [default: the backend's model, openbmb/MiniCPM-o-2_6].")]
-BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="LLM-stage backend (see `minicpm backends`).")]
+BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="LLM-stage backend. " + registry.help_text())]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Say on stderr which backend and device were chosen.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto, cuda or cpu.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible output).")]
@@ -39,26 +43,48 @@ PcmOpt = Annotated[str, typer.Option("--pcm", help="Sample format: s16 (16-bit i
 OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output .wav or .flac file, or - for stdout (the default when stdout is not a terminal).")]
 RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f32le with --pcm f32) instead of WAV.")]
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"minicpm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """Text to speech on your own GPU with MiniCPM-o 2.6."""
+
+
 FirstChunkOpt = Annotated[Optional[int], typer.Option("--first-chunk", help="Audio frames (of 21.3 ms) in the first streamed chunk, 1-25 [default: 25].", show_default=False)]
 
 
-def _load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None):
-    import backends as registry
-
-    be = registry.get(backend)
+def _load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None,
+          verbose: bool = False):
     _check_gguf(backend, gguf)
-    be.check()
-    from .pipeline import Synthesizer
+    if backend != registry.AUTO:
+        registry.get(backend).check()
+    from .pipeline import Synthesizer, resolve_device
 
-    return Synthesizer.load(model or be.default_model, backend=backend, device=device, dtype=dtype, gguf=gguf)
+    if backend == registry.AUTO:
+        backend = registry.choose(model, resolve_device(device).type, gguf=gguf)
+    be = registry.get(backend)
+    be.check()
+    synth = Synthesizer.load(model or be.default_model, backend=backend, device=device, dtype=dtype, gguf=gguf)
+    if verbose:
+        print(f"minicpm: backend {backend}, device {synth.device}, model {model or be.default_model}",
+              file=sys.stderr)
+    return synth
 
 
 def _check_gguf(backend: str, gguf: Optional[str]) -> None:
-    if gguf is not None and "gguf" not in backend.split(","):
-        raise UsageError("--gguf is for --backend gguf")
+    if gguf is not None and not {"gguf", registry.AUTO} & set(backend.split(",")):
+        raise OptionError("--gguf is for --backend gguf")
 
 
 def _sampling(greedy: bool, seed: Optional[int]):
+    if greedy and seed is not None:
+        raise OptionError("--greedy takes no --seed: greedy decoding draws nothing (give one or the other)")
     from .sampling import Sampling
 
     return Sampling(greedy=greedy, seed=seed)
@@ -70,7 +96,7 @@ def _first_chunk(frames: Optional[int]) -> int:
     if frames is None:
         return FRAMES_PER_CALL
     if not 1 <= frames <= FRAMES_PER_CALL:
-        raise UsageError(f"--first-chunk must be between 1 and {FRAMES_PER_CALL} frames")
+        raise OptionError(f"--first-chunk must be between 1 and {FRAMES_PER_CALL} frames")
     return frames
 
 
@@ -84,7 +110,7 @@ def _output(output: Optional[str]) -> str:
 
 def _read_all(text: Optional[str], file: Optional[str]) -> str:
     if text is not None and file is not None:
-        raise UsageError("give the text as an argument or with -f, not both")
+        raise OptionError("give the text as an argument or with -f, not both")
     if text is not None:
         return text
     if file is not None and file != "-":
@@ -153,12 +179,13 @@ def say(
     pcm: PcmOpt = "s16",
     first_chunk: FirstChunkOpt = None,
     model: ModelOpt = None,
-    backend: BackendOpt = "eager",
+    backend: BackendOpt = "auto",
     gguf: GgufOpt = None,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    verbose: VerboseOpt = False,
 ) -> None:
     """Read text aloud: to an audio file, or streamed to stdout as it is generated.
 
@@ -170,9 +197,9 @@ def say(
     frames = _first_chunk(first_chunk)
     if directory is not None:
         if not lines:
-            raise UsageError("--dir writes one file per line: use it with --lines")
+            raise OptionError("--dir writes one file per line: use it with --lines")
         if output is not None:
-            raise UsageError("give either -o or --dir, not both")
+            raise OptionError("give either -o or --dir, not both")
         if not Path(directory).is_dir():
             raise UsageError(f"not a directory: {directory}")
         audio.check_pcm(pcm)
@@ -181,12 +208,12 @@ def say(
         audio.check_output(output, pcm, raw)
     whole = None if lines else _read_all(text, file).strip()
     if lines and text is not None:
-        raise UsageError("--lines reads standard input or -f FILE, not an argument")
+        raise OptionError("--lines reads standard input or -f FILE, not an argument")
     if whole is not None and not whole:
         raise UsageError("no text to speak")
 
-    synth = _load(model, backend, device, dtype, gguf)
     sampling = _sampling(greedy, seed)
+    synth = _load(model, backend, device, dtype, gguf, verbose)
     bar = _progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
 
@@ -226,12 +253,13 @@ def reply(
     pcm: PcmOpt = "s16",
     first_chunk: FirstChunkOpt = None,
     model: ModelOpt = None,
-    backend: BackendOpt = "eager",
+    backend: BackendOpt = "auto",
     gguf: GgufOpt = None,
     seed: SeedOpt = None,
     greedy: GreedyOpt = False,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    verbose: VerboseOpt = False,
 ) -> None:
     """Answer a message with speech, streamed as the LLM writes the answer.
 
@@ -245,14 +273,15 @@ def reply(
     output = _output(output)
     audio.check_output(output, pcm, raw)
     if temperature <= 0:
-        raise UsageError("--temperature must be positive (use --greedy for the most likely tokens)")
+        raise OptionError("--temperature must be positive (use --greedy for the most likely tokens)")
     message = _read_all(text, None).strip()
     if not message:
         raise UsageError("no text to reply to")
     if text_out is not None and not Path(text_out).expanduser().resolve().parent.is_dir():
         raise UsageError(f"output directory does not exist: {Path(text_out).parent}")
 
-    synth = _load(model, backend, device, dtype, gguf)
+    sampling = _sampling(greedy, seed)
+    synth = _load(model, backend, device, dtype, gguf, verbose)
     said: list[str] = []
 
     def show(chunk) -> None:
@@ -261,7 +290,7 @@ def reply(
             sys.stderr.write(chunk.text)
             sys.stderr.flush()
 
-    chunks = synth.reply(message, _sampling(greedy, seed), llm=LLMSampling(temperature=temperature),
+    chunks = synth.reply(message, sampling, llm=LLMSampling(temperature=temperature),
                          max_tokens=max_tokens, first_chunk=frames)
     _play(chunks, audio.open_sink(output, pcm, synth.sample_rate, raw), show)
     if text_out is None:
@@ -286,8 +315,6 @@ def bench(
     dtype: DtypeOpt = "auto",
 ) -> None:
     """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
-    import backends as registry
-
     if backend is None:  # every installed backend (gguf only when given a GGUF file to run)
         names = tuple(name for name, b in registry.REGISTRY.items()
                       if b.available() and (name != "gguf" or gguf is not None))
@@ -302,7 +329,7 @@ def bench(
     if workloads is None:
         raise UsageError(f"unknown workload '{workload}' (read, reply or all)")
     if runs < 1 or warmup < 0:
-        raise UsageError("--runs must be at least 1 and --warmup at least 0")
+        raise OptionError("--runs must be at least 1 and --warmup at least 0")
     if json_out is not None and not Path(json_out).expanduser().resolve().parent.is_dir():
         raise UsageError(f"output directory does not exist: {Path(json_out).parent}")
     from . import bench as b
@@ -318,12 +345,11 @@ def bench(
 
 @app.command("backends")
 def list_backends() -> None:
-    """List the LLM-stage backends."""
-    import backends as registry
-
+    """List the LLM-stage backends: what each is, what it costs, whether it is installed."""
     for b in registry.REGISTRY.values():
-        extra = f" (extra: {b.extra})" if b.extra else ""
-        typer.echo(f"{b.name:8s} {b.summary}{extra}")
+        state = "" if b.available() else f"  [not installed: pip install 'minicpm-cli[{b.extra}]']"
+        typer.echo(f"{b.name:8s} {b.summary}{state}")
+        typer.echo(f"{'':8s} {b.cost}")
 
 
 def _terminate(signum, frame):
@@ -333,6 +359,7 @@ def _terminate(signum, frame):
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, interrupt)  # (typer turns the KeyboardInterrupt into exit status 130)
     try:
         app()
     except MinicpmError as e:
@@ -342,7 +369,6 @@ def main() -> None:
         print(f"minicpm: error: {message}", file=sys.stderr)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        print("minicpm: interrupted", file=sys.stderr)
         sys.exit(130)
     except (ReaderGone, BrokenPipeError):
         # The reader went away (e.g. `| head`): not an error. Point stdout at devnull so the
@@ -350,3 +376,7 @@ def main() -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         sys.exit(0)
+    finally:
+        # The work is done or undone: an interrupt while the interpreter shuts down has nothing left
+        # to stop, and Python's own handler would be back by then (killed by SIGINT, no message).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -13,6 +13,13 @@ class UsageError(MinicpmError):
     """Invalid options or input (empty text, unknown format, ...)."""
 
 
+class OptionError(UsageError):
+    """Options that cannot go together, or an option's value out of its range: a usage error like the
+    parser's own, exit status 2."""
+
+    exit_code = 2
+
+
 class ModelNotFound(MinicpmError):
     """A model directory or hub repository that cannot be found or reached."""
 

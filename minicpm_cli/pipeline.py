@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-import backends
+from . import backends
 
 from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, resolve
 from .codec import Codec
@@ -125,15 +125,18 @@ class Synthesizer:
         self.llm_context = LLM_CONTEXT
 
     @classmethod
-    def load(cls, model: str | None = DEFAULT_MODEL, *, backend: str = "eager", device: str = "auto",
+    def load(cls, model: str | None = DEFAULT_MODEL, *, backend: str = "auto", device: str = "auto",
              dtype: str = "auto", random_weights: bool = False, seed: int = 0,
              spec=None, gguf: str | None = None) -> "Synthesizer":
         """From a checkpoint (directory or hub repo id), or with `random_weights` the full-size model
         drawn directly on the device (for speed work; tokenizers from `model` if it is a directory,
-        else the bundled ones of the tiny test checkpoint)."""
+        else the bundled ones of the tiny test checkpoint). `backend="auto"` picks one for the
+        device and checkpoint (`backends.choose`)."""
+        dev = resolve_device(device)
+        if backend == backends.AUTO:
+            backend = backends.choose(model, dev.type, gguf=gguf)
         be = backends.get(backend)
         be.check()
-        dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         if random_weights:
             from .synthetic import RandomCheckpoint, SyntheticSpec

@@ -185,3 +185,98 @@ def test_vision_and_audio_weights_are_never_read(tiny_dir, tmp_path):
     p = run("say", "Hello world.", "--model", str(ckpt), "--greedy", "--device", "cpu", "-o", str(out))
     assert p.returncode == 0, p.stderr.decode()
     assert sf.info(out).frames > 0
+
+
+def test_option_conflicts_exit_2(tiny_dir, tmp_path):
+    """Options that cannot go together are usage errors: one line, exit 2, nothing written."""
+    cases = [
+        (("--greedy", "--seed", "3"), "--greedy takes no --seed"),
+        (("--first-chunk", "0"), "--first-chunk"),
+        (("--gguf", "x.gguf", "--backend", "eager"), "--gguf is for --backend gguf"),
+    ]
+    for extra, needle in cases:
+        p = run("say", "Hi.", "--model", str(tiny_dir), "--device", "cpu", "-o", str(tmp_path / "x.wav"), *extra)
+        err = p.stderr.decode()
+        assert p.returncode == 2, err
+        assert err.strip().startswith("minicpm: error: ") and needle in err and len(err.strip().splitlines()) == 1, err
+    p = run("reply", "Hi.", "--model", str(tiny_dir), "--greedy", "--seed", "1", "-o", str(tmp_path / "y.wav"))
+    assert p.returncode == 2 and "--greedy takes no --seed" in p.stderr.decode()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version_and_backends_listing():
+    from minicpm_cli import __version__
+
+    p = run("--version")
+    assert p.returncode == 0 and p.stdout.decode().strip() == f"minicpm {__version__}"
+    p = run("backends")
+    assert p.returncode == 0, p.stderr.decode()
+    out = p.stdout.decode()
+    for name in ("eager", "compile", "int4", "gguf"):
+        assert out.count(f"\n{name} ") + out.startswith(f"{name} ") == 1, out
+    # true descriptions: the ones the issue found stale are gone, and each backend says what it costs
+    assert "torch's int4 kernel, on the compile path" not in out and "torch.compile and CUDA graphs" not in out
+    assert "Triton" in out and "GPTQ" in out and out.count("GiB") >= 4
+    help_ = run("say", "--help").stdout.decode()
+    assert "auto (default)" in help_ and "int4:" in help_
+
+
+def test_auto_backend_is_eager_on_a_cpu_and_says_so_with_v(tiny_dir, tmp_path):
+    out = tmp_path / "x.wav"
+    p = run("say", "Hello.", "--model", str(tiny_dir), "--greedy", "--device", "cpu", "-v", "-o", str(out))
+    assert p.returncode == 0, p.stderr.decode()
+    assert "backend eager" in p.stderr.decode()
+    quiet = run("say", "Hello.", "--model", str(tiny_dir), "--greedy", "--device", "cpu", "-o", str(tmp_path / "y.wav"))
+    assert quiet.returncode == 0 and quiet.stderr == b""
+    assert (tmp_path / "y.wav").read_bytes() == out.read_bytes()
+
+
+def test_auto_backend_choice(tmp_path):
+    from minicpm_cli.backends import choose
+
+    gptq = tmp_path / "int4"
+    gptq.mkdir()
+    (gptq / "quantize_config.json").write_text("{}")
+    assert choose(str(gptq), "cuda", triton=True) == "int4"
+    assert choose(str(gptq), "cpu") == "int4"
+    assert choose("openbmb/MiniCPM-o-2_6-int4", "cuda", triton=True) == "int4"
+    assert choose("openbmb/MiniCPM-o-2_6", "cuda", triton=True) == "compile"
+    assert choose(None, "cuda", triton=False) == "eager"
+    assert choose(None, "cpu", triton=True) == "eager"
+    assert choose(str(tmp_path), "cuda", triton=True, gguf="x.gguf") == "gguf"
+
+
+def test_ctrl_c_at_any_moment_exits_130_without_traceback(tiny_dir, tmp_path):
+    """SIGINT to the whole process group (what a terminal's Ctrl-C sends) during imports, loading and
+    generation: exit 130 (or 0 if it had finished), never a traceback, never a partial file."""
+    import signal
+    import time
+
+    text = "This sentence is long enough to keep the tiny model busy for a little while. " * 3
+    e = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    e.pop("MINICPM_DEBUG", None)
+    outcomes = set()
+    for i, delay in enumerate((0.05, 0.3, 0.8, 1.5, 2.5, 4.0)):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        out = d / "x.wav"
+        proc = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "say", text, "--model", str(tiny_dir),
+                                 "--device", "cpu", "--seed", "1", "-o", str(out)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e, start_new_session=True)
+        time.sleep(delay)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        stdout, stderr = proc.communicate(timeout=120)
+        err = stderr.decode()
+        assert "Traceback" not in err, (delay, err)
+        assert stdout == b""
+        assert proc.returncode in (0, 130), (delay, proc.returncode, err)
+        if proc.returncode == 130:
+            assert err.strip() == "minicpm: interrupted", (delay, err)
+            assert list(d.iterdir()) == [], (delay, list(d.iterdir()))
+        else:
+            assert [p.name for p in d.iterdir()] == ["x.wav"] and sf.info(out).frames > 0
+        outcomes.add(proc.returncode)
+    assert 130 in outcomes

@@ -40,7 +40,7 @@ def test_sampling_runs_in_bf16(tiny_dir):
 
 
 def test_int4_on_cuda_matches_dequantized(tiny_dir, tmp_path):
-    from minicpm_cli.synthetic import write_gptq_checkpoint
+    from minicpm_cli.backends.gptq import write_gptq_checkpoint
 
     write_gptq_checkpoint(tiny_dir, tmp_path / "int4", dequantized_to=tmp_path / "deq")
     a = Synthesizer.load(str(tmp_path / "int4"), backend="int4", device="cuda", dtype="bfloat16")

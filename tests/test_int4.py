@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from backends.gptq import Int4Linear, dequantize, pack_rows, quantize, unpack, unpack_rows
+from minicpm_cli.backends.gptq import Int4Linear, dequantize, pack_rows, quantize, unpack, unpack_rows
 from minicpm_cli.pipeline import Synthesizer
 from minicpm_cli.sampling import Sampling
-from minicpm_cli.synthetic import write_gptq_checkpoint
+from minicpm_cli.backends.gptq import write_gptq_checkpoint
 
 
 def _word(nibbles):

@@ -9,12 +9,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from backends import int4
-from backends.compile import CompiledLLM
-from backends.gptq import Q4Linear, dequantize, quantize
+from minicpm_cli.backends import int4
+from minicpm_cli.backends.compile import CompiledLLM
+from minicpm_cli.backends.gptq import Q4Linear, dequantize, quantize
 from minicpm_cli.checkpoint import Checkpoint, read_config
 from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.synthetic import write_gptq_checkpoint
+from minicpm_cli.backends.gptq import write_gptq_checkpoint
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -45,7 +45,7 @@ def test_prefill_product_matches_dequantized(cfg, dtype):
     programs, tokens in several tiles, and rows and tokens past the tiles' edges: the dequantized
     product with the bias (float32: to its rounding; 16-bit, in Triton's interpreter the 2^m + q
     patterns that the GPU's `_pairs16` starts from: to the output's rounding)."""
-    from backends.kernels import q4_mm
+    from minicpm_cli.backends.kernels import q4_mm
 
     torch.manual_seed(3)
     t = quantize(torch.randn(72, 320) * 0.05, -1, sym=False)
@@ -66,8 +66,8 @@ def test_prefill_product_full_size_on_gpu(n, k):
     inputs each: the float32 product with the dequantized weights to the output's rounding, 0.5%
     (launch shapes of 128 rows x 64 inputs against 128 tokens gave errors of 2.8-4.5% of the output
     in tools/q4mm_sweep.py on an H100, Triton 3.6)."""
-    from backends.gptq import kernel_words
-    from backends.kernels import Weight, q4_mm
+    from minicpm_cli.backends.gptq import kernel_words
+    from minicpm_cli.backends.kernels import Weight, q4_mm
 
     torch.manual_seed(5)
     q = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
@@ -93,8 +93,8 @@ def test_cuda_gate_up_matches_float64(dim, inter):
     dependent: against the eager layer in float64 (the RMSNorm's output rounded to bfloat16, the
     exact 4-bit products, gate and up rounded, SiLU(gate) rounded, times up), within one bfloat16
     step on all rows but at most 1% and 2% of the largest everywhere; the same bits every launch."""
-    from backends.gptq import kernel_words
-    from backends.kernels import Weight, cuda_gate_up, cuda_gate_up_fits
+    from minicpm_cli.backends.gptq import kernel_words
+    from minicpm_cli.backends.kernels import Weight, cuda_gate_up, cuda_gate_up_fits
 
     torch.manual_seed(7)
     q = torch.randint(0, 16, (2 * inter, dim), dtype=torch.int32, device="cuda")
@@ -129,7 +129,7 @@ def test_split_k_gemv_matches_dequantized(sym, group, block_k, split, pipe):
     split over K (`split` programs a row block), added to a residual in place, with the words
     prefetched into registers or (`pipe`) through Triton's pipelining: the rows of the
     dequantized product; the counters end at zero."""
-    from backends.kernels import SplitScratch, Weight, gemv
+    from minicpm_cli.backends.kernels import SplitScratch, Weight, gemv
 
     torch.manual_seed(2)
     t = quantize(torch.randn(40, 256) * 0.05, group, sym=sym)
@@ -151,7 +151,7 @@ def test_split_k_gemv_matches_dequantized(sym, group, block_k, split, pipe):
 def test_pair_nibbles_by_hand():
     """Value j of a GPTQ word moves to nibble j/2 (even j) or 4 + j//2 (odd j): shifted by 4p and
     masked with 0x000F000F, a word gives values 2p and 2p + 1 (what `_q4_mm` reads)."""
-    from backends.gptq import pair_nibbles
+    from minicpm_cli.backends.gptq import pair_nibbles
 
     words = torch.tensor([0x76543210, -0x789ABCE0, 0], dtype=torch.int32)  # -0x789ABCE0 = 0x87654320
     assert pair_nibbles(words).tolist() == [0x75316420, 0x86427530 - 2**32, 0]
@@ -163,7 +163,7 @@ def test_pair_nibbles_by_hand():
 def test_kernel_words_are_q4linear_words():
     """`kernel_words` of a weight's 4-bit values gives the words that Q4Linear makes of its GPTQ
     tensors."""
-    from backends.gptq import kernel_words, unpack_rows
+    from minicpm_cli.backends.gptq import kernel_words, unpack_rows
 
     torch.manual_seed(4)
     t = quantize(torch.randn(40, 64) * 0.05, -1)
@@ -194,7 +194,7 @@ def test_fused_4bit_decode_matches_dequantized_model(channel, blocks):
     kernels take their inputs in several K-blocks (qkv and o 4 of 16, gate/up 2 of 32, down 8 of 16
     over 3 programs: 3, 3 and 2), the next block's words prefetched into registers or (pipe)
     through Triton's pipelining, with programs of four rows for q/k/v and gate/up."""
-    from backends.kernels import kernels_scratch
+    from minicpm_cli.backends.kernels import kernels_scratch
 
     int4_dir, deq_dir = channel
     model = int4.build(Checkpoint(int4_dir), read_config(int4_dir), device=DEVICE, dtype=torch.float32, triton=True)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-import backends  # noqa: E402
+from minicpm_cli import backends  # noqa: E402
 from minicpm_cli.pipeline import LLM_CONTEXT  # noqa: E402
 from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec  # noqa: E402
 
@@ -113,7 +113,7 @@ def reshape(td, cfg: dict, dev, mod=None) -> None:
     """Launch shapes `cfg` on top of `td.cfg`, and the split-K scratch they need (`kernels_scratch`
     of `mod`, td's kernels module; default backends.kernels)."""
     if mod is None:
-        import backends.kernels as mod
+        import minicpm_cli.backends.kernels as mod
     td.cfg.update(cfg)
     td.scratch = mod.kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
 
@@ -121,7 +121,7 @@ def reshape(td, cfg: dict, dev, mod=None) -> None:
 def variant(llm, path: str | None, cfg: dict, dev):
     """A TritonDecode over the same model with the kernels of `path` (default: backends/kernels.py)
     and launch shapes `cfg` on top of its defaults."""
-    import backends.kernels as mod
+    import minicpm_cli.backends.kernels as mod
 
     if path:
         spec = importlib.util.spec_from_file_location("alt_kernels", path)

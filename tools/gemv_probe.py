@@ -33,8 +33,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from backends import kernels as K  # noqa: E402
-from backends import kernels as kern  # noqa: E402  (where a kernel has a parameter K)
+from minicpm_cli.backends import kernels as K  # noqa: E402
+from minicpm_cli.backends import kernels as kern  # noqa: E402  (where a kernel has a parameter K)
 from decode_sweep import graph_ms  # noqa: E402
 
 

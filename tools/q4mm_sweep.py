@@ -42,10 +42,10 @@ def use_kernels() -> None:
     """Make the file named by KERNELS_ENV (a copy of backends/kernels.py) the `backends.kernels`
     module that the sweep imports."""
     path = os.environ.get(KERNELS_ENV)
-    if path and "backends.kernels" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("backends.kernels", path)
+    if path and "minicpm_cli.backends.kernels" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("minicpm_cli.backends.kernels", path)
         mod = importlib.util.module_from_spec(spec)
-        sys.modules["backends.kernels"] = mod
+        sys.modules["minicpm_cli.backends.kernels"] = mod
         spec.loader.exec_module(mod)
 
 
@@ -55,8 +55,8 @@ def ints(text: str) -> list[int]:
 
 def weight(n: int, k: int, dev, seed: int):
     """A random one-group 4-bit weight in the kernels' layout, and its values q (n, k) uint8."""
-    from backends.gptq import kernel_words
-    from backends.kernels import Weight
+    from minicpm_cli.backends.gptq import kernel_words
+    from minicpm_cli.backends.kernels import Weight
 
     g = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=g)
@@ -94,7 +94,7 @@ def candidates(m: int, decode: bool, wide: bool = False) -> list[tuple]:
 
 def resolve(cfg: tuple, m: int, w) -> tuple:
     """A candidate with its split made concrete: 1 - split programs per SM when split <= 0."""
-    from backends.kernels import _sm_count, q4_mm_split
+    from minicpm_cli.backends.kernels import _sm_count, q4_mm_split
 
     bn, bt, bk, warps, stages, split = cfg
     if split <= 0:
@@ -105,7 +105,7 @@ def resolve(cfg: tuple, m: int, w) -> tuple:
 def precompile(jobs: list[tuple]) -> None:
     """Worker: compile (shape, m, cfg) jobs into Triton's cache by running each once."""
     use_kernels()
-    from backends.kernels import q4_mm
+    from minicpm_cli.backends.kernels import q4_mm
 
     dev = torch.device("cuda")
     made = {}
@@ -149,7 +149,7 @@ def main() -> None:
     if args.kernels:
         os.environ[KERNELS_ENV] = str(Path(args.kernels).resolve())
     use_kernels()
-    from backends.kernels import SplitScratch, gemv, q4_linear, q4_mm, q4_mm_config
+    from minicpm_cli.backends.kernels import SplitScratch, gemv, q4_linear, q4_mm, q4_mm_config
 
     dev = torch.device("cuda")
     names = [s for s in args.shapes.split(",") if s]
