@@ -2,8 +2,8 @@
 
 The model is transformed, not forked: q/k/v and gate/up projections are concatenated
 (`Decoder.fuse`). On CUDA a one-token step (an LLM decode token, a TTS audio frame) runs the layers
-on Triton kernels (backends/kernels.py: five launches per layer, the position read on the device, so
-one CUDA graph serves every position). Prefills, and one-token steps on a CPU or with projections
+on Triton kernels (backends/kernels/decode.py: five launches per layer, the position read on the
+device, so one CUDA graph serves every position). Prefills, and one-token steps on a CPU or with projections
 that do not fuse (int4 with act-order groups), run the layer halves around attention
 (`Block.pre_attention/post_attention`) compiled with torch.compile, as CUDA graphs captured per
 shape with attention over a bucketed KV length. Inputs reach a graph through small device tensors
@@ -18,6 +18,8 @@ reading on an H200 (~0.05 for replies).
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 from torch import Tensor
@@ -49,13 +51,13 @@ def block_fns() -> tuple:
     return _compiled
 
 
-def _kernels():
-    """backends.kernels, which needs Triton (part of PyTorch's CUDA builds on Linux)."""
+def _kernels(module: str):
+    """A module of backends/kernels (`decode`, `matvec`, ...), which need Triton (part of PyTorch's
+    CUDA builds on Linux)."""
     try:
-        from . import kernels
+        return importlib.import_module(f"{__package__}.kernels.{module}")
     except ImportError as e:
         raise BackendError(f"backend 'compile' on CUDA needs Triton ({e}): pip install triton") from None
-    return kernels
 
 
 class Graphs:
@@ -121,13 +123,14 @@ class CompiledLLM:
         # decode tokens on the Triton kernels where the projections are fused bf16/fp32 Linears
         self.triton = None
         if fuse and (use_triton if use_triton is not None else dev.type == "cuda"):  # (tests: interpreter)
-            self.triton = _kernels().TritonDecode(model.model)
-            self.lm_head = _kernels().Weight(model.lm_head.weight)
+            self.triton = _kernels("decode").TritonDecode(model.model)
+            self.lm_head = _kernels("common").Weight(model.lm_head.weight)
             self.logits = torch.zeros(model.lm_head.out_features, device=dev)
             self.hidden = torch.zeros(1, model.config.decoder.dim, dtype=model.lm_head.weight.dtype, device=dev)
             self.lm_head_cfg = {"rows": 4, "block_k": 512, "warps": 4}  # 0.24 ms on an H200 (cuBLAS: 0.34)
         self.pos = 0
-        self.version = (f"torch {torch.__version__}, triton {_kernels().triton.__version__} (Triton decode + CUDA graphs)"
+        self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
+                        "(Triton decode + CUDA graphs)"
                         if self.triton is not None else f"torch {torch.__version__} (inductor + CUDA graphs)")
         # bytes a decode step reads: the weights (quantized ones included), but not the embedding
         # table (one row of it), the KV cache or index buffers
@@ -149,13 +152,13 @@ class CompiledLLM:
 
     def _decode(self) -> tuple[Tensor, Tensor]:
         """One token (id, position) from `host` on the Triton kernels -> (logits, hidden (1, dim))."""
-        m, k = self.model.model, _kernels()
+        m = self.model.model
         self.inp.copy_(self.host, non_blocking=True)
         x = self.triton.x  # the embedding straight into the kernels' residual stream
         torch.index_select(m.embed_tokens.weight, 0, self.inp[:1], out=x[None])
         pdl = self.triton.pdl
-        k.rms_norm(self.triton(x, self.inp[1:]), m.norm, self.hidden[0], pdl=pdl)
-        k.gemv(self.lm_head, self.hidden[0], self.logits, **self.lm_head_cfg, pdl=pdl)
+        _kernels("norm").rms_norm(self.triton(x, self.inp[1:]), m.norm, self.hidden[0], pdl=pdl)
+        _kernels("matvec").gemv(self.lm_head, self.hidden[0], self.logits, **self.lm_head_cfg, pdl=pdl)
         return self.logits, self.hidden
 
     @torch.inference_mode()
@@ -189,8 +192,9 @@ class CompiledLLM:
 
 class GraphTTSRunner(TTSRunner):
     """TTSRunner whose steps and prefills replay CUDA graphs. On CUDA a step runs the backbone with
-    the Triton decode kernels (backends/kernels.py: five per layer, attention bounded by the position
-    read on the device, so one graph serves every position); on a CPU, the compiled layer halves."""
+    the Triton decode kernels (backends/kernels/decode.py: five per layer, attention bounded by the
+    position read on the device, so one graph serves every position); on a CPU, the compiled layer
+    halves."""
 
     def __init__(self, model: ChatTTS, use_triton: bool | None = None):
         model.model.fuse()
@@ -202,21 +206,23 @@ class GraphTTSRunner(TTSRunner):
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
         self.triton = None
         if use_triton if use_triton is not None else self.device.type == "cuda":  # (tests: the interpreter)
-            self.triton = _kernels().TritonDecode(model.model, self.visible_from)
+            self.triton = _kernels("decode").TritonDecode(model.model, self.visible_from)
             self.probs = torch.zeros(model.config.num_vq, model.config.num_audio_tokens, device=self.device)
             self.normed = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
 
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
         if self.triton is None:
             return super()._decode(x, kv_len)
-        return _kernels().rms_norm(self.triton(x, self.pos_t), self.model.model.norm, self.normed, pdl=self.triton.pdl)
+        return _kernels("norm").rms_norm(self.triton(x, self.pos_t), self.model.model.norm, self.normed,
+                                         pdl=self.triton.pdl)
 
     def _choose(self, raw: Tensor, sampled: bool) -> Tensor:
         if self.triton is None:
             return super()._choose(raw, sampled)
         c = self.config
-        _kernels().sample_codes(raw, self.temps, self.bos_t, self.block_eos_t, self.noise_t if sampled else None,
-                                self.probs, self.code_t, c.top_p, c.top_k, MIN_KEEP)
+        _kernels("sampling").sample_codes(raw, self.temps, self.bos_t, self.block_eos_t,
+                                          self.noise_t if sampled else None, self.probs, self.code_t, c.top_p,
+                                          c.top_k, MIN_KEEP)
         return self.probs
 
     def _run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:

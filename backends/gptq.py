@@ -143,7 +143,7 @@ class Int4Linear(nn.Module):
 
 def interleave(rows: Tensor) -> Tensor:
     """(n, c) -> (ceil(n / 4), c, 4): the rows of every four interleaved (zero rows pad n), the
-    4-bit layout of the Triton kernels (backends/kernels.py `_mac`)."""
+    4-bit layout of the Triton kernels (backends/kernels/matvec.py `_mac`)."""
     n, c = rows.shape
     if n % 4:
         rows = torch.cat([rows, rows.new_zeros(4 - n % 4, c)])
@@ -153,7 +153,7 @@ def interleave(rows: Tensor) -> Tensor:
 def pair_nibbles(words: Tensor) -> Tensor:
     """GPTQ words (value j in bits 4j..4j+3) -> the kernels' order: value j in nibble j/2 for even
     j and 4 + j//2 for odd j, so that one AND of the word shifted by 4p gives values 2p and 2p + 1
-    in its two 16-bit halves (backends/kernels.py `_q4_mm`)."""
+    in its two 16-bit halves (backends/kernels/q4.py `_q4_mm`)."""
     w = words.long() & 0xFFFFFFFF
     out = torch.zeros_like(w)
     for j in range(8):
@@ -175,7 +175,7 @@ def deinterleave(words: Tensor, n: int) -> Tensor:
 
 
 class Q4Linear(nn.Module):
-    """y = x W^T + b with W in 4 bits, for the Triton kernels (backends/kernels.py): one-token steps
+    """y = x W^T + b with W in 4 bits, for the Triton kernels (backends/kernels/): one-token steps
     read it inside the fused decode kernels (`kernel_weight`), prefills go through `q4_linear`.
 
     Layout: the GPTQ values packed eight to an int32 along the input dim as in `qweight` (their
@@ -236,12 +236,12 @@ class Q4Linear(nn.Module):
         return out
 
     def kernel_weight(self):
-        from .kernels import Weight
+        from .kernels.common import Weight
 
         return Weight(self.packed, self.scales, self.zeros, self.group)
 
     def forward(self, x: Tensor) -> Tensor:
-        from .kernels import q4_linear
+        from .kernels.q4 import q4_linear
 
         shape = x.shape
         x = x.reshape(-1, shape[-1])

@@ -1,6 +1,6 @@
 // The int4 decode step's gate/up kernel in CUDA C, compiled at run time by NVRTC (backends/cuda.py):
 // RMSNorm of the residual stream, the gate and up products with one-group 4-bit weights in the
-// kernels' layout (backends/kernels.py `_mac`: the words of four rows interleaved, a word's values
+// kernels' layout (backends/kernels/matvec.py `_mac`: the words of four rows interleaved, a word's values
 // in `pair_nibbles` order), SiLU(gate) * up, rounded where the eager layer rounds.
 //
 // Compile-time constants (NVRTC -D): DIM (inputs), INTER (rows of gate, and of up), WARPS (warps a
@@ -12,7 +12,7 @@
 // Qwen2-7B), dealt out to the warps of a grid that fills the GPU once; a warp walks its items'
 // chunks in order with the words of the next STAGES - 1 chunks in flight while it computes one,
 // so that it keeps loads in flight from its start to its end (more warps, each short, were
-// slower: docs/benchmarks.md). A lane loads 16 bytes, a word of each of the quad's four rows, so
+// slower: docs/journal.md). A lane loads 16 bytes, a word of each of the quad's four rows, so
 // a warp's load is 512 contiguous bytes. The products go through the tensor cores
 // (mma.m16n8k16, bfloat16, float32 sums): one LOP3 a pair of values makes the bfloat16 128 + q of
 // both (`pair`), the A fragments of two MMAs with rows 0 and 1 of the quad in the row places g

@@ -45,7 +45,7 @@ def test_prefill_product_matches_dequantized(cfg, dtype):
     programs, tokens in several tiles, and rows and tokens past the tiles' edges: the dequantized
     product with the bias (float32: to its rounding; 16-bit, in Triton's interpreter the 2^m + q
     patterns that the GPU's `_pairs16` starts from: to the output's rounding)."""
-    from minicpm_cli.backends.kernels import q4_mm
+    from minicpm_cli.backends.kernels.q4 import q4_mm
 
     torch.manual_seed(3)
     t = quantize(torch.randn(72, 320) * 0.05, -1, sym=False)
@@ -67,7 +67,8 @@ def test_prefill_product_full_size_on_gpu(n, k):
     (launch shapes of 128 rows x 64 inputs against 128 tokens gave errors of 2.8-4.5% of the output
     in tools/q4mm_sweep.py on an H100, Triton 3.6)."""
     from minicpm_cli.backends.gptq import kernel_words
-    from minicpm_cli.backends.kernels import Weight, q4_mm
+    from minicpm_cli.backends.kernels.common import Weight
+    from minicpm_cli.backends.kernels.q4 import q4_mm
 
     torch.manual_seed(5)
     q = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
@@ -94,7 +95,8 @@ def test_cuda_gate_up_matches_float64(dim, inter):
     exact 4-bit products, gate and up rounded, SiLU(gate) rounded, times up), within one bfloat16
     step on all rows but at most 1% and 2% of the largest everywhere; the same bits every launch."""
     from minicpm_cli.backends.gptq import kernel_words
-    from minicpm_cli.backends.kernels import Weight, cuda_gate_up, cuda_gate_up_fits
+    from minicpm_cli.backends.kernels.common import Weight
+    from minicpm_cli.backends.kernels.decode import cuda_gate_up, cuda_gate_up_fits
 
     torch.manual_seed(7)
     q = torch.randint(0, 16, (2 * inter, dim), dtype=torch.int32, device="cuda")
@@ -129,7 +131,8 @@ def test_split_k_gemv_matches_dequantized(sym, group, block_k, split, pipe):
     split over K (`split` programs a row block), added to a residual in place, with the words
     prefetched into registers or (`pipe`) through Triton's pipelining: the rows of the
     dequantized product; the counters end at zero."""
-    from minicpm_cli.backends.kernels import SplitScratch, Weight, gemv
+    from minicpm_cli.backends.kernels.common import SplitScratch, Weight
+    from minicpm_cli.backends.kernels.matvec import gemv
 
     torch.manual_seed(2)
     t = quantize(torch.randn(40, 256) * 0.05, group, sym=sym)
@@ -194,7 +197,7 @@ def test_fused_4bit_decode_matches_dequantized_model(channel, blocks):
     kernels take their inputs in several K-blocks (qkv and o 4 of 16, gate/up 2 of 32, down 8 of 16
     over 3 programs: 3, 3 and 2), the next block's words prefetched into registers or (pipe)
     through Triton's pipelining, with programs of four rows for q/k/v and gate/up."""
-    from minicpm_cli.backends.kernels import kernels_scratch
+    from minicpm_cli.backends.kernels.decode import kernels_scratch
 
     int4_dir, deq_dir = channel
     model = int4.build(Checkpoint(int4_dir), read_config(int4_dir), device=DEVICE, dtype=torch.float32, triton=True)

@@ -1,4 +1,4 @@
-"""The Triton decode kernels (backends/kernels.py) against the eager decoder, and the TTS step built
+"""The Triton decode kernels (backends/kernels/) against the eager decoder, and the TTS step built
 on them against the eager runner. Without a GPU they run in Triton's interpreter (conftest)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from minicpm_cli.backends.compile import CompiledLLM, GraphTTSRunner
-from minicpm_cli.backends.kernels import TritonDecode, kernels_scratch
+from minicpm_cli.backends.kernels.decode import TritonDecode, kernels_scratch
 from minicpm_cli.models.transformer import Decoder, DecoderConfig
 from minicpm_cli.pipeline import Synthesizer
 
@@ -132,7 +132,7 @@ def test_llm_decode_on_kernels_matches_eager(tiny_dir):
 @pytest.mark.parametrize("bos,block_eos,sampled", [(False, False, False), (False, True, True), (True, False, True)])
 def test_code_sampling_kernel_matches_torch(tiny_dir, bos, block_eos, sampled):
     """Temperature, top-p, top-k, EOS block, softmax and the draw: the same probabilities and codes."""
-    from minicpm_cli.backends.kernels import sample_codes
+    from minicpm_cli.backends.kernels.sampling import sample_codes
     from minicpm_cli.tts import MIN_KEEP, TTSRunner
 
     s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")

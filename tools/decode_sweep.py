@@ -1,9 +1,9 @@
 """Launch shapes and per-kernel times of the LLM decode step on a GPU (a developer tool, not part of
-the package: the tables in docs/benchmarks.md and `TritonDecode.cfg` come from runs of it).
+the package: the tables in docs/journal.md and `TritonDecode.cfg` come from runs of it).
 
     python tools/decode_sweep.py --backend int4 --profile
     python tools/decode_sweep.py --backend int4 --sweep gate_up,down --rows 8,16 --block-k 512,1024
-    python tools/decode_sweep.py --backend int4 --alt old_kernels.py --alt-set down=8,1024,2,3,1 --rounds 5
+    python tools/decode_sweep.py --backend int4 --alt /tmp/old/backends/kernels --alt-set down=8,1024,2,3,1 --rounds 5
     python tools/decode_sweep.py --backend int4 --alt-set down=4,1024,1,4,1,1 --alt-set down=8,1024,2,4,2,1
     python tools/decode_sweep.py --backend int4 --check --alt-set gate_up_cuda=0   # the Triton gate/up
 
@@ -14,8 +14,9 @@ the step's kernels with their time per step (torch.profiler, the kernels of the 
 times every candidate launch shape of the named kernels (`TritonDecode.cfg`: rows per program, K
 per iteration, warps, stages[, split], pipe; "attn": cache slots per block, warps), one kernel at a time
 with the others at their current shapes, and prints the best of each. `--alt` / `--alt-set` time other
-variants of the step (the kernels of another copy of backends/kernels.py; launch shapes, one variant
-per `--alt-set`) against the current one, alternating for `--rounds` rounds on the same model and
+variants of the step (the kernels of another copy of the backends/kernels folder, such as
+`git archive <commit> backends/kernels | tar -x -C /tmp/old` makes; launch shapes, one variant per
+`--alt-set`) against the current one, alternating for `--rounds` rounds on the same model and
 position (the medians of each, so that drift of the GPU's clocks falls on all of them).
 """
 
@@ -111,22 +112,32 @@ def shapes(text: str) -> dict[str, tuple]:
 
 def reshape(td, cfg: dict, dev, mod=None) -> None:
     """Launch shapes `cfg` on top of `td.cfg`, and the split-K scratch they need (`kernels_scratch`
-    of `mod`, td's kernels module; default backends.kernels)."""
+    of `mod`, the decode module of td's kernels; default backends/kernels/decode.py)."""
     if mod is None:
-        import minicpm_cli.backends.kernels as mod
+        from minicpm_cli.backends.kernels import decode as mod
     td.cfg.update(cfg)
     td.scratch = mod.kernels_scratch(td.cfg, td.weights[0][1], td.weights[0][3], dev)
 
 
+def alt_decode(path: str):
+    """The decode module of the kernels folder at `path`, imported as a package beside
+    backends.kernels (so that its relative imports, `..cuda` too, resolve as the original's)."""
+    name = "minicpm_cli.backends.alt_kernels"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(path) / "__init__.py",
+                                                      submodule_search_locations=[str(path)])
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return importlib.import_module(f"{name}.decode")
+
+
 def variant(llm, path: str | None, cfg: dict, dev):
-    """A TritonDecode over the same model with the kernels of `path` (default: backends/kernels.py)
-    and launch shapes `cfg` on top of its defaults."""
-    import minicpm_cli.backends.kernels as mod
+    """A TritonDecode over the same model with the kernels of `path`, a copy of the backends/kernels
+    folder (default: backends/kernels itself), and launch shapes `cfg` on top of its defaults."""
+    from minicpm_cli.backends.kernels import decode as mod
 
     if path:
-        spec = importlib.util.spec_from_file_location("alt_kernels", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = alt_decode(path)
     td = mod.TritonDecode(llm.triton.decoder)
     reshape(td, cfg, dev, mod)
     return td
@@ -186,7 +197,8 @@ def main() -> None:
     ap.add_argument("--block-s", type=ints, default=[16, 32, 64], help="attention: cache slots per block (--sweep attn)")
     ap.add_argument("--set", type=shapes, default={},
                     help="launch shapes of the current variant: 'down=8,1024,2,2,2;o=...'")
-    ap.add_argument("--alt", default=None, help="a copy of backends/kernels.py to time against the current one")
+    ap.add_argument("--alt", default=None,
+                    help="a copy of the backends/kernels folder to time against the current one")
     ap.add_argument("--alt-set", type=shapes, action="append", default=None,
                     help="launch shapes of the second variant (again: a third, ...; all alternate)")
     ap.add_argument("--rounds", type=int, default=5)

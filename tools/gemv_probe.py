@@ -1,5 +1,5 @@
 """What bounds the 4-bit GEMVs of the LLM decode step (gate/up, down): memory, or the arithmetic?
-(a developer tool, like tools/decode_sweep.py; the findings are in docs/benchmarks.md)
+(a developer tool, like tools/decode_sweep.py; the findings are in docs/journal.md)
 
     python tools/gemv_probe.py --modes kernel,loads,L2 --inter 8448,16896,18944,25344
     python tools/gemv_probe.py --lean "4,512,1,0,3;8,512,2,0,0" --down "8,1024,2,3,2" --chain
@@ -33,8 +33,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from minicpm_cli.backends import kernels as K  # noqa: E402
-from minicpm_cli.backends import kernels as kern  # noqa: E402  (where a kernel has a parameter K)
+from minicpm_cli.backends.kernels import common, decode, matvec  # noqa: E402
 from decode_sweep import graph_ms  # noqa: E402
 
 
@@ -49,27 +48,29 @@ def _probe(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, IN
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
-    pre = K._words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, True, True)
+    pre = matvec._words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, True, True)
     if MODE == 1:  # loads only
-        K._wait_previous(PDL)
+        common._wait_previous(PDL)
         acc = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.int32)
         for i in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
-            nxt = K._words(w_ptr, row0, row0 + INTER, INTER, i + BLOCK_K, DIM, BLOCK_R, BLOCK_K, True, True)
+            nxt = matvec._words(w_ptr, row0, row0 + INTER, INTER, i + BLOCK_K, DIM, BLOCK_R, BLOCK_K, True, True)
             acc = acc ^ pre[0] ^ pre[1]
             pre = nxt
-        K._let_next(PDL)
+        common._let_next(PDL)
         t = tl.reshape(tl.xor_sum(acc, 0), [BLOCK_R])
         tl.store(h_ptr + rows, t.to(tl.int16).to(dtype, bitcast=True), mask=rm)
     else:
-        sc_g, z_g = K._row_params(s_ptr, z_ptr, rows, rm, DIM, True, GS)
-        sc_u, z_u = K._row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, True, GS)
-        K._wait_previous(PDL)
-        acc_g, acc_u, ss, vz = K._k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0, DIM,
-                                         DIM, BLOCK_R, BLOCK_K, VW, True, GS, True, True, STAGES, PDL)
+        sc_g, z_g = matvec._row_params(s_ptr, z_ptr, rows, rm, DIM, True, GS)
+        sc_u, z_u = matvec._row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, True, GS)
+        common._wait_previous(PDL)
+        acc_g, acc_u, ss, vz = matvec._k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0,
+                                              DIM, DIM, BLOCK_R, BLOCK_K, VW, True, GS, True, True, STAGES, PDL, False)
         inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-        g = K._rnd(K._row_scale(K._total(acc_g, vz, z_g, DIM, BLOCK_R, True, GS), sc_g, DIM, True, GS) * inv, dtype)
-        u = K._rnd(K._row_scale(K._total(acc_u, vz, z_u, DIM, BLOCK_R, True, GS), sc_u, DIM, True, GS) * inv, dtype)
-        act = K._rnd(g / (1.0 + tl.exp(-g)), dtype)
+        g = common._rnd(matvec._row_scale(matvec._total(acc_g, vz, z_g, DIM, BLOCK_R, True, GS), sc_g, DIM, True, GS)
+                        * inv, dtype)
+        u = common._rnd(matvec._row_scale(matvec._total(acc_u, vz, z_u, DIM, BLOCK_R, True, GS), sc_u, DIM, True, GS)
+                        * inv, dtype)
+        act = common._rnd(g / (1.0 + tl.exp(-g)), dtype)
         tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 
 
@@ -87,13 +88,13 @@ def _words_even(w_ptr, row0, row02, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 def _mac_lean(acc, acc2, ss, vz, words, words2, v_ptr, g_ptr, u_ptr, k0, BLOCK_K: tl.constexpr, UVEC: tl.constexpr):
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     if UVEC:  # the scaled inputs come computed (a stand-in for work done once a step)
-        vj = K._eight(tl.load(u_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :]))
-        acc, acc2 = K._nibbles(acc, acc2, words, words2, vj, False, True)
+        vj = matvec._eight(tl.load(u_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :]))
+        acc, acc2 = matvec._nibbles(acc, acc2, words, words2, vj, False, True)
     else:
-        vj = K._vec8(v_ptr, g_ptr, kw, kw >= 0, ss, True)
+        vj = matvec._vec8(v_ptr, g_ptr, kw, kw >= 0, ss, True)
         ss = vj[8]
         vsum = vj[0] + vj[1] + vj[2] + vj[3] + vj[4] + vj[5] + vj[6] + vj[7]
-        acc, acc2 = K._nibbles(acc, acc2, words, words2, vj, True, True)
+        acc, acc2 = matvec._nibbles(acc, acc2, words, words2, vj, True, True)
         vz += vsum
     return acc, acc2, ss, vz
 
@@ -123,12 +124,12 @@ def _probe_lean(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, eps, DIM: tl.c
     dtype = x_ptr.dtype.element_ty
     if STAGES == 0:
         pre = _words_even(w_ptr, row0, row0 + INTER, 0, DIM, BLOCK_R, BLOCK_K)
-    sc_g, z_g = K._row_params(s_ptr, z_ptr, rows, rows >= 0, DIM, True, DIM)
-    sc_u, z_u = K._row_params(s_ptr, z_ptr, rows + INTER, rows >= 0, DIM, True, DIM)
+    sc_g, z_g = matvec._row_params(s_ptr, z_ptr, rows, rows >= 0, DIM, True, DIM)
+    sc_u, z_u = matvec._row_params(s_ptr, z_ptr, rows + INTER, rows >= 0, DIM, True, DIM)
     if PREF:  # the program's weights into L2 before the wait (a slice of each half a thread)
         _l2_prefetch(w_ptr, row0 // 4 * (DIM // 2), BLOCK_R * DIM // 2)
         _l2_prefetch(w_ptr, (row0 + INTER) // 4 * (DIM // 2), BLOCK_R * DIM // 2)
-    K._wait_previous(PDL)
+    common._wait_previous(PDL)
     acc = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
@@ -142,14 +143,16 @@ def _probe_lean(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, eps, DIM: tl.c
             nxt = _words_even(w_ptr, row0, row0 + INTER, (i + BLOCK_K) % DIM, DIM, BLOCK_R, BLOCK_K)
             acc, acc2, ss, vz = _mac_lean(acc, acc2, ss, vz, pre[0], pre[1], x_ptr, nw_ptr, u_ptr, i, BLOCK_K, UVEC)
             pre = nxt
-    K._let_next(PDL)
+    common._let_next(PDL)
     if UVEC:
         ss = tl.load(u_ptr + DIM + tl.arange(0, BLOCK_K // 8)) * 0.0 + 1.0
         vz = ss
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    g = K._rnd(K._row_scale(K._total(acc, vz, z_g, DIM, BLOCK_R, True, DIM), sc_g, DIM, True, DIM) * inv, dtype)
-    u = K._rnd(K._row_scale(K._total(acc2, vz, z_u, DIM, BLOCK_R, True, DIM), sc_u, DIM, True, DIM) * inv, dtype)
-    act = K._rnd(g / (1.0 + tl.exp(-g)), dtype)
+    g = common._rnd(matvec._row_scale(matvec._total(acc, vz, z_g, DIM, BLOCK_R, True, DIM), sc_g, DIM, True, DIM)
+                    * inv, dtype)
+    u = common._rnd(matvec._row_scale(matvec._total(acc2, vz, z_u, DIM, BLOCK_R, True, DIM), sc_u, DIM, True, DIM)
+                    * inv, dtype)
+    act = common._rnd(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(h_ptr + rows, (act * u).to(dtype))
 
 
@@ -157,9 +160,9 @@ def _probe_lean(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, eps, DIM: tl.c
 def _mac1(acc, vz, words, v_ptr, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_mac` for one one-group 4-bit weight without a gain (down, o)."""
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    vj = kern._vec8(v_ptr, v_ptr, kw, kw < K // 8, vz, False)
+    vj = matvec._vec8(v_ptr, v_ptr, kw, kw < K // 8, vz, False)
     vsum = vj[0] + vj[1] + vj[2] + vj[3] + vj[4] + vj[5] + vj[6] + vj[7]
-    acc, _ = kern._nibbles(acc, acc, words, words, vj, True, False)
+    acc, _ = matvec._nibbles(acc, acc, words, words, vj, True, False)
     return acc, vz + vsum
 
 
@@ -174,8 +177,8 @@ def _probe_gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < N
     k_lo = tl.program_id(1) * KS
-    scale, zero = kern._row_params(s_ptr, z_ptr, rows, rm, K, True, K)
-    kern._wait_previous(PDL)
+    scale, zero = matvec._row_params(s_ptr, z_ptr, rows, rm, K, True, K)
+    common._wait_previous(PDL)
     res = tl.load(x_ptr + rows).to(tl.float32)
     quad = tl.arange(0, BLOCK_R // 4)[None, :, None]
     lane = tl.arange(0, 4)[None, None, :]
@@ -189,19 +192,19 @@ def _probe_gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N
             iacc = iacc ^ words
         else:
             acc, vz = _mac1(acc, vz, words, y_ptr, k_lo + i, K, BLOCK_K)
-    kern._let_next(PDL)
+    common._let_next(PDL)
     if MODE == 1:
         t = tl.reshape(tl.xor_sum(iacc, 0), [BLOCK_R]).to(tl.float32)
     else:
-        t = kern._total(acc, vz, zero, K, BLOCK_R, True, K)
+        t = matvec._total(acc, vz, zero, K, BLOCK_R, True, K)
     if SPLIT == 1:
-        kern._gemv_out(t, scale, res, out_ptr, rows, rm, K, True, True, K, y_ptr.dtype.element_ty)
+        matvec._gemv_out(t, scale, res, out_ptr, rows, rm, K, True, True, K, y_ptr.dtype.element_ty)
     else:
         r = tl.arange(0, BLOCK_R)
         tl.store(part_ptr + (blk * SPLIT + tl.program_id(1)) * BLOCK_R + r, t)
-        if kern._arrive_last(cnt_ptr + blk, SPLIT):
-            t = kern._sum_parts(part_ptr + blk * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
-            kern._gemv_out(t, scale, res, out_ptr, rows, rm, K, True, True, K, y_ptr.dtype.element_ty)
+        if common._arrive_last(cnt_ptr + blk, SPLIT):
+            t = common._sum_parts(part_ptr + blk * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
+            matvec._gemv_out(t, scale, res, out_ptr, rows, rm, K, True, True, K, y_ptr.dtype.element_ty)
             tl.store(cnt_ptr + blk, 0)
 
 
@@ -215,19 +218,19 @@ def down_probe(args, dev, before=None) -> dict:
     zeros = torch.full((n, 1), 8.0, device=dev)
     y = torch.randn(k, dtype=torch.bfloat16, device=dev)
     x = torch.randn(n, dtype=torch.bfloat16, device=dev)
-    scratch = K.SplitScratch(dev, n * 16, n)
-    wt = [K.Weight(w, scales, zeros, k) for w in words]
+    scratch = common.SplitScratch(dev, n * 16, n)
+    wt = [common.Weight(w, scales, zeros, k) for w in words]
     graphs = {}
     for shape in [tuple(int(v) for v in t.split(",")) for t in args.down_current.split(";") if t]:
         r, bk, w, st, sp = shape
         def launch(i, r=r, bk=bk, w=w, st=st, sp=sp):
             if before:
                 before(i)
-            K.gemv(wt[i], y, x, x, rows=r, block_k=bk, warps=w, stages=st, split=sp, scratch=scratch, pdl=True)
+            matvec.gemv(wt[i], y, x, x, rows=r, block_k=bk, warps=w, stages=st, split=sp, scratch=scratch, pdl=True)
         graphs[("down kernel", shape, n, 0)] = graph_of(launch, args.layers)
     for shape in [tuple(int(v) for v in t.split(",")) for t in args.down.split(";") if t]:
         r, bk, w, st, sp = shape
-        sp, ks = K.split_k(k, bk, sp)
+        sp, ks = common.split_k(k, bk, sp)
         for mode in (0, 1):
             def launch(i, r=r, bk=bk, w=w, st=st, sp=sp, ks=ks, mode=mode):
                 if before:
@@ -306,39 +309,40 @@ def main() -> None:
         r, k, w, st = shape
 
         def launch(i):
-            K._rms_gate_up[(triton.cdiv(inter, r),)](x, nw, dense[i % len(dense)], dense[i % len(dense)],
-                                                     dense[i % len(dense)], h, 1e-6, DIM=dim, INTER=inter, Q4=False,
-                                                     GS=dim, BLOCK_R=r, BLOCK_K=k, VW=k, STAGES=st, PDL=True,
-                                                     num_warps=w, launch_pdl=True)
+            decode._rms_gate_up[(triton.cdiv(inter, r),)](x, nw, dense[i % len(dense)], dense[i % len(dense)],
+                                                          dense[i % len(dense)], h, 1e-6, DIM=dim, INTER=inter,
+                                                          Q4=False, GS=dim, BLOCK_R=r, BLOCK_K=k, VW=k, STAGES=st,
+                                                          PDL=True, num_warps=w, launch_pdl=True)
         return launch
 
-    ow = [K.Weight(torch.randint(-2**31, 2**31 - 1, (dim // 4, dim // 8, 4), dtype=torch.int32, device=dev),
-                   scales[:dim], zeros[:dim], dim) for _ in range(args.layers)] if args.chain else []
+    ow = [common.Weight(torch.randint(-2**31, 2**31 - 1, (dim // 4, dim // 8, 4), dtype=torch.int32, device=dev),
+                        scales[:dim], zeros[:dim], dim) for _ in range(args.layers)] if args.chain else []
     y = torch.randn(dim, dtype=torch.bfloat16, device=dev)
 
     def o_launch(i):  # --chain: the o projection before each gate/up launch, as in a decode step
-        K.gemv(ow[i], y, x, x, rows=8, block_k=1024, warps=4, stages=2, split=1, pdl=True)
+        matvec.gemv(ow[i], y, x, x, rows=8, block_k=1024, warps=4, stages=2, split=1, pdl=True)
 
     def current_launch(shape):
         r, k, w, st = shape
-        wt = [K.Weight(wd[: 2 * inter // 4], scales[: 2 * inter], zeros[: 2 * inter], dim) for wd in words]
+        wt = [common.Weight(wd[: 2 * inter // 4], scales[: 2 * inter], zeros[: 2 * inter], dim) for wd in words]
 
         def launch(i):
             if args.chain:
                 o_launch(i)
-            K._rms_gate_up[(triton.cdiv(inter, r),)](x, nw, *wt[i].args(), h, 1e-6, DIM=dim, INTER=inter, Q4=True,
-                                                     GS=dim, BLOCK_R=r, BLOCK_K=k, VW=k // 8, STAGES=st, PDL=True,
-                                                     num_warps=w, launch_pdl=True)
+            decode._rms_gate_up[(triton.cdiv(inter, r),)](x, nw, *wt[i].args(), h, 1e-6, DIM=dim, INTER=inter,
+                                                          Q4=True, GS=dim, BLOCK_R=r, BLOCK_K=k, VW=k // 8, STAGES=st,
+                                                          PDL=True, num_warps=w, launch_pdl=True)
         return launch
 
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s]
     graphs = {}
     graphs = {("bf16 kernel", (4, 256, 4, 1), inter, 0): graph_of(bf16_launch((4, 256, 4, 1)), args.layers)}
-    gu = [K.Weight(wd[: 2 * inter // 4], scales[: 2 * inter], zeros[: 2 * inter], dim) for wd in words]
+    gu = [common.Weight(wd[: 2 * inter // 4], scales[: 2 * inter], zeros[: 2 * inter], dim) for wd in words]
 
     def gu_launch(i):  # --chain: gate/up before each down launch
-        K._rms_gate_up[(inter // 8,)](x, nw, *gu[i].args(), h, 1e-6, DIM=dim, INTER=inter, Q4=True, GS=dim, BLOCK_R=8,
-                                      BLOCK_K=512, VW=64, STAGES=2, PDL=True, num_warps=2, launch_pdl=True)
+        decode._rms_gate_up[(inter // 8,)](x, nw, *gu[i].args(), h, 1e-6, DIM=dim, INTER=inter, Q4=True, GS=dim,
+                                           BLOCK_R=8, BLOCK_K=512, VW=64, STAGES=2, PDL=True, num_warps=2,
+                                           launch_pdl=True)
     graphs.update(down_probe(args, dev, gu_launch if args.chain else None))
     modes = args.modes.split(",")
     for shape in shapes:

@@ -3,7 +3,7 @@ developer tool, not part of the package; the shapes in `q4_mm_config` come from 
 
     python tools/q4mm_sweep.py --m 64,128 --jobs 12
     python tools/q4mm_sweep.py --m 1 --decode        # q4_mm as a one-token product, vs the GEMV
-    python tools/q4mm_sweep.py --kernels old_kernels.py   # another copy of backends/kernels.py
+    python tools/q4mm_sweep.py --kernels /tmp/old/backends/kernels   # another copy of the kernels folder
 
 For every Qwen2-7B projection shape (q/k/v, o, gate/up, down) and token count M it times, as CUDA
 graph replays over enough copies of the weights that they do not stay in L2: cuBLAS on bf16
@@ -39,11 +39,12 @@ KERNELS_ENV = "Q4MM_SWEEP_KERNELS"  # --kernels, passed on to the compile worker
 
 
 def use_kernels() -> None:
-    """Make the file named by KERNELS_ENV (a copy of backends/kernels.py) the `backends.kernels`
-    module that the sweep imports."""
+    """Make the folder named by KERNELS_ENV (a copy of backends/kernels) the `backends.kernels`
+    package that the sweep imports."""
     path = os.environ.get(KERNELS_ENV)
     if path and "minicpm_cli.backends.kernels" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("minicpm_cli.backends.kernels", path)
+        spec = importlib.util.spec_from_file_location("minicpm_cli.backends.kernels", Path(path) / "__init__.py",
+                                                      submodule_search_locations=[path])
         mod = importlib.util.module_from_spec(spec)
         sys.modules["minicpm_cli.backends.kernels"] = mod
         spec.loader.exec_module(mod)
@@ -56,7 +57,7 @@ def ints(text: str) -> list[int]:
 def weight(n: int, k: int, dev, seed: int):
     """A random one-group 4-bit weight in the kernels' layout, and its values q (n, k) uint8."""
     from minicpm_cli.backends.gptq import kernel_words
-    from minicpm_cli.backends.kernels import Weight
+    from minicpm_cli.backends.kernels.common import Weight
 
     g = torch.Generator(device=dev).manual_seed(seed)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device=dev, generator=g)
@@ -94,7 +95,8 @@ def candidates(m: int, decode: bool, wide: bool = False) -> list[tuple]:
 
 def resolve(cfg: tuple, m: int, w) -> tuple:
     """A candidate with its split made concrete: 1 - split programs per SM when split <= 0."""
-    from minicpm_cli.backends.kernels import _sm_count, q4_mm_split
+    from minicpm_cli.backends.kernels.common import _sm_count
+    from minicpm_cli.backends.kernels.q4 import q4_mm_split
 
     bn, bt, bk, warps, stages, split = cfg
     if split <= 0:
@@ -105,7 +107,7 @@ def resolve(cfg: tuple, m: int, w) -> tuple:
 def precompile(jobs: list[tuple]) -> None:
     """Worker: compile (shape, m, cfg) jobs into Triton's cache by running each once."""
     use_kernels()
-    from minicpm_cli.backends.kernels import q4_mm
+    from minicpm_cli.backends.kernels.q4 import q4_mm
 
     dev = torch.device("cuda")
     made = {}
@@ -143,13 +145,16 @@ def main() -> None:
     ap.add_argument("--wide", action="store_true", help="the first sweep's grid of shapes")
     ap.add_argument("--repeat", type=int, default=3, help="correctness checks per shape, fresh inputs each")
     ap.add_argument("--current", action="store_true", help="time q4_mm_config's shapes only")
-    ap.add_argument("--kernels", default=None, help="a copy of backends/kernels.py to time instead of the current one")
+    ap.add_argument("--kernels", default=None,
+                    help="a copy of the backends/kernels folder to time instead of the current one")
     args = ap.parse_args()
 
     if args.kernels:
         os.environ[KERNELS_ENV] = str(Path(args.kernels).resolve())
     use_kernels()
-    from minicpm_cli.backends.kernels import SplitScratch, gemv, q4_linear, q4_mm, q4_mm_config
+    from minicpm_cli.backends.kernels.common import SplitScratch
+    from minicpm_cli.backends.kernels.matvec import gemv
+    from minicpm_cli.backends.kernels.q4 import q4_linear, q4_mm, q4_mm_config
 
     dev = torch.device("cuda")
     names = [s for s in args.shapes.split(",") if s]

@@ -1,0 +1,87 @@
+"""Single-query attention for one-token steps (`_attend`, launched by `TritonDecode`, decode.py):
+a query head against the KV cache's slots up to the position, which is read on the device (one
+CUDA graph serves every position), masked causally or by per-slot "visible from" positions (the
+TTS chunk mask); the slots are split over programs and merged by the last one to finish.
+
+Tests: tests/test_kernels.py (`test_decode_step_matches_eager_float32`: grouped and plain heads,
+causal and masked, cache blocks of 64 and 16 slots; the TTS and LLM runners).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import _arrive_last, _let_next, _wait_previous
+
+
+@triton.jit
+def _attend_block(q, k, v, s, pos, vis_ptr, m, acc, total, scale, HAS_VIS: tl.constexpr):
+    """Online softmax over one block of cache slots s (k, v (BLOCK_S, D) float32, zeros past pos)."""
+    used = s <= pos
+    seen = used
+    if HAS_VIS:
+        seen = used & (tl.load(vis_ptr + s, mask=used, other=0) <= pos)
+    sc = tl.where(seen, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
+    m_new = tl.maximum(tl.max(sc, 0), m)
+    p = tl.exp(sc - m_new)
+    alpha = tl.exp(m - m_new)
+    return m_new, acc * alpha + tl.sum(p[:, None] * v, 0), total * alpha + tl.sum(p, 0)
+
+
+@triton.jit
+def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len,
+            SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
+            BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (h, j): query head h against the cache blocks j, j + SPLITS, ... of BLOCK_S slots
+    up to the position (split-K "flash decoding", online softmax across a program's blocks); each
+    split leaves (unnormalised output, max, sum) in `part`, and the head's last split to finish
+    (counted with an atomic, reset for the next step) merges them in a fixed order.
+
+    Only q and the current slot's k/v come from the previous kernel (the q/k/v projection): the
+    position (written before the step's first kernel) and the program's first block of older slots
+    are loaded before `_wait_previous`, so under PDL those loads overlap the previous kernel."""
+    h = tl.program_id(0)
+    j = tl.program_id(1)
+    pos = tl.load(pos_ptr)
+    n_blocks = pos // BLOCK_S + 1
+    n_used = tl.minimum(n_blocks, SPLITS)
+    hk = h // GROUP
+    dd = tl.arange(0, D)
+    s = j * BLOCK_S + tl.arange(0, BLOCK_S)
+    older = s < tl.where(j < n_used, pos, 0)  # slots before the current one, if this split has any
+    off = (hk * max_len + s)[:, None] * D + dd[None, :]
+    k = tl.load(kc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
+    v = tl.load(vc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
+    _wait_previous(PDL)
+    if j < n_used:
+        q = tl.load(q_ptr + h * D + dd).to(tl.float32)
+        now = (s == pos)[:, None]
+        k = tl.where(now, tl.load(kc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], k)
+        v = tl.where(now, tl.load(vc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], v)
+        m, acc, total = _attend_block(q, k, v, s, pos, vis_ptr, -1e30, tl.zeros([D], dtype=tl.float32), 0.0, scale,
+                                      HAS_VIS)  # m: finite even when no slot of the split is seen
+        for blk0 in range(SPLITS, NB, SPLITS):  # every SPLITS-th block from j, up to the position's
+            if blk0 + j < n_blocks:
+                s = (blk0 + j) * BLOCK_S + tl.arange(0, BLOCK_S)
+                off = (hk * max_len + s)[:, None] * D + dd[None, :]
+                used = (s <= pos)[:, None]
+                k = tl.load(kc_ptr + off, mask=used, other=0.0).to(tl.float32)
+                v = tl.load(vc_ptr + off, mask=used, other=0.0).to(tl.float32)
+                m, acc, total = _attend_block(q, k, v, s, pos, vis_ptr, m, acc, total, scale, HAS_VIS)
+        _let_next(PDL)
+        base = part_ptr + (h * SPLITS + j) * (D + 2)
+        tl.store(base + dd, acc)
+        tl.store(base + D, m)
+        tl.store(base + D + 1, total)
+        if _arrive_last(cnt_ptr + h, n_used):
+            js = tl.arange(0, triton.next_power_of_2(SPLITS))
+            jm = js < n_used
+            rows = part_ptr + (h * SPLITS + js) * (D + 2)
+            ms = tl.load(rows + D, mask=jm, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp(ms - tl.max(ms, 0))
+            ls = tl.load(rows + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
+            accs = tl.load(rows[:, None] + dd[None, :], mask=jm[:, None], other=0.0, cache_modifier=".cg")
+            y = tl.sum(w[:, None] * accs, 0) / tl.sum(w * ls, 0)
+            tl.store(out_ptr + h * D + dd, y.to(q_ptr.dtype.element_ty))
+            tl.store(cnt_ptr + h, 0)

@@ -1,0 +1,36 @@
+"""A one-row RMSNorm in one launch (`rms_norm`): the final norm of the LLM and TTS steps (the
+norms inside a layer are folded into its projections, decode.py).
+
+Tests: tests/test_kernels.py (the TTS and LLM runners on the kernels against the eager ones).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import _let_next, _rnd, _wait_previous
+
+
+@triton.jit
+def _rms_norm(x_ptr, w_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """out = w * rnd(x / rms(x)) for one row x (N,), rounded where `RMSNorm` rounds."""
+    _wait_previous(PDL)
+    _let_next(PDL)
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    x = tl.load(x_ptr + i, mask=m, other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
+    h = _rnd(x * inv, x_ptr.dtype.element_ty)
+    y = h * tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm(x: Tensor, norm, out: Tensor, pdl: bool = False) -> Tensor:
+    """`norm(x)` (a `RMSNorm`) of one row x (N,) into out, in one launch (the eager module: seven);
+    `pdl`: launched as a programmatic dependent of the previous kernel (see `_wait_previous`)."""
+    n = x.numel()
+    _rms_norm[(1,)](x, norm.weight, out, norm.eps, N=n, BLOCK=triton.next_power_of_2(n), PDL=pdl, num_warps=4,
+                    launch_pdl=pdl)
+    return out

@@ -1,0 +1,254 @@
+"""4-bit prefill products (more than one token): `q4_mm`, a tensor-core product of a one-group
+4-bit weight with up to `MM_MAX_M` tokens (`_q4_mm`, launch shapes from `q4_mm_config`), and
+`q4_linear`, which `Q4Linear` (backends/gptq.py) runs: one token on `gemv` (matvec.py), a
+one-group weight on `q4_mm`, else slices of W dequantized (`_q4_dequant`) for cuBLAS. Both kernels
+unpack `_mac`'s 4-bit layout (matvec.py) two values at a time, one in each 16-bit half of a word
+(`_pairs`, `_pairs16`); `_zero_scale` loads the zero points and scales of a grouped weight.
+
+Tests: tests/test_int4_kernels.py (`test_prefill_product_matches_dequantized` in float32, bfloat16
+and float16 and several launch shapes, `test_q4_linear_matches_dequantized` with and without
+groups; on a GPU `test_prefill_product_full_size_on_gpu` at Qwen2-7B's shapes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .common import Weight, _arrive_last, _sm_count, _sum_parts, split_k
+from .matvec import gemv
+
+
+@triton.jit
+def _shifted(words):
+    """Words (R, W) shifted by 4p (R, W, 4): values 2p and 2p + 1 (`pair_nibbles` order) in the low
+    4 bits of each 16-bit half."""
+    return words[:, :, None] >> (tl.arange(0, 4) * 4)[None, None, :]
+
+
+@triton.jit
+def _pairs(words):
+    """The 4-bit values of words (R, W) in `pair_nibbles` order as (R, W, 4) int32: element p holds
+    values 2p and 2p + 1 in its low and high 16 bits."""
+    return _shifted(words) & 0x000F000F
+
+
+@triton.jit
+def _pairs16(words, nz, MAGIC: tl.constexpr, ONE: tl.constexpr, FMA: tl.constexpr):
+    """`_pairs` as two 16-bit floats q - z a word (R, W, 4): one LOP3 puts 16-bit MAGIC (the
+    pattern of 2^m) over each 4-bit value q, which makes the float 2^m + q exactly, and one paired
+    FMA (x * ONE + nz, nz = -(2^m + z) in both halves (R, 1, 1)) leaves q - z, exactly."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; lop3.b32 t, $1, $2, $3, 0xEA; " + FMA + " $0, t, $4, $5; }", "=r,r,r,r,r,r",
+        [_shifted(words), tl.full([1, 1, 4], 0x000F000F, tl.int32),
+         tl.full([1, 1, 4], MAGIC * 65537, tl.int32), tl.full([1, 1, 4], ONE * 65537, tl.int32), nz],
+        dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _zero_scale(s_ptr, z_ptr, rows, rmask, kw, km, K: tl.constexpr, GS: tl.constexpr):
+    """2^23 + zero point, and scale, for rows x words kw of a 4-bit weight: per row (rows, 1) with
+    one group, else per row and word (rows, words) (a word's eight inputs share a group)."""
+    if GS == K:
+        zero = tl.load(z_ptr + rows, mask=rmask, other=0.0)[:, None]
+        scale = tl.load(s_ptr + rows, mask=rmask, other=0.0)[:, None]
+    else:
+        grp = rows[:, None] * (K // GS) + (kw * 8 // GS)[None, :]
+        m = rmask[:, None] & km[None, :]
+        zero = tl.load(z_ptr + grp, mask=m, other=0.0)
+        scale = tl.load(s_ptr + grp, mask=m, other=0.0)
+    return 8388608.0 + zero, scale
+
+
+@triton.jit
+def _q4_dequant(w_ptr, s_ptr, z_ptr, out_ptr, n0, N: tl.constexpr, K: tl.constexpr, GS: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[r, :] = W[n0 + r, :] dequantized to out's dtype (a 4-bit weight, see `_mac`)."""
+    rows = n0 + tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rm = rows < N
+    kw = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    km = kw < K // 8
+    word = ((rows // 4) * (K // 8))[:, None] * 4 + kw[None, :] * 4 + (rows % 4)[:, None]  # rows interleaved by 4
+    words = tl.load(w_ptr + word, mask=rm[:, None] & km[None, :], other=0)
+    zero, scale = _zero_scale(s_ptr, z_ptr, rows, rm, kw, km, K, GS)
+    pairs = _pairs(words)
+    lo = ((pairs & 0xFFFF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q
+    hi = ((pairs >> 16) | 0x4B000000).to(tl.float32, bitcast=True)
+    q = tl.reshape(tl.join(lo, hi), [BLOCK_R, BLOCK_K // 8, 8])  # in input order: contiguous stores
+    w = (q - zero[:, :, None]) * scale[:, :, None]
+    cols = kw[:, None] * 8 + tl.arange(0, 8)[None, :]
+    off = (rows - n0)[:, None, None] * K + cols[None, :, :]
+    tl.store(out_ptr + off, w.to(out_ptr.dtype.element_ty), mask=rm[:, None, None] & km[None, :, None])
+
+
+SCRATCH = 1 << 25  # elements of the dequantized slice of a 4-bit weight a prefill works on (64 MB in bf16)
+
+
+@triton.jit
+def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: tl.constexpr, K: tl.constexpr,
+           HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+           SPLIT: tl.constexpr, KS: tl.constexpr, STAGES: tl.constexpr, MAGIC: tl.constexpr, BASE: tl.constexpr,
+           ONE: tl.constexpr, FMA: tl.constexpr, INTERPRETED: tl.constexpr = False):
+    """out (M, N) = x (M, K) @ W^T (+ bias) for a one-group 4-bit W (`_mac`'s layout), the prefill
+    product. Program (i, j, s): rows n of W from i * BLOCK_N against tokens t from j * BLOCK_T, on
+    inputs s * KS..: each K-block of W is unpacked in registers for a tensor-core product with the
+    tokens' inputs (float32 sums; W is the left operand, so a few tokens fill the narrow side of
+    the product; the tokens as the left operand, the unpacked weights through shared memory, was
+    slower at 64 and 128 tokens on an H100), and the row scale multiplies the sums.
+
+    One AND of a word shifted by 4p gives its values 2p and 2p + 1 (`pair_nibbles`) in its 16-bit
+    halves. 16-bit x (MAGIC, the 16-bit pattern of BASE = 2^m: 128.0 in bfloat16, 1024.0 in
+    float16): `_pairs16` makes them the 16-bit floats q - z, exactly, in three instructions a
+    pair (shift, LOP3, paired FMA); the zero point subtracted there instead of (2^m + z) * sum(x)
+    off the sums at the end took the inputs' sums out of the loop (179 -> 137 sm_90 instructions
+    a K-block for gate/up at 64 tokens, 266 -> 166 for down). float32 x: (q - z), exactly.
+    SPLIT > 1: as `_gemv`, each program leaves its sums in `part` and a tile's last program to
+    finish adds them in a fixed order and writes the tile."""
+    pn = tl.program_id(0)
+    pt = tl.program_id(1)
+    ps = tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
+    nm = n < N
+    tm = t < M
+    zero = tl.load(z_ptr + n, mask=nm, other=0.0)
+    quad = (pn * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4))[:, None, None]
+    lane = tl.arange(0, 4)[None, None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    if MAGIC and not INTERPRETED:  # -(2^m + z) as a 16-bit float in both halves of a word
+        nz = ((-(BASE + zero[:, None, None])).to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 65537
+    elif MAGIC:  # what comes off the 16-bit floats 2^m + q (float32 below)
+        zero16 = (BASE + zero)[:, None, None]
+    else:
+        zero16 = zero[:, None, None]
+    k_lo = ps * KS
+    for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
+        kw = (k_lo + i) // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + (quad * (K // 8) + kw[None, :, None]) * 4 + lane,
+                        mask=(quad * 4 < N) & (kw < K // 8)[None, :, None], other=0)  # (quads, words, 4 rows)
+        words = tl.reshape(tl.permute(words, (0, 2, 1)), [BLOCK_N, BLOCK_K // 8])  # row n = quad * 4 + lane
+        k = (k_lo + i) + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & (k < K)[:, None], other=0.0)
+        if MAGIC and not INTERPRETED:
+            pairs = _pairs16(words, nz, MAGIC, ONE, FMA)
+            lo = pairs.to(tl.int16).to(dtype, bitcast=True)  # q - z
+            hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)
+            wq = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K])  # inputs in order
+            acc = tl.dot(wq, xt, acc)
+        else:  # float32 models (no TF32), and Triton's interpreter (3.6), which multiplies 16-bit floats
+            # wrongly: exact in float32
+            pairs = _pairs(words)
+            if MAGIC:  # the same 16-bit floats 2^m + q, then 2^m + z off them
+                pairs = pairs | (MAGIC * 65537)
+                lo = pairs.to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+                hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+            else:
+                lo = (pairs & 0xFFFF).to(tl.float32)
+                hi = (pairs >> 16).to(tl.float32)
+            wq = tl.reshape(tl.join(lo - zero16, hi - zero16), [BLOCK_N, BLOCK_K])  # q - z: exact
+            acc = tl.dot(wq, xt.to(tl.float32), acc, input_precision="ieee")
+    if SPLIT == 1:
+        _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N, HAS_BIAS, dtype)
+    else:
+        tile = pn * tl.num_programs(1) + pt
+        cell = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+        tl.store(part_ptr + (tile * SPLIT + ps) * (BLOCK_N * BLOCK_T) + cell, acc)
+        if _arrive_last(cnt_ptr + tile, SPLIT):
+            acc = _sum_parts(part_ptr + tile * SPLIT * (BLOCK_N * BLOCK_T), cell, BLOCK_N * BLOCK_T, SPLIT)
+            _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N, HAS_BIAS, dtype)
+            tl.store(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N: tl.constexpr, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
+    """`_q4_mm`'s tile from its sums (rows n, tokens t): row scale, bias, one rounding (as addmm)."""
+    y = acc * tl.load(s_ptr + n, mask=nm, other=0.0)[:, None]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + t[None, :] * N + n[:, None], y.to(dtype), mask=nm[:, None] & tm[None, :])
+
+
+def q4_mm_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) of `_q4_mm` for m tokens, after sweeps on
+    an H200 (tools/q4mm_sweep.py, docs/journal.md): tiles of 64 rows (four warps) against up to
+    128 tokens. A weight of many rows (gate/up: four tiles per SM or more) is not split, K-blocks of
+    64, 4 stages (3 past 128 tokens). A long one (down: K at least 4 N) takes K-blocks of 64 split
+    for about six programs per SM up to 32 tokens, four at 64 tokens, K-blocks of 128 for about one
+    past 64. The others (q/k/v, o): K-blocks of 128 for about four programs per SM up to 32 tokens,
+    K-blocks of 64 for about two at 64 tokens, K-blocks of 128 for about one past 64. Tiles of 128
+    rows against 128 tokens gave wrong sums (Triton 3.6, H100 and H200): the shapes here keep clear
+    of them."""
+    bt = min(max(16, triton.next_power_of_2(m)), 128)
+    sms = _sm_count(w.w.device)
+    if triton.cdiv(w.n, 64) * triton.cdiv(m, bt) >= 4 * sms:
+        bk, stages, per_sm = 64, 4 if m <= 128 else 3, 1
+    elif w.k >= 4 * w.n:
+        bk, stages, per_sm = (64, 3, 6) if bt <= 32 else (64, 4, 4) if bt == 64 else (128, 3, 1)
+    else:
+        bk, stages, per_sm = (128, 3, 4) if bt <= 32 else (64, 3, 2) if bt == 64 else (128, 3, 1)
+    return 64, bt, bk, 4, stages, q4_mm_split(m, w, 64, bt, bk, per_sm * sms)
+
+
+def q4_mm_split(m: int, w: Weight, bn: int, bt: int, bk: int, programs: int) -> int:
+    """Programs per output tile of `_q4_mm` (split K) for about `programs` in all, each at least
+    four K-blocks."""
+    tiles = triton.cdiv(w.n, bn) * triton.cdiv(m, bt)
+    return max(1, min(triton.cdiv(programs, tiles), triton.cdiv(w.k, bk) // 4))
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_MAGIC = {torch.bfloat16: (0x4300, 128.0, 0x3F80, "fma.rn.bf16x2"),  # `_q4_mm`: 2^m as a 16-bit pattern, 2^m,
+          torch.float16: (0x6400, 1024.0, 0x3C00, "fma.rn.f16x2")}    # 1.0's pattern, the paired FMA
+MM_MAX_M = 512  # prefills up to this many tokens take `q4_mm` (the range swept); above, dequantize + cuBLAS
+
+
+def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -> Tensor:
+    """x (M, K) contiguous @ W^T + bias -> (M, N) in x's dtype on `_q4_mm` (one-group 4-bit W);
+    `cfg` (BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) overrides `q4_mm_config`."""
+    m = x.shape[0]
+    bn, bt, bk, warps, stages, split = cfg or q4_mm_config(m, w)
+    bk = min(bk, max(16, triton.next_power_of_2(w.k)))
+    split, ks = split_k(w.k, bk, split)
+    grid = (triton.cdiv(w.n, bn), triton.cdiv(m, bt), split)
+    y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    if split > 1:
+        part = torch.empty(grid[0] * grid[1] * split * bn * bt, dtype=torch.float32, device=x.device)
+        count = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+    else:
+        part = count = y
+    _q4_mm[grid](x, *w.args(), bias if bias is not None else y, y, part, count, m, N=w.n, K=w.k,
+                 HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, SPLIT=split, KS=ks, STAGES=stages,
+                 **dict(zip(("MAGIC", "BASE", "ONE", "FMA"), _MAGIC.get(x.dtype, (0, 0.0, 0, "")))),
+                 INTERPRETED=_INTERPRETED, num_warps=warps)
+    return y
+
+
+def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
+    """x (M, K) contiguous -> x @ W^T + bias (M, N) in x's dtype, for a 4-bit W. One row: the GEMV
+    kernel. More (prefills): with one group (the official layout) `q4_mm`; with groups, slices of
+    W dequantized to x's dtype into a scratch buffer and multiplied by cuBLAS, which is what the
+    same layer with dequantized weights computes."""
+    m = x.shape[0]
+    if m == 1:
+        y = gemv(w, x[0], torch.empty(w.n, dtype=x.dtype, device=x.device))[None]
+        return y if bias is None else y + bias
+    if w.group == w.k and m <= MM_MAX_M:
+        return q4_mm(x, w, bias)
+    y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    rows = max(64, SCRATCH // w.k // 64 * 64)
+    scratch = torch.empty(min(rows, w.n), w.k, dtype=x.dtype, device=x.device)
+    for n0 in range(0, w.n, rows):
+        n1 = min(n0 + rows, w.n)
+        part = scratch[: n1 - n0]
+        _q4_dequant[(triton.cdiv(n1 - n0, 16), triton.cdiv(w.k, 256))](*w.args(), part, n0, N=n1, K=w.k, GS=w.group,
+                                                                      BLOCK_R=16, BLOCK_K=256)
+        if bias is None:
+            y[:, n0:n1] = x @ part.T
+        else:
+            y[:, n0:n1] = torch.addmm(bias[n0:n1], x, part.T)
+    return y
