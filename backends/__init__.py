@@ -39,8 +39,12 @@ class LLMStage(Protocol):
     def reset(self) -> None:
         """Start an empty context."""
 
-    def forward(self, ids: list[int]) -> tuple["torch.Tensor", "torch.Tensor"]:
+    def forward(self, ids: list[int], embeds: "torch.Tensor | None" = None,
+                embed_at: list[int] | None = None) -> tuple["torch.Tensor", "torch.Tensor"]:
         """Append ids -> (float32 logits of the last one (vocab,), hidden states (len(ids), dim)).
+        `embeds` (k, dim), given with `embed_at` (k positions in ids), replace the input embeddings
+        of those positions: a voice's audio embeddings in their placeholders (callers pass them only
+        with a voice, so a stage without this still runs everything else).
         The tensors may be the backend's own buffers: valid until the next call (clone to keep)."""
 
 

@@ -24,6 +24,7 @@ import importlib
 import torch
 from torch import Tensor
 
+from minicpm_cli import trace
 from minicpm_cli.checkpoint import Checkpoint
 from minicpm_cli.errors import BackendError, UsageError
 from minicpm_cli.models.chattts import ChatTTS
@@ -77,12 +78,13 @@ class Graphs:
             try:
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
+                with trace.span("graph_warmup"), torch.cuda.stream(stream):  # (first runs: JIT compilation)
                     for _ in range(2):
                         fn()
+                    stream.synchronize()
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with trace.span("graph_capture"), torch.cuda.graph(graph, pool=self.pool):
                     out = fn()
             except Exception as e:
                 raise BackendError(f"backend 'compile': capturing a CUDA graph failed: {e}") from None
@@ -104,7 +106,8 @@ class CompiledLLM:
         dev = self.device = model.lm_head.weight.device
         self.max_len = max_len
         if fuse:
-            model.model.fuse()
+            with trace.span("prepare"):
+                model.model.fuse()
         model.model.setup_cache(max_len, model.lm_head.weight.dtype, dev)
         model.model.setup_rope(model.config.decoder.max_positions, dev)
         self.slots = torch.arange(max_len, device=dev)
@@ -119,7 +122,6 @@ class CompiledLLM:
         self.inp = torch.zeros(2, dtype=torch.long, device=dev)
         self.read = torch.cuda.Event() if cuda else None  # the last decode graph has run
         self.graphs = Graphs(dev)
-        self.fns = block_fns()
         # decode tokens on the Triton kernels where the projections are fused bf16/fp32 Linears
         self.triton = None
         if fuse and (use_triton if use_triton is not None else dev.type == "cuda"):  # (tests: interpreter)
@@ -128,6 +130,9 @@ class CompiledLLM:
             self.logits = torch.zeros(model.lm_head.out_features, device=dev)
             self.hidden = torch.zeros(1, model.config.decoder.dim, dtype=model.lm_head.weight.dtype, device=dev)
             self.lm_head_cfg = {"rows": 4, "block_k": 512, "warps": 4}  # 0.24 ms on an H200 (cuBLAS: 0.34)
+        # torch.compile'd layer halves only where one-token steps do not run on the Triton kernels
+        # (a CPU, act-order int4): creating them imports torch._dynamo, seconds of a start
+        self.fns = block_fns() if self.triton is None else None
         self.pos = 0
         self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
                         "(Triton decode + CUDA graphs)"
@@ -161,12 +166,28 @@ class CompiledLLM:
         _kernels("matvec").gemv(self.lm_head, self.hidden[0], self.logits, **self.lm_head_cfg, pdl=pdl)
         return self.logits, self.hidden
 
+    def _run_embeds(self, ids: list[int], embeds: Tensor, embed_at: list[int]) -> tuple[Tensor, Tensor]:
+        """A prefill with audio embeddings (a voice's turn, once per request): run as it comes, at its
+        exact length and outside the graphs, on the same KV cache."""
+        n = len(ids)
+        pos = self.slots[self.pos : self.pos + n]
+        mask = (self.slots[None, : self.pos + n] <= pos[:, None])[None, None]
+        logits, hidden = self.model(torch.tensor(ids, device=self.device)[None], pos, mask, self.pos + n,
+                                    embeds=embeds.to(self.device)[None],
+                                    embed_at=torch.tensor(embed_at, device=self.device))
+        return logits[0, -1], hidden[0]
+
     @torch.inference_mode()
-    def forward(self, ids: list[int]) -> tuple[Tensor, Tensor]:
+    def forward(self, ids: list[int], embeds: Tensor | None = None,
+                embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
         n = len(ids)
         end = self.pos + n
         if end > self.max_len:
             raise UsageError(f"LLM context full: {end} tokens > {self.max_len}")
+        if embeds is not None:
+            logits, hidden = self._run_embeds(ids, embeds, embed_at)
+            self.pos = end
+            return logits, hidden
         t = n if n == 1 else next((b for b in PREFILL_BUCKETS if b >= n), n)
         if self.pos + t > self.max_len:  # padding would run past the cache: exact length
             t = n
@@ -198,14 +219,15 @@ class GraphTTSRunner(TTSRunner):
 
     def __init__(self, model: ChatTTS, use_triton: bool | None = None):
         model.model.fuse()
-        super().__init__(model, block_fns=block_fns())
+        triton = use_triton if use_triton is not None else model.emb_text.weight.device.type == "cuda"
+        super().__init__(model, block_fns=None if triton else block_fns())  # (see CompiledLLM.fns)
         model.model.setup_rope(model.config.decoder.max_positions, self.device)
         self.graphs = Graphs(self.device)
         self.ids = torch.zeros(self.L, dtype=torch.long, device=self.device)
         self.spk = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
         self.triton = None
-        if use_triton if use_triton is not None else self.device.type == "cuda":  # (tests: the interpreter)
+        if triton:  # (tests: the interpreter)
             self.triton = _kernels("decode").TritonDecode(model.model, self.visible_from)
             self.probs = torch.zeros(model.config.num_vq, model.config.num_audio_tokens, device=self.device)
             self.normed = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)

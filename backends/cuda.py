@@ -4,7 +4,8 @@ generation is the limit (backends/q4_decode.cu: the int4 decode step's gate/up o
 NVRTC, the runtime compiler, is a library that CUDA builds of torch install with them (the
 `nvidia-cuda-nvrtc` wheel; torch's own jiterator uses it), so like Triton's JIT this needs no
 compiler on the machine. The module loads the library and the driver with ctypes: a kernel is
-compiled once per source, constants and GPU (a fraction of a second), and launched with
+compiled once per source, constants and GPU (a fraction of a second, then cached on disk under
+$MINICPM_CACHE_DIR or ~/.cache/minicpm/nvrtc, keyed by all of those and NVRTC's version), and launched with
 `cuLaunchKernelEx` on torch's current stream, optionally as a programmatic dependent of the
 previous kernel (PDL, Hopper and later), as the Triton kernels of a decode step are; launches on
 a capturing stream go into its CUDA graph. Imported only where such a kernel is built (CUDA)."""
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import os
+import tempfile
 from pathlib import Path
 
 import torch
 
+from minicpm_cli import trace
 from minicpm_cli.errors import BackendError
 
 _PDL = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -155,11 +160,44 @@ class Kernel:
         _driver_check(_driver().cuLaunchKernelEx(ctypes.byref(cfg), self._func, params, None), f"launching {self.name}")
 
 
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINICPM_CACHE_DIR") or Path.home() / ".cache" / "minicpm") / "nvrtc"
+
+
+def _nvrtc_version() -> str:
+    lib = _nvrtc()
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return f"{major.value}.{minor.value}"
+
+
+def _cached_compile(source: str, name: str, arch: str, options: tuple[str, ...]) -> bytes:
+    """`_compile`, through a disk cache: the key hashes everything the CUBIN depends on. A cache that
+    cannot be written (read-only home) only costs the compile."""
+    key = hashlib.sha256("\0".join([source, name, arch, *options, _nvrtc_version()]).encode()).hexdigest()
+    path = cache_dir() / f"{name}-{key[:32]}.cubin"
+    try:
+        return path.read_bytes()
+    except OSError:
+        pass
+    with trace.span("nvrtc", kernel=name):
+        cubin = _compile(source, name, arch, options)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(cubin)
+        os.replace(tmp, path)  # atomic: a concurrent process reads the old file or the whole new one
+    except OSError:
+        pass
+    return cubin
+
+
 @functools.cache
 def kernel(file: str, name: str, device: torch.device, defines: tuple[tuple[str, int], ...]) -> Kernel:
     """Kernel `name` of backends/`file` compiled for `device` (with its index) with the -D constants
     `defines`."""
     major, minor = torch.cuda.get_device_capability(device)
     source = (Path(__file__).parent / file).read_text()
-    cubin = _compile(source, name, f"{major}{minor}", tuple(f"-D{k}={v}" for k, v in defines))
+    cubin = _cached_compile(source, name, f"{major}{minor}", tuple(f"-D{k}={v}" for k, v in defines))
     return Kernel(cubin, name, device)

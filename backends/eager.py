@@ -33,13 +33,16 @@ class EagerLLM:
         self.pos = 0  # stale cache slots past pos are masked until overwritten
 
     @torch.inference_mode()
-    def forward(self, ids: list[int]) -> tuple[Tensor, Tensor]:
+    def forward(self, ids: list[int], embeds: Tensor | None = None,
+                embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
         end = self.pos + len(ids)
         if end > self.max_len:
             raise UsageError(f"LLM context full: {end} tokens > {self.max_len}")
         pos = torch.arange(self.pos, end, device=self.device)
         x = torch.tensor(ids, device=self.device)[None]
-        logits, hidden = self.model(x, pos, causal_mask(pos, end), end)
+        audio = {} if embeds is None else {"embeds": embeds.to(self.device)[None],
+                                           "embed_at": torch.tensor(embed_at, device=self.device)}
+        logits, hidden = self.model(x, pos, causal_mask(pos, end), end, **audio)
         self.pos = end
         return logits[0, -1], hidden[0]
 

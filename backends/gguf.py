@@ -4,9 +4,10 @@ The GGUF holds MiniCPM-o 2.6's LLM as a `qwen2` model (OpenBMB's files, or ones 
 `minicpm_cli.gguf_export`). Token ids come from our tokenizer, so every backend sees the same ids.
 Each `forward` appends the ids to llama.cpp's KV cache in one batch and reads back the last token's
 logits and every token's output embedding, which for a causal model is the post-final-norm hidden
-state (what the TTS takes its speaker vector from). Sampling stays in `minicpm_cli.llm`, so
-`--greedy` and the sampling options mean the same on every backend. llama-cpp-python is imported
-when the backend is created (the `gguf` extra).
+state (what the TTS takes its speaker vector from). A voice's audio embeddings go in as batches of
+input embeddings (llama.cpp's `embd`) between the batches of token ids around them. Sampling stays in
+`minicpm_cli.llm`, so `--greedy` and the sampling options mean the same on every backend.
+llama-cpp-python is imported when the backend is created (the `gguf` extra).
 
 Cost: the `gguf` extra (llama-cpp-python; a CUDA build for the GPU) and a GGUF file (Q4_K_M: 4.7 GB);
 ~6 GiB of GPU memory; the LLM decodes at llama.cpp's speed (4.6 ms a token on an H200), first audio
@@ -15,6 +16,7 @@ Cost: the `gguf` extra (llama-cpp-python; a CUDA build for the GPU) and a GGUF f
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -84,7 +86,10 @@ class GGUFLLM:
         self.lib.llama_memory_clear(mem, True)
         self.pos = 0
 
-    def forward(self, ids: list[int]) -> tuple[Tensor, Tensor]:
+    def forward(self, ids: list[int], embeds: Tensor | None = None,
+                embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        if embeds is not None:
+            return self._forward_spliced(ids, embeds, embed_at)
         n = len(ids)
         if self.pos + n > self.max_len:
             raise UsageError(f"LLM context full: {self.pos + n} tokens > {self.max_len}")
@@ -104,6 +109,49 @@ class GGUFLLM:
         hidden = np.stack([np.ctypeslib.as_array(self.lib.llama_get_embeddings_ith(self.ctx, i), shape=(self.n_embd,))
                            for i in range(n)])
         # on the pipeline's device, like every backend's (its sampler and the TTS take them there)
+        return (torch.from_numpy(logits.copy()).to(self.device), torch.from_numpy(hidden.copy()).to(self.device))
+
+    def _forward_spliced(self, ids: list[int], embeds: Tensor, embed_at: list[int]) -> tuple[Tensor, Tensor]:
+        """ids with audio embeddings in some positions: llama.cpp's batches carry either token ids or
+        input embeddings, so the runs of each go in turn (one decode call per run)."""
+        if self.pos + len(ids) > self.max_len:
+            raise UsageError(f"LLM context full: {self.pos + len(ids)} tokens > {self.max_len}")
+        rows = dict(zip(embed_at, embeds.float().cpu().numpy()))
+        hidden, start = [], 0
+        while start < len(ids):
+            spliced = start in rows
+            end = start
+            while end < len(ids) and (end in rows) == spliced:
+                end += 1
+            if spliced:
+                logits, h = self._forward_embd(np.stack([rows[i] for i in range(start, end)]))
+            else:
+                logits, h = self.forward(ids[start:end])
+            hidden.append(h)
+            start = end
+        return logits, torch.cat(hidden)
+
+    def _forward_embd(self, rows: np.ndarray) -> tuple[Tensor, Tensor]:
+        n = len(rows)
+        rows = np.ascontiguousarray(rows, dtype=np.float32)
+        b = self.lib.llama_batch_init(n, self.n_embd, 1)
+        try:
+            b.n_tokens = n
+            ctypes.memmove(b.embd, rows.ctypes.data, rows.nbytes)
+            for i in range(n):
+                b.pos[i] = self.pos + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = True
+            rc = self.lib.llama_decode(self.ctx, b)
+        finally:
+            self.lib.llama_batch_free(b)
+        if rc != 0:
+            raise BackendError(f"backend 'gguf': llama_decode of input embeddings failed (code {rc})")
+        self.pos += n
+        logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, n - 1), shape=(self.n_vocab,))
+        hidden = np.stack([np.ctypeslib.as_array(self.lib.llama_get_embeddings_ith(self.ctx, i), shape=(self.n_embd,))
+                           for i in range(n)])
         return (torch.from_numpy(logits.copy()).to(self.device), torch.from_numpy(hidden.copy()).to(self.device))
 
     def __del__(self):

@@ -259,40 +259,57 @@ GPTQ_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 
 
 def write_gptq_checkpoint(src: str | Path, out_dir: str | Path, *, group_size: int = -1, desc_act: bool = False,
-                          sym: bool = True, seed: int = 0, dequantized_to: str | Path | None = None) -> Path:
-    """Convert a single-file checkpoint in the official layout into the layout of
-    openbmb/MiniCPM-o-2_6-int4: every LLM decoder Linear becomes GPTQ tensors (qweight, qzeros,
+                          sym: bool = True, seed: int = 0, dequantized_to: str | Path | None = None,
+                          device: str | torch.device = "cpu") -> Path:
+    """Convert a checkpoint in the official layout (one file or shards with an index) into the layout
+    of openbmb/MiniCPM-o-2_6-int4: every LLM decoder Linear becomes GPTQ tensors (qweight, qzeros,
     scales, g_idx; biases kept), plus quantize_config.json; everything else is copied. With
     `desc_act`, inputs are assigned to groups in a random order (act-order). `dequantized_to` also
-    writes the same checkpoint with the dequantized weights in place (the reference for tests)."""
+    writes the same checkpoint with the dequantized weights in place (the reference for tests).
+    `device`: where the quantizing runs (a GPU makes a full-size checkpoint in seconds)."""
     from safetensors.torch import load_file, save_file
 
     src, out = Path(src), Path(out_dir)
     shutil.copytree(src, out, dirs_exist_ok=True)
-    tensors = load_file(src / "model.safetensors")
-    deq = dict(tensors)
+    index = src / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    weight_map = {}
     g = torch.Generator().manual_seed(seed)
-    for name in [n for n in tensors if n.startswith("llm.model.layers.") and n.endswith(".weight")]:
-        if not any(f".{layer}.weight" in name for layer in GPTQ_LAYERS):
-            continue
-        w = tensors.pop(name).float()
-        n_in = w.shape[1]
-        size = n_in if group_size == -1 else group_size
-        g_idx = torch.arange(n_in) // size
-        if desc_act:
-            g_idx = g_idx[torch.randperm(n_in, generator=g)]
-        q = quantize(w, size, sym=sym, g_idx=g_idx)
-        if group_size == -1:
-            q["g_idx"] = torch.zeros(n_in, dtype=torch.int32)
-        base = name.removesuffix(".weight")
-        tensors.update({f"{base}.{k}": v for k, v in q.items()})
-        deq[name] = dequantize(**q)  # float32: exactly the weights the int4 path computes with
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for shard in shards:
+        tensors = load_file(src / shard, device=str(device))
+        deq = dict(tensors) if dequantized_to is not None else None
+        for name in [n for n in tensors if n.startswith("llm.model.layers.") and n.endswith(".weight")]:
+            if not any(f".{layer}.weight" in name for layer in GPTQ_LAYERS):
+                continue
+            w = tensors.pop(name).float()
+            n_in = w.shape[1]
+            size = n_in if group_size == -1 else group_size
+            g_idx = torch.arange(n_in) // size
+            if desc_act:
+                g_idx = g_idx[torch.randperm(n_in, generator=g)]
+            q = quantize(w, size, sym=sym, g_idx=g_idx.to(w.device))
+            if group_size == -1:
+                q["g_idx"] = torch.zeros(n_in, dtype=torch.int32, device=w.device)
+            base = name.removesuffix(".weight")
+            tensors.update({f"{base}.{k}": v for k, v in q.items()})
+            if deq is not None:
+                deq[name] = dequantize(**q).cpu()  # float32: exactly the weights the int4 path computes with
+        save_file({k: v.cpu() for k, v in tensors.items()}, str(out / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+        if deq is not None:
+            Path(dequantized_to).mkdir(parents=True, exist_ok=True)
+            save_file({k: v.cpu() for k, v in deq.items()}, str(Path(dequantized_to) / shard), metadata={"format": "pt"})
+    if index.is_file():
+        meta = json.loads(index.read_text()).get("metadata", {})
+        (out / index.name).write_text(json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))},
+                                                 indent=2) + "\n")
     (out / "quantize_config.json").write_text(json.dumps({
         "bits": 4, "group_size": group_size, "damp_percent": 0.01, "desc_act": desc_act, "static_groups": False,
         "sym": sym, "true_sequential": True, "lm_head": False, "quant_method": "gptq", "checkpoint_format": "gptq",
     }, indent=2) + "\n")
     if dequantized_to is not None:
-        shutil.copytree(src, dequantized_to, dirs_exist_ok=True)
-        save_file(deq, str(Path(dequantized_to) / "model.safetensors"), metadata={"format": "pt"})
+        for item in src.iterdir():
+            if not item.name.endswith(".safetensors"):
+                target = Path(dequantized_to) / item.name
+                (shutil.copytree(item, target, dirs_exist_ok=True) if item.is_dir() else shutil.copy2(item, target))
     return out

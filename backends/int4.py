@@ -22,6 +22,7 @@ import json
 
 import torch
 
+from minicpm_cli import trace
 from minicpm_cli.checkpoint import Checkpoint, load_module
 from minicpm_cli.errors import BackendError, CheckpointError
 from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
@@ -69,7 +70,15 @@ def build(ckpt: Checkpoint, config: dict, *, device, dtype, triton: bool | None 
     drawn = isinstance(ckpt, RandomCheckpoint)
     with torch.device("meta"):
         model = Qwen2LM(Qwen2Config.from_hf(config))
+    layers = range(len(model.model.layers))
+    biases = [f"llm.model.layers.{i}.{n}.bias" for i in layers for n in QUANTIZED
+              if getattr(getattr(model.model.layers[i], n.split(".")[0]), n.split(".")[1]).bias is not None]
+    if has_gptq:  # 4-bit tensors are small: all in one pass
+        ckpt.prefetch([f"llm.model.layers.{i}.{n}.{k}" for i in layers for n in QUANTIZED
+                       for k in ("qweight", "qzeros", "scales", "g_idx")] + biases, device)
     for i, layer in enumerate(model.model.layers):
+        if not has_gptq and not drawn:  # full-precision weights to quantize: a layer at a time
+            ckpt.prefetch([f"llm.model.layers.{i}.{n}.weight" for n in QUANTIZED], device)
         for name in QUANTIZED:
             key = f"llm.model.layers.{i}.{name}"
             parent_name, attr = name.split(".")
@@ -82,7 +91,8 @@ def build(ckpt: Checkpoint, config: dict, *, device, dtype, triton: bool | None 
             else:
                 t = {k: v.to(device) for k, v in quantize(ckpt.tensor(key + ".weight", torch.float32, device), -1).items()}
             try:
-                setattr(parent, attr, (Q4Linear if triton else Int4Linear)(**t, bias=bias, dtype=dtype, device=device))
+                with trace.span("prepare"):
+                    setattr(parent, attr, (Q4Linear if triton else Int4Linear)(**t, bias=bias, dtype=dtype, device=device))
             except (ValueError, RuntimeError) as e:
                 raise CheckpointError(f"{key}: cannot use its GPTQ tensors: {e}") from None
             del t

@@ -7,6 +7,11 @@ the LLM forward, the TTS generation calls and the codec wrapped in device-synchr
 the timed pass is not slowed by synchronisation. Load, and warm-up (compilation included), are
 reported apart from the steady state. With `random_weights` the full-size model is drawn on the
 device and lengths are forced (24 LLM tokens per reply, 10 audio frames per TTS text token).
+
+With `server` (a URL) the same workloads go over HTTP to a running `minicpm serve`, as `say -o -` and
+`reply` send them: TTFA is the time from sending the request to receiving the first audio bytes, RTF
+the time to the response's end over the audio's duration. The server's model is measured whatever
+it is; load and per-stage costs are the server's own and are not reported.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class BenchOptions:
     max_tokens: int = 512  # reply length bound with a real checkpoint
     first_chunk: int = 25  # frames of the first streamed chunk
     gguf: str | None = None  # the GGUF file of the gguf backend
+    server: str | None = None  # measure the minicpm server at this URL instead of loading backends
 
     def __post_init__(self):
         if self.runs < 1 or self.warmup < 0:
@@ -183,6 +189,8 @@ def _log(msg: str) -> None:
 
 
 def run(opts: BenchOptions) -> dict:
+    if opts.server is not None:
+        return run_server(opts)
     from .pipeline import Synthesizer, resolve_device
 
     device = resolve_device(opts.device)
@@ -249,6 +257,62 @@ def run(opts: BenchOptions) -> dict:
     return result
 
 
+def _one_http(remote, workload: str, item: str, seed: int, opts: BenchOptions) -> dict:
+    t0 = time.perf_counter()
+    if workload == "read":
+        chunks = remote.read(item, greedy=False, seed=seed, decode="stream", first_chunk=opts.first_chunk)
+    else:
+        chunks = remote.reply(item, greedy=False, seed=seed, temperature=REPLY_TEMPERATURE,
+                              max_tokens=opts.max_tokens, first_chunk=opts.first_chunk)
+    ttfa, samples = None, 0
+    for chunk in chunks:  # (the request is sent at the first step)
+        if ttfa is None and len(chunk.samples):
+            ttfa = time.perf_counter() - t0
+        samples += len(chunk.samples)
+    total = time.perf_counter() - t0
+    audio = samples / remote.sample_rate
+    return {"text": item, "seed": seed, "ttfa_ms": None if ttfa is None else ttfa * 1e3, "total_s": total,
+            "audio_s": audio, "rtf": total / audio if audio else None, "frames": None}
+
+
+def run_server(opts: BenchOptions) -> dict:
+    """The workloads over HTTP against the server at `opts.server` (see the module's docstring)."""
+    from .client import Remote
+
+    remote = Remote.find(opts.server, explicit=True)
+    props = remote.props
+    env = {**props.get("environment", {}), "server": remote.url, "server_version": props.get("version"),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    forced = props.get("forced_lengths")
+    result = {"environment": env, "options": {**opts.__dict__}, "forced_lengths": bool(forced), "results": []}
+    if forced:  # (a server started with --random-weights forces every request's lengths)
+        result["forced_lengths_note"] = (f"random weights: each reply is exactly {forced['reply_tokens']} LLM tokens and "
+                                         f"the TTS makes {forced['frames_per_token']} frames per TTS text token (EOS ignored)")
+    backend = f"{props['backend']} (server)"
+    for workload in opts.workloads:
+        t = time.perf_counter()
+        warm = ([REPLY_WARMUP] if workload == "reply" else []) + list(_requests(workload))
+        for i in range(opts.warmup):
+            for item in warm:
+                _one_http(remote, workload, item, 10_000 + i, opts)
+        warmup_s = time.perf_counter() - t
+        samples = []
+        for r in range(opts.runs):
+            for item in _requests(workload):
+                samples.append(_one_http(remote, workload, item, r, opts))
+            _log(f"{backend} {workload}: run {r + 1}/{opts.runs}")
+        ttfa = [s["ttfa_ms"] for s in samples if s["ttfa_ms"] is not None]
+        rtf = [s["rtf"] for s in samples if s["rtf"] is not None]
+        result["results"].append({
+            "backend": backend, "workload": workload, "load_s": None, "warmup_s": warmup_s, "samples": samples,
+            "ttfa_ms": {"p50": _pct(ttfa, 0.5), "p90": _pct(ttfa, 0.9)},
+            "rtf": {"p50": _pct(rtf, 0.5), "p90": _pct(rtf, 0.9)},
+            **{key: None for key in ("llm_prefill_ms", "llm_ms_per_token", "llm_gb_per_s", "tts_ms_per_step",
+                                     "codec_ms_per_chunk", "peak_gpu_gib")},
+        })
+    return result
+
+
 def _f(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -257,7 +321,7 @@ def table(result: dict) -> str:
     env = result["environment"]
     lines = [
         f"Device: {env['device']} (driver {env['driver'] or '-'}), torch {env['torch']}, CUDA {env['cuda'] or '-'}, "
-        f"commit {env['commit'] or '-'}, {env['date']}",
+        f"commit {env['commit'] or '-'}, {env['date']}" + (f", measured over HTTP at {env['server']}" if env.get("server") else ""),
         "",
         "| backend | workload | TTFA p50 / p90 (ms) | RTF p50 / p90 | LLM prefill (ms) | LLM ms/token | LLM GB/s "
         "| TTS ms/step | codec ms/chunk | peak GPU (GiB) | load (s) | warm-up (s) |",
@@ -268,7 +332,7 @@ def table(result: dict) -> str:
             f"| {e['backend']} | {e['workload']} | {_f(e['ttfa_ms']['p50'], '.1f')} / {_f(e['ttfa_ms']['p90'], '.1f')} "
             f"| {_f(e['rtf']['p50'], '.3f')} / {_f(e['rtf']['p90'], '.3f')} | {_f(e['llm_prefill_ms'], '.1f')} "
             f"| {_f(e['llm_ms_per_token'], '.2f')} | {_f(e['llm_gb_per_s'], '.0f')} | {_f(e['tts_ms_per_step'], '.2f')} "
-            f"| {_f(e['codec_ms_per_chunk'], '.1f')} | {_f(e['peak_gpu_gib'], '.1f')} | {e['load_s']:.1f} "
+            f"| {_f(e['codec_ms_per_chunk'], '.1f')} | {_f(e['peak_gpu_gib'], '.1f')} | {_f(e['load_s'], '.1f')} "
             f"| {e['warmup_s']:.1f} |")
     if result.get("forced_lengths_note"):
         lines += ["", f"Forced lengths: {result['forced_lengths_note']}."]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .errors import CheckpointError, ModelNotFound
+from .tensorio import Entry, read_header, read_tensors
 
 DEFAULT_MODEL = "openbmb/MiniCPM-o-2_6"
 SPEECH_PREFIXES = ("llm.", "tts.")
@@ -121,21 +122,8 @@ class Checkpoint:
             self.weight_map = None
         else:
             raise CheckpointError(f"no {SINGLE} or {INDEX} in {root}")
-        self._files: dict[str, object] = {}
-        self._names: dict[str, str] | None = None
-
-    def _open(self, name: str):
-        if name not in self._files:
-            from safetensors import safe_open
-
-            path = self.root / name
-            try:
-                self._files[name] = safe_open(str(path), framework="pt")
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint file missing: {path}") from None
-            except Exception as e:  # safetensors raises SafetensorError for truncated/corrupt files
-                raise CheckpointError(f"cannot read {path} (truncated or corrupt?): {e}") from None
-        return self._files[name]
+        self._headers: dict[str, dict[str, Entry]] = {}
+        self._read: dict[str, Tensor] = {}  # prefetched tensors, until `tensor` hands them out
 
     def _file_of(self, key: str) -> str:
         if self.weight_map is None:
@@ -149,22 +137,48 @@ class Checkpoint:
         """Names under `prefix`, read from the index or the file header only."""
         if self.weight_map is not None:
             return sorted(k for k in self.weight_map if k.startswith(prefix))
-        return sorted(k for k in self._open(SINGLE).keys() if k.startswith(prefix))
+        return sorted(k for k in self._header(SINGLE) if k.startswith(prefix))
 
     def shape(self, key: str) -> tuple[int, ...]:
-        f = self._open(self._file_of(key))
+        name = self._file_of(key)
         try:
-            return tuple(f.get_slice(key).get_shape())
-        except Exception:
-            raise CheckpointError(f"tensor {key} missing from {self.root / self._file_of(key)}") from None
+            return self._header(name)[key].shape
+        except KeyError:
+            raise CheckpointError(f"tensor {key} missing from {self.root / name}") from None
+
+    def _header(self, name: str) -> dict[str, Entry]:
+        if name not in self._headers:
+            path = self.root / name
+            try:
+                self._headers[name] = read_header(path)
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint file missing: {path}") from None
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"cannot read {path} (truncated or corrupt?): {e}") from None
+        return self._headers[name]
+
+    def prefetch(self, keys: Iterable[str], device="cpu") -> None:
+        """Read these tensors now, in their file dtype onto `device`: each one's bytes once, a pass
+        over each file with reads overlapping the copies to the GPU (`tensorio`). `tensor` then hands
+        them out, converting the dtype where asked on the device itself."""
+        entries = {}
+        for key in keys:
+            if key in self._read:
+                continue
+            name = self._file_of(key)
+            header = self._header(name)
+            if key not in header:
+                raise CheckpointError(f"tensor {key} missing from {self.root / name}")
+            entries[key] = header[key]
+        try:
+            self._read.update(read_tensors(entries, torch.device(device)))
+        except OSError as e:
+            raise CheckpointError(f"cannot read {self.root}: {e}") from None
 
     def tensor(self, key: str, dtype: torch.dtype | None = None, device="cpu") -> Tensor:
-        name = self._file_of(key)
-        f = self._open(name)
-        try:
-            t = f.get_tensor(key)
-        except Exception as e:
-            raise CheckpointError(f"cannot read tensor {key} from {self.root / name}: {e}") from None
+        if key not in self._read:
+            self.prefetch([key], device)
+        t = self._read.pop(key)
         return t.to(device=device, dtype=dtype or t.dtype)
 
     def state_dict(self, prefix: str, dtype: torch.dtype | None = None, device="cpu",
@@ -190,5 +204,6 @@ def load_module(module: torch.nn.Module, ckpt: Checkpoint, prefix: str, dtype: t
         got = tuple(derived[k].shape) if k in derived else ckpt.shape(prefix + k)
         if got != shape:
             raise CheckpointError(f"tensor {prefix}{k} has shape {list(got)}, expected {list(shape)}")
+    ckpt.prefetch([prefix + k for k in expected if k not in derived], device)
     tensors = {k: derived[k] if k in derived else ckpt.tensor(prefix + k, dtype, device) for k in expected}
     module.load_state_dict(tensors, strict=True, assign=True)

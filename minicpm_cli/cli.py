@@ -4,10 +4,16 @@ Audio (the payload) goes to stdout or a file, everything else to stderr. Our exc
 line `minicpm: error: ...` with their exit status; usage mistakes caught by the parser exit 2;
 `MINICPM_DEBUG=1` re-raises for a traceback. Heavy modules (torch, the pipeline) are imported inside
 the commands so that `--help` stays fast.
+
+`say` and `reply` take their speech from a speaker: the model loaded in this process (`_Local`) or a
+running `minicpm serve` (`client.Remote`, found at MINICPM_SERVER, by default the address `serve`
+uses), both giving chunks of float32 samples that the same sinks write. Through a server nothing
+imports torch.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -16,7 +22,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import __version__
+from . import __version__, protocol, trace
 from . import backends as registry
 from .entry import interrupt
 from .errors import MinicpmError, OptionError, UsageError
@@ -43,6 +49,10 @@ PcmOpt = Annotated[str, typer.Option("--pcm", help="Sample format: s16 (16-bit i
 OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output .wav or .flac file, or - for stdout (the default when stdout is not a terminal).")]
 RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f32le with --pcm f32) instead of WAV.")]
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
+ServerOpt = Annotated[Optional[str], typer.Option("--server", help=f"Speak through the minicpm server at URL (an error if none answers) [default: ${protocol.SERVER_ENV}, else {protocol.DEFAULT_URL} when a server answers there].", show_default=False)]
+LocalOpt = Annotated[bool, typer.Option("--local", help="Load the model in this process even if a server is running.")]
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"minicpm {__version__}")
@@ -59,22 +69,72 @@ def _root(
 FirstChunkOpt = Annotated[Optional[int], typer.Option("--first-chunk", help="Audio frames (of 21.3 ms) in the first streamed chunk, 1-25 [default: 25].", show_default=False)]
 
 
-def _load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None,
-          verbose: bool = False):
+def _pick(model: Optional[str], backend: str, device: str, gguf: Optional[str]) -> tuple[str, str]:
+    """(the backend `auto` stands for here, the model to load: the backend's default when none is given)."""
     _check_gguf(backend, gguf)
     if backend != registry.AUTO:
         registry.get(backend).check()
-    from .pipeline import Synthesizer, resolve_device
+    from .pipeline import resolve_device
 
     if backend == registry.AUTO:
         backend = registry.choose(model, resolve_device(device).type, gguf=gguf)
     be = registry.get(backend)
     be.check()
-    synth = Synthesizer.load(model or be.default_model, backend=backend, device=device, dtype=dtype, gguf=gguf)
+    return backend, model or be.default_model
+
+
+def _load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None,
+          verbose: bool = False):
+    backend, model = _pick(model, backend, device, gguf)
+    from .pipeline import Synthesizer
+
+    trace.mark("imported")
+    synth = Synthesizer.load(model, backend=backend, device=device, dtype=dtype, gguf=gguf)
+    trace.mark("loaded")
     if verbose:
-        print(f"minicpm: backend {backend}, device {synth.device}, model {model or be.default_model}",
-              file=sys.stderr)
+        print(f"minicpm: backend {backend}, device {synth.device}, model {model}", file=sys.stderr)
     return synth
+
+
+class _Local:
+    """The model in this process, behind the interface `client.Remote` offers `say` and `reply`."""
+
+    def __init__(self, synth):
+        self.synth, self.sample_rate = synth, synth.sample_rate
+
+    def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int):
+        from .sampling import Sampling
+
+        return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk)
+
+    def reply(self, message: str, *, greedy: bool, seed: Optional[int], temperature: float, max_tokens: int,
+              first_chunk: int):
+        from .llm import LLMSampling
+        from .sampling import Sampling
+
+        return self.synth.reply(message, Sampling(greedy=greedy, seed=seed), llm=LLMSampling(temperature=temperature),
+                                max_tokens=max_tokens, first_chunk=first_chunk)
+
+
+def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str], verbose: bool,
+             server: Optional[str], local: bool):
+    """A running server when one answers (--server URL, else $MINICPM_SERVER or the default address),
+    unless --local; otherwise the model loaded here. What the server cannot honour is an error."""
+    if local and server is not None:
+        raise OptionError("--local and --server do not go together")
+    _check_gguf(backend, gguf)
+    if backend != registry.AUTO:
+        registry.get(backend)  # an unknown name is the same error either way
+    if not local:
+        from .client import Remote, server_url
+
+        remote = Remote.find(*server_url(server))
+        if remote is not None:
+            remote.check(model=model, backend=backend, device=device, dtype=dtype, gguf=gguf)
+            if verbose:
+                print(f"minicpm: {remote.describe()}", file=sys.stderr)
+            return remote
+    return _Local(_load(model, backend, device, dtype, gguf, verbose))
 
 
 def _check_gguf(backend: str, gguf: Optional[str]) -> None:
@@ -82,21 +142,16 @@ def _check_gguf(backend: str, gguf: Optional[str]) -> None:
         raise OptionError("--gguf is for --backend gguf")
 
 
-def _sampling(greedy: bool, seed: Optional[int]):
+def _check_sampling(greedy: bool, seed: Optional[int]) -> None:
     if greedy and seed is not None:
         raise OptionError("--greedy takes no --seed: greedy decoding draws nothing (give one or the other)")
-    from .sampling import Sampling
-
-    return Sampling(greedy=greedy, seed=seed)
 
 
 def _first_chunk(frames: Optional[int]) -> int:
-    from .tts import FRAMES_PER_CALL
-
     if frames is None:
-        return FRAMES_PER_CALL
-    if not 1 <= frames <= FRAMES_PER_CALL:
-        raise OptionError(f"--first-chunk must be between 1 and {FRAMES_PER_CALL} frames")
+        return protocol.FRAMES_PER_CALL
+    if not 1 <= frames <= protocol.FRAMES_PER_CALL:
+        raise OptionError(f"--first-chunk must be between 1 and {protocol.FRAMES_PER_CALL} frames")
     return frames
 
 
@@ -186,11 +241,14 @@ def say(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     verbose: VerboseOpt = False,
+    server: ServerOpt = None,
+    local: LocalOpt = False,
 ) -> None:
     """Read text aloud: to an audio file, or streamed to stdout as it is generated.
 
     A file gets each segment decoded in one piece (the reference's read-aloud waveform); stdout and
-    --raw get audio chunk by chunk as soon as it is generated.
+    --raw get audio chunk by chunk as soon as it is generated. A running `minicpm serve` does the
+    work when one answers (the same bytes come out); --local loads the model here.
     """
     from . import audio
 
@@ -212,31 +270,32 @@ def say(
     if whole is not None and not whole:
         raise UsageError("no text to speak")
 
-    sampling = _sampling(greedy, seed)
-    synth = _load(model, backend, device, dtype, gguf, verbose)
+    _check_sampling(greedy, seed)
+    speaker = _speaker(model, backend, device, dtype, gguf, verbose, server, local)
     bar = _progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
 
+    def chunks(t: str, decode: str):
+        return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames)
+
     def speak(t: str, sink, to_file: bool) -> None:
-        decode = "segment" if to_file else "stream"
-        _play(synth.synthesize(t, sampling, decode=decode, first_chunk=frames), sink, advance)
+        _play(chunks(t, "segment" if to_file else "stream"), sink, advance)
 
     try:
         if whole is not None:
-            speak(whole, audio.open_sink(output, pcm, synth.sample_rate, raw), output != "-" and not raw)
+            speak(whole, audio.open_sink(output, pcm, speaker.sample_rate, raw), output != "-" and not raw)
         elif directory is not None:
             count = 0
             for line in _lines(file):
                 if line.strip():
                     count += 1
                     path = str(Path(directory) / f"line-{count:04d}{'.raw' if raw else '.wav'}")
-                    speak(line, audio.open_sink(path, pcm, synth.sample_rate, raw), not raw)
+                    speak(line, audio.open_sink(path, pcm, speaker.sample_rate, raw), not raw)
                     print(path, file=sys.stderr, flush=True)
         else:
             # every line into one stream, each line's chunks as soon as they exist
-            chunks = (chunk for line in _lines(file) if line.strip()
-                      for chunk in synth.synthesize(line, sampling, first_chunk=frames))
-            _play(chunks, audio.open_sink(output, pcm, synth.sample_rate, raw), advance)
+            every = (chunk for line in _lines(file) if line.strip() for chunk in chunks(line, "stream"))
+            _play(every, audio.open_sink(output, pcm, speaker.sample_rate, raw), advance)
     finally:
         if bar:
             bar.close()
@@ -260,6 +319,8 @@ def reply(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     verbose: VerboseOpt = False,
+    server: ServerOpt = None,
+    local: LocalOpt = False,
 ) -> None:
     """Answer a message with speech, streamed as the LLM writes the answer.
 
@@ -267,21 +328,22 @@ def reply(
     would put it.
     """
     from . import audio
-    from .llm import LLMSampling
 
     frames = _first_chunk(first_chunk)
     output = _output(output)
     audio.check_output(output, pcm, raw)
     if temperature <= 0:
         raise OptionError("--temperature must be positive (use --greedy for the most likely tokens)")
+    if max_tokens < 1:
+        raise UsageError("--max-tokens must be at least 1")
     message = _read_all(text, None).strip()
     if not message:
         raise UsageError("no text to reply to")
     if text_out is not None and not Path(text_out).expanduser().resolve().parent.is_dir():
         raise UsageError(f"output directory does not exist: {Path(text_out).parent}")
 
-    sampling = _sampling(greedy, seed)
-    synth = _load(model, backend, device, dtype, gguf, verbose)
+    _check_sampling(greedy, seed)
+    speaker = _speaker(model, backend, device, dtype, gguf, verbose, server, local)
     said: list[str] = []
 
     def show(chunk) -> None:
@@ -290,13 +352,64 @@ def reply(
             sys.stderr.write(chunk.text)
             sys.stderr.flush()
 
-    chunks = synth.reply(message, sampling, llm=LLMSampling(temperature=temperature),
-                         max_tokens=max_tokens, first_chunk=frames)
-    _play(chunks, audio.open_sink(output, pcm, synth.sample_rate, raw), show)
+    chunks = speaker.reply(message, greedy=greedy, seed=seed, temperature=temperature, max_tokens=max_tokens,
+                           first_chunk=frames)
+    _play(chunks, audio.open_sink(output, pcm, speaker.sample_rate, raw), show)
     if text_out is None:
         sys.stderr.write("\n")
     else:
         Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")
+
+
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    gguf: GgufOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; one reachable from other machines needs --api-key (or --insecure).")] = protocol.DEFAULT_HOST,
+    port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on (0: any free port, named in the ready line).")] = protocol.DEFAULT_PORT,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=protocol.API_KEY_ENV, help="Require 'Authorization: Bearer KEY' on every request but GET /health.", show_default=False)] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Serve a non-loopback --host without an API key.")] = False,
+    random_weights: Annotated[bool, typer.Option("--random-weights", help="For speed work (`bench --server`): the full-size model with random weights drawn on the device, no checkpoint; lengths forced as `bench --random-weights` forces them. Its audio is noise.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
+) -> None:
+    """Load the model once and serve it: an OpenAI-compatible speech API (POST /v1/audio/speech), spoken
+    replies (POST /v1/audio/reply), GET /health. Runs until SIGTERM or Ctrl-C, then finishes the
+    requests in flight and exits 0.
+
+    One line on stderr says when it is ready. `say` and `reply` use it when it runs at their default
+    address (else set MINICPM_SERVER or give --server URL).
+    """
+    if not 0 <= port <= 65535:
+        raise OptionError("--port must be between 0 and 65535")
+    api_key = api_key or None
+    from . import server as srv
+
+    if not srv.is_loopback(host) and api_key is None and not insecure:
+        raise OptionError(f"--host {host} can be reached from other machines: give --api-key KEY (or set "
+                          f"{protocol.API_KEY_ENV}), or --insecure to serve it without a key")
+    _check_gguf(backend, gguf)
+    if backend != registry.AUTO:
+        registry.get(backend).check()
+
+    def load() -> srv.Loaded:
+        name, model_id = _pick(model, backend, device, gguf)
+        from .bench import FORCED_FRAMES_PER_TOKEN, FORCED_REPLY_TOKENS, environment
+        from .pipeline import Synthesizer
+
+        synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
+                                 gguf=gguf, random_weights=random_weights)
+        path = Path(model_id).expanduser()
+        return srv.Loaded(synth, model="random-weights" if random_weights else model_id, backend=name,
+                          device=str(synth.device), dtype=str(synth.tts.dtype).removeprefix("torch."),
+                          path=str(path.resolve()) if path.is_dir() and not random_weights else None, gguf=gguf,
+                          environment=environment(synth.device),
+                          frames_per_token=FORCED_FRAMES_PER_TOKEN if random_weights else None,
+                          reply_tokens=FORCED_REPLY_TOKENS if random_weights else None)
+
+    srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose), load)
 
 
 @app.command()
@@ -313,14 +426,38 @@ def bench(
     gguf: GgufOpt = None,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
+    server: Annotated[Optional[str], typer.Option("--server", help="Measure the minicpm server at URL over HTTP (its own model) instead of loading backends here.", show_default=False)] = None,
+    startup: Annotated[bool, typer.Option("--startup", help="Time one-shot `say` commands in fresh processes on the checkpoint directory --model DIR, phase by phase, with empty and with filled compilation caches.")] = False,
 ) -> None:
     """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
-    if backend is None:  # every installed backend (gguf only when given a GGUF file to run)
+    if startup:
+        if model is None or random_weights or server is not None:
+            raise OptionError("--startup needs --model DIR (a checkpoint directory), without --random-weights or --server")
+        names = tuple(b.strip() for b in backend.split(",") if b.strip()) if backend else \
+            tuple(n for n, b in registry.REGISTRY.items() if b.available() and n != "gguf")
+        for name in names:
+            registry.get(name).check()
+        from . import startup as s
+
+        runs_ = s.run(model, names, device)
+        if json_out:
+            Path(json_out).write_text(json.dumps([vars(r) for r in runs_], indent=1) + "\n")
+        sys.stdout.write(s.table(runs_, model))
+        return
+    if server is not None:  # the server's model, whatever it is: nothing here chooses or loads one
+        given = [flag for flag, value in (("--backend", backend), ("--random-weights", random_weights or None),
+                                          ("--model", model), ("--gguf", gguf),
+                                          ("--device", None if device == "auto" else device),
+                                          ("--dtype", None if dtype == "auto" else dtype)) if value is not None]
+        if given:
+            raise OptionError(f"--server measures the server's own model: {', '.join(given)} cannot apply")
+        names: tuple[str, ...] = ()
+    elif backend is None:  # every installed backend (gguf only when given a GGUF file to run)
         names = tuple(name for name, b in registry.REGISTRY.items()
                       if b.available() and (name != "gguf" or gguf is not None))
     else:
         names = tuple(b.strip() for b in backend.split(",") if b.strip())
-    if not names:
+    if not names and server is None:
         raise UsageError("--backend needs at least one name")
     for name in names:
         registry.get(name).check()
@@ -336,7 +473,7 @@ def bench(
 
     opts = b.BenchOptions(backends=names, workloads=workloads, runs=runs, warmup=warmup,
                           random_weights=random_weights, model=model, device=device, dtype=dtype,
-                          max_tokens=max_tokens, first_chunk=_first_chunk(first_chunk), gguf=gguf)
+                          max_tokens=max_tokens, first_chunk=_first_chunk(first_chunk), gguf=gguf, server=server)
     result = b.run(opts)
     if json_out:
         b.write_json(result, json_out)

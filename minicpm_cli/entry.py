@@ -21,6 +21,9 @@ def interrupt(signum, frame):
 def main() -> None:
     signal.signal(signal.SIGINT, interrupt)
     try:
+        from . import trace
+
+        trace.mark("start")
         from .cli import main as run
     except KeyboardInterrupt:
         sys.exit(130)

@@ -20,6 +20,10 @@ class OptionError(UsageError):
     exit_code = 2
 
 
+class VoiceError(UsageError):
+    """A reference voice that cannot be used: unreadable, not audio, too long or short, silent."""
+
+
 class ModelNotFound(MinicpmError):
     """A model directory or hub repository that cannot be found or reached."""
 

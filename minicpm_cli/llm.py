@@ -1,22 +1,27 @@
 """The LLM side of a spoken reply: prompts, token choice and text pieces (spec §4.5).
 
 `reply_pieces` reproduces the reference's `streaming_prefill` + `llm_generate_chunk`: the user turn is
-prefilled, the 9-token generate prompt is appended, and tokens come in pieces of 3 (one reference
-`generate()` call each). Each call's repetition penalty sees only that call's inputs and outputs;
-trailing tokens that decode to an incomplete UTF-8 character (U+FFFD) are held back to the next piece.
-The first piece carries the hidden state at `<|spk|>`. Works with any backend (`LLMStage`).
+prefilled (after a voice's system turn, if there is one), the 9-token generate prompt is appended,
+and tokens come in pieces of 3 (one reference `generate()` call each). Each call's repetition penalty
+sees only that call's inputs and outputs; trailing tokens that decode to an incomplete UTF-8
+character (U+FFFD) are held back to the next piece. The first piece carries the hidden state at
+`<|spk|>`. Works with any backend (`LLMStage`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .sampling import choose, noise, top_k, top_p
 from .text import ASSISTANT_TTS_PREFIX, Tokenizers
+
+if TYPE_CHECKING:
+    from .cloning import VoiceTurn
 
 # streaming_generate appends this after the user turn; with a text-only first turn the context holds
 # `<|im_end|>\n` twice (spec §7.5). We keep it: it is the flow the model was benchmarked with and the
@@ -27,6 +32,12 @@ TOKENS_PER_PIECE = 3
 
 def user_turn(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n"
+
+
+def later_user_turn(text: str) -> str:
+    """A user message prefilled after another message of the session (the voice's system turn):
+    streaming_prefill opens it but leaves it to the generate prompt's <|im_end|> to close."""
+    return f"<|im_start|>user\n{text}"
 
 
 @dataclass(frozen=True)
@@ -66,15 +77,20 @@ def next_token(logits: Tensor, window: list[int], s: LLMSampling, generator: tor
 
 
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,
-                 max_tokens: int, force_length: bool = False) -> Iterator[Piece]:
+                 max_tokens: int, force_length: bool = False, voice: "VoiceTurn | None" = None) -> Iterator[Piece]:
     """`force_length` (benchmarks with random weights): the end tokens are never sampled, so the
     reply has exactly max_tokens tokens, and only ids the tokenizer can decode are (random weights
-    may come with a smaller test tokenizer)."""
+    may come with a smaller test tokenizer). `voice`: the reference's audio-assistant system turn,
+    prefilled first (spec §4.4, §4.5); the user message then follows as a later message."""
     terminators = {tok.im_end_id, tok.endoftext_id}
     banned = sorted(terminators | {tok.tts_eos_id}) if force_length else None
     vocab = len(tok.llm) if force_length else None
     llm.reset()
-    llm.forward(tok.encode_llm(user_turn(user_text)))
+    if voice is None:
+        llm.forward(tok.encode_llm(user_turn(user_text)))
+    else:
+        llm.forward(voice.ids, voice.embeds, voice.embed_at)
+        llm.forward(tok.encode_llm(later_user_turn(user_text)))
     inputs = tok.encode_llm(GENERATE_PROMPT)
     spk_pos = inputs.index(tok.spk_id)
     held: list[int] = []

@@ -4,11 +4,17 @@
 runs the reference's read-aloud path (spec §4.3) on the caller's text. The LLM stage is whatever
 backend was named; the TTS head, DVAE and Vocos are shared by all backends. The CLI is a thin layer
 over this module.
+
+A `voice` (16 kHz samples or a `voice.Voice`) clones a reference voice: its audio embeddings go into
+the LLM context (the reference's voice-cloning prompt for a read, its audio-assistant prompt for a
+reply), and the speaker vector taken at `<|spk|>` carries it to every segment. The audio encoder is
+loaded when a voice is first used; without a voice nothing of it is loaded or run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +25,11 @@ from torch import Tensor
 from . import backends
 
 from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, resolve
+from .cloning import AUDIO_PREFIXES, VoiceEncoder, load_voice_encoder
+from . import trace
 from .codec import Codec
 from .errors import CheckpointError, DeviceError, UsageError
+from .features import FeatureConfig
 from .models.chattts import ChatTTS, TTSConfig, fold_weight_norm
 from .codec import StreamDecoder
 from .llm import LLMSampling, reply_pieces
@@ -28,6 +37,7 @@ from .sampling import Sampling
 from .streaming import Frames, NewSegment, StreamingTTS, read_cut, reply_cut
 from .text import Tokenizers, read_pieces, read_prompt
 from .tts import FRAMES_PER_CALL, TTSRunner
+from .voice import Voice, as_voice
 
 SAMPLE_RATE = 24000
 BUNDLED_TOKENIZERS = Path(__file__).parent / "data" / "tiny-tokenizers"
@@ -112,17 +122,26 @@ def build_codec(ckpt: Checkpoint, vocos: dict[str, Tensor], *, device) -> Codec:
         raise CheckpointError(f"DVAE/Vocos weights do not fit: {e}") from None
 
 
+def load_voices(model: str, tokenizers: Tokenizers, *, device, dtype) -> VoiceEncoder:
+    """The audio encoder of `model` (a directory, or a hub repo whose shards holding it are fetched now)."""
+    root = resolve(model, AUDIO_PREFIXES)
+    return load_voice_encoder(Checkpoint(root), read_config(root), tokenizers, device=device, dtype=dtype,
+                              features=FeatureConfig.from_dir(root))
+
+
 class Synthesizer:
     """A loaded speech path. Not thread-safe: one utterance at a time."""
 
     sample_rate = SAMPLE_RATE
 
     def __init__(self, tokenizers: Tokenizers, llm: backends.LLMStage, tts: ChatTTS, codec: Codec,
-                 tts_runner: TTSRunner | None = None):
+                 tts_runner: TTSRunner | None = None, voices: Callable[[], VoiceEncoder] | None = None):
+        """`voices` builds the audio encoder when a voice is first used (None: voices unavailable)."""
         self.tokenizers, self.llm, self.tts_model, self.codec = tokenizers, llm, tts, codec
         self.tts = tts_runner or TTSRunner(tts)
         self.device = tts.emb_text.weight.device
         self.llm_context = LLM_CONTEXT
+        self._load_voices, self._voices = voices, None
 
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, *, backend: str = "auto", device: str = "auto",
@@ -146,39 +165,81 @@ class Synthesizer:
             tokenizers = Tokenizers(Path(model) if model and Path(model).is_dir() else BUNDLED_TOKENIZERS)
         else:
             root = resolve(model or DEFAULT_MODEL, be.prefixes)
-            config, tokenizers, ckpt = read_config(root), Tokenizers(root), Checkpoint(root)
-            vocos = read_vocos(root)
-        tts = build_tts(ckpt, config, device=dev, dtype=dt)
-        codec = build_codec(ckpt, vocos, device=dev)
-        be.wrap_codec(codec)
-        llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf)
-        return cls(tokenizers, llm, tts, codec, be.tts_runner(tts))
+            config, ckpt = read_config(root), Checkpoint(root)
+            with trace.span("load_tokenizers"):
+                tokenizers = Tokenizers(root)
+            with trace.span("load_vocos"):
+                vocos = read_vocos(root)
+        if dev.type == "cuda":
+            with trace.span("cuda_init"):
+                torch.cuda.init()
+                torch.empty(1, device=dev)
+        with trace.span("load_tts"):
+            tts = build_tts(ckpt, config, device=dev, dtype=dt)
+        with trace.span("load_codec"):
+            codec = build_codec(ckpt, vocos, device=dev)
+            be.wrap_codec(codec)
+        with trace.span("load_llm"):
+            llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf)
+        voices = None if random_weights else functools.partial(load_voices, model or DEFAULT_MODEL, tokenizers,
+                                                                  device=dev, dtype=dt)
+        with trace.span("load_tts_runner"):
+            runner = be.tts_runner(tts)
+        return cls(tokenizers, llm, tts, codec, runner, voices)
 
-    def speaker(self, prompt_ids: list[int]) -> Tensor:
-        """Run the LLM over a prompt; the projected hidden state at its last <|spk|> (hidden,)."""
+    @property
+    def voices(self) -> VoiceEncoder:
+        """The audio encoder, built on first use."""
+        if self._voices is None:
+            if self._load_voices is None:
+                raise UsageError("voices need the checkpoint's audio encoder; this model was loaded without one "
+                                 "(random weights)")
+            self._voices = self._load_voices()
+        return self._voices
+
+    def speaker(self, prompt_ids: list[int], embeds: Tensor | None = None,
+                embed_at: list[int] | None = None) -> Tensor:
+        """Run the LLM over a prompt (with a voice: its audio embeddings at `embed_at`); the projected
+        hidden state at its last <|spk|> (hidden,)."""
         spk_pos = len(prompt_ids) - 1 - prompt_ids[::-1].index(self.tokenizers.spk_id)
         self.llm.reset()
-        _, hidden = self.llm.forward(prompt_ids)
+        if embeds is None:
+            _, hidden = self.llm.forward(prompt_ids)
+        else:
+            _, hidden = self.llm.forward(prompt_ids, embeds, embed_at)
         return self._project(hidden[spk_pos])
 
     def _project(self, hidden: Tensor) -> Tensor:
         with torch.inference_mode():
             return self.tts_model.speaker(hidden.to(self.tts.device, self.tts.dtype))  # (gguf: from the host)
 
-    def _read_prompt_ids(self, text: str) -> list[int]:
-        """The read-aloud prompt; a text longer than the LLM context keeps its beginning (the speaker
-        vector only needs the hidden state at <|spk|>, and one vector serves every segment)."""
+    def _read_prompt_ids(self, text: str, reserved: int = 0) -> list[int]:
+        """The read-aloud prompt, in `llm_context - reserved` tokens; a text longer than that keeps its
+        beginning (the speaker vector only needs the hidden state at <|spk|>, and one vector serves
+        every segment)."""
         tok = self.tokenizers
         ids = tok.encode_llm(read_prompt(text))
-        if len(ids) <= self.llm_context:
+        context = self.llm_context - reserved
+        if len(ids) <= context:
             return ids
         text_ids = tok.encode_llm(text)
-        room = self.llm_context - (len(ids) - len(text_ids)) - 8  # 8: re-tokenisation at the cut
+        room = context - (len(ids) - len(text_ids)) - 8  # 8: re-tokenisation at the cut
         return tok.encode_llm(read_prompt(tok.llm.decode(text_ids[:room])))
 
+    def _read_speaker(self, text: str, voice: Voice | None) -> Tensor:
+        """The speaker vector of a read: the reference's chat() read prompt, after its voice-cloning
+        turn when there is a voice (spec §4.3)."""
+        if voice is None:
+            return self.speaker(self._read_prompt_ids(text))
+        turn = self.voices.turn(voice, "read")
+        ids = turn.ids + self._read_prompt_ids(text, reserved=len(turn.ids))
+        return self.speaker(ids, turn.embeds, turn.embed_at)
+
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
-                   first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None) -> Iterator[AudioChunk]:
-        """Read `text` aloud (spec §4.3: the caller's text, not an LLM rewrite), as audio chunks.
+                   first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
+                   voice: Voice | np.ndarray | None = None) -> Iterator[AudioChunk]:
+        """Read `text` aloud (spec §4.3: the caller's text, not an LLM rewrite), as audio chunks, in
+        the model's default voice or in a cloned `voice` (16 kHz mono float32 samples or a Voice).
 
         decode="stream": each generation call is decoded as soon as it exists, with the reference's
         4-frame context and crossfade, and released at once (`first_chunk` frames first).
@@ -193,7 +254,7 @@ class Synthesizer:
         tok = self.tokenizers
         if not tok.encode_bert(text):
             raise UsageError("the text has nothing the TTS tokenizer can read")
-        spk = self.speaker(self._read_prompt_ids(text))
+        spk = self._read_speaker(text, as_voice(voice))
         pieces = read_pieces(text, lambda t: len(tok.encode_bert(t)))
         machine = StreamingTTS(self.tts, tok, spk, sampling.generator(self.device), normalize=False,
                                cut=read_cut, read_all=True, first_chunk=first_chunk,
@@ -202,17 +263,20 @@ class Synthesizer:
         yield from self._audio(events, decode)
 
     def reply(self, user_text: str, sampling: Sampling = Sampling(), *, llm: LLMSampling = LLMSampling(),
-              max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL,
-              frames_per_token: int | None = None) -> Iterator[AudioChunk]:
+              max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
+              voice: Voice | np.ndarray | None = None) -> Iterator[AudioChunk]:
         """The spoken answer to a user message (spec §4.5), streamed: LLM text pieces feed the TTS as
-        they are generated; each chunk carries the reply text it speaks."""
+        they are generated; each chunk carries the reply text it speaks. With a `voice`, the
+        reference's audio-assistant system turn comes first and the answer is spoken in that voice."""
         if not user_text.strip():
             raise UsageError("no text to reply to")
         if max_tokens < 1:
             raise UsageError("--max-tokens must be at least 1")
+        voice = as_voice(voice)
+        turn = self.voices.turn(voice, "reply") if voice is not None else None
         generator = sampling.generator(self.device)
         pieces = reply_pieces(self.llm, self.tokenizers, user_text, llm, generator, max_tokens,
-                              force_length=frames_per_token is not None)
+                              force_length=frames_per_token is not None, voice=turn)
         first = next(pieces)
         spk = self._project(first.spk_hidden)
         machine = StreamingTTS(self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,
@@ -258,8 +322,9 @@ class Synthesizer:
             frames = torch.cat(codes).cpu() if codes else torch.zeros(0, self.codec.num_vq, dtype=torch.long)
             yield AudioChunk(audio.float().cpu().numpy(), self.sample_rate, text, frames, segment, final)
 
-    def say(self, text: str, sampling: Sampling = Sampling()) -> Utterance:
+    def say(self, text: str, sampling: Sampling = Sampling(), *,
+            voice: Voice | np.ndarray | None = None) -> Utterance:
         """The whole read-aloud utterance at once (decoded per segment, as the reference reads)."""
-        chunks = list(self.synthesize(text, sampling, decode="segment"))
+        chunks = list(self.synthesize(text, sampling, decode="segment", voice=voice))
         return Utterance(codes=torch.cat([c.codes for c in chunks]),
                          audio=np.concatenate([c.samples for c in chunks]))

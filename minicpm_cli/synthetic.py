@@ -256,6 +256,9 @@ class RandomCheckpoint:
     def shape(self, key: str) -> tuple[int, ...]:
         return self.plan[key][0]
 
+    def prefetch(self, keys, device="cpu") -> None:
+        """Nothing to read ahead: tensors are drawn when asked for."""
+
     def tensor(self, key: str, dtype: torch.dtype | None = None, device="cpu") -> Tensor:
         shape, init = self.plan[key]
         return _tensor(self.spec, key, shape, init, self.seed, torch.device(device), dtype or torch.float32)

@@ -7,6 +7,7 @@ differ between checkpoints. This module knows strings and ids, nothing about ten
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,12 @@ from .errors import CheckpointError
 
 READ_INSTRUCTION = "Please read the text below."
 ASSISTANT_TTS_PREFIX = "<|im_start|>assistant\n<|spk_bos|><|spk|><|spk_eos|><|tts_bos|>"
+# The voice prompts of the early-2025 revision of the reference (the parity goldens' strings); a later
+# revision reads "Use the voice in the audio prompt to synthesize new content." / "You are a helpful
+# assistant with the above voice style." (spec §0.1, §4.4).
+VOICE_CLONE_INSTRUCTION = "Clone the voice in the provided audio prompt."
+VOICE_ASSISTANT_STYLE = "As an assistant, you will speak using this voice style."
+AUDIO_START, AUDIO_END, AUDIO_SLOT = "<|audio_start|>", "<|audio_end|>", "<unk>"
 
 
 # A run of sentence/clause punctuation (and closing quotes/brackets) followed by space or the end;
@@ -60,6 +67,22 @@ def read_prompt(text: str) -> str:
     return f"<|im_start|>user\n{READ_INSTRUCTION}\n{text}<|im_end|>\n{ASSISTANT_TTS_PREFIX}"
 
 
+def audio_placeholder(groups: list[int]) -> str:
+    """The reference processor's text for chunked audio: per group (one second of audio) its start
+    token, one <unk> per audio embedding, its end token. The embeddings replace the <unk>s in order."""
+    return "".join(AUDIO_START + AUDIO_SLOT * k + AUDIO_END for k in groups)
+
+
+def voice_clone_turn(placeholder: str) -> str:
+    """get_sys_prompt(mode="voice_cloning") in chat(): the parts of a message joined by newlines."""
+    return f"<|im_start|>user\n{VOICE_CLONE_INSTRUCTION}\n{placeholder}<|im_end|>\n"
+
+
+def voice_assistant_turn(placeholder: str) -> str:
+    """get_sys_prompt(mode="audio_assistant") in streaming_prefill: the parts joined with nothing between."""
+    return f"<|im_start|>user\n{VOICE_CLONE_INSTRUCTION}{placeholder}{VOICE_ASSISTANT_STYLE}<|im_end|>\n"
+
+
 @dataclass(frozen=True)
 class Condition:
     """The TTS condition slots: `ids` has `condition_length` entries, `n` is the text length."""
@@ -68,20 +91,57 @@ class Condition:
     n: int
 
 
+class Tokenizer:
+    """One `tokenizer.json` on the Rust `tokenizers` engine, as transformers' PreTrainedTokenizerFast
+    uses it (encode without special tokens, decode keeping them, the WordPiece clean-up of spaces before
+    punctuation where asked), without importing transformers: that import alone is over a second of
+    every start. tests/test_tokenizers.py holds it to transformers' results."""
+
+    def __init__(self, path: Path, clean_up_spaces: bool):
+        from tokenizers import Tokenizer as Engine
+
+        self.engine = Engine.from_file(str(path))
+        self.clean_up_spaces = clean_up_spaces
+        unk = getattr(self.engine.model, "unk_token", None)
+        self.unk_token_id = self.engine.token_to_id(unk) if unk else None
+
+    def __len__(self) -> int:
+        """Ids in use, added tokens included (what len() of a transformers tokenizer gives)."""
+        return self.engine.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.engine.encode(text, add_special_tokens=False).ids
+
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        return self.engine.encode(text, add_special_tokens=False).offsets
+
+    def decode(self, ids: list[int]) -> str:
+        text = self.engine.decode(list(ids), skip_special_tokens=False)
+        if self.clean_up_spaces:  # transformers' clean_up_tokenization
+            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(a, b)
+        return text
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self.engine.token_to_id(token)
+
+    def convert_ids_to_tokens(self, i: int) -> str | None:
+        return self.engine.id_to_token(i)
+
+
 class Tokenizers:
     def __init__(self, model_dir: Path):
-        # transformers' fast-tokenizer wrapper over tokenizer.json: the same tokenization the
-        # reference gets, without its remote-code tokenizer classes.
-        from transformers import PreTrainedTokenizerFast
-
+        # the checkpoint's tokenizer.json files: the same tokenization the reference gets, without its
+        # remote-code tokenizer classes
         main = model_dir / "tokenizer.json"
         bert = model_dir / "assets" / "chattts_tokenizer" / "tokenizer.json"
         for f in (main, bert):
             if not f.is_file():
                 raise CheckpointError(f"tokenizer file missing: {f}")
         try:
-            self.llm = PreTrainedTokenizerFast(tokenizer_file=str(main), clean_up_tokenization_spaces=False)
-            self.bert = PreTrainedTokenizerFast(tokenizer_file=str(bert), clean_up_tokenization_spaces=True)
+            self.llm = Tokenizer(main, clean_up_spaces=False)
+            self.bert = Tokenizer(bert, clean_up_spaces=True)
         except Exception as e:  # tokenizers raises plain Exceptions on malformed JSON
             raise CheckpointError(f"cannot read tokenizer: {e}") from e
         self.spk_id = self._llm_id("<|spk|>")
@@ -94,6 +154,17 @@ class Tokenizers:
         self.etts = self._bert_id("[Etts]")
         self.ptts = self._bert_id("[Ptts]")
         self.pad = self._bert_id("[PAD]")
+
+    @functools.cached_property
+    def audio_slot_id(self) -> int:
+        """Id of <unk>, the audio placeholder (looked up when a voice is first used: a checkpoint
+        without an audio encoder need not have it)."""
+        i = self.llm.convert_tokens_to_ids(AUDIO_SLOT)
+        if i is None or self.llm.convert_ids_to_tokens(i) != AUDIO_SLOT:
+            raise CheckpointError(f"LLM tokenizer has no token {AUDIO_SLOT}")
+        for token in (AUDIO_START, AUDIO_END):
+            self._llm_id(token)
+        return i
 
     def _llm_id(self, token: str) -> int:
         return self._lookup(self.llm, token, "LLM tokenizer")
@@ -109,14 +180,14 @@ class Tokenizers:
         return i
 
     def encode_llm(self, text: str) -> list[int]:
-        return self.llm.encode(text, add_special_tokens=False)
+        return self.llm.encode(text)
 
     def encode_bert(self, text: str) -> list[int]:
-        return self.bert.encode(text, add_special_tokens=False)
+        return self.bert.encode(text)
 
     def bert_offsets(self, text: str) -> list[tuple[int, int]]:
         """(start, end) character span of each BERT token of `text`."""
-        return self.bert(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return self.bert.offsets(text)
 
     def condition(self, text: str, reserved: int) -> Condition:
         """prepare_tts_text: [Stts][spk_emb] text [Etts] [PAD]... [Ptts], `reserved` + 3 ids.

@@ -13,9 +13,15 @@ import torch
 # Without a GPU, Triton kernels run in Triton's interpreter (read when a kernel is defined).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# `say` and `reply` use a server running at the default address: a developer's own `minicpm serve`
+# must not answer the tests (the server tests name theirs explicitly).
+os.environ["MINICPM_SERVER"] = ""
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "tiny-minicpmo"
+# tiny-minicpmo-voice (the voice goldens' checkpoint) is tiny-minicpmo plus the audio encoder: only
+# its extra tensors and its config.json are kept, and `voice_dir` puts the two together.
+VOICE_EXTRA = FIXTURES / "tiny-minicpmo-voice-extra"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,3 +60,37 @@ def codec():
         dvae = {k[len(prefix):]: f.get_tensor(k).float() for k in f.keys() if k.startswith(prefix)}
     vocos = torch.load(TINY / "assets" / "Vocos.pt", map_location="cpu", weights_only=True)
     return Codec.from_tensors(dvae, vocos, "cpu")
+
+
+@pytest.fixture(scope="session")
+def goldens_voice():
+    return np.load(FIXTURES / "goldens_voice.npz")
+
+
+@pytest.fixture(scope="session")
+def manifest_voice():
+    return json.loads((FIXTURES / "manifest_voice.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def voice_dir(tmp_path_factory) -> Path:
+    """tiny-minicpmo-voice assembled in the official sharded layout, without copying weights: the base
+    checkpoint's file and the audio encoder's file as two shards of one index, the voice config, and
+    everything else linked from tiny-minicpmo."""
+    from safetensors import safe_open
+
+    d = tmp_path_factory.mktemp("tiny-minicpmo-voice")
+    shards = {"model-00001-of-00002.safetensors": TINY / "model.safetensors",
+              "model-00002-of-00002.safetensors": VOICE_EXTRA / "audio.safetensors"}
+    links = {name: TINY / name for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                            "preprocessor_config.json", "assets")}
+    links.update(shards)
+    links["config.json"] = VOICE_EXTRA / "config.json"
+    for name, target in links.items():
+        (d / name).symlink_to(target.resolve(), target_is_directory=target.is_dir())
+    weight_map = {}
+    for name, path in shards.items():
+        with safe_open(path, framework="pt") as f:
+            weight_map.update(dict.fromkeys(f.keys(), name))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d

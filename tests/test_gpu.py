@@ -52,3 +52,37 @@ def test_int4_on_cuda_matches_dequantized(tiny_dir, tmp_path):
     assert (ha.float() - hb.float()).abs().max() <= 0.05 * hb.float().abs().max()  # bf16 on both sides
     assert (la - lb).abs().max() <= 0.05 * lb.abs().max()
     assert len(a.say("Hello world.", Sampling(seed=1)).codes) > 0
+
+
+@pytest.fixture(scope="module")
+def voice_synth(voice_dir):
+    return Synthesizer.load(str(voice_dir), device="cuda", dtype="float32")
+
+
+def test_voice_parity_on_cuda(voice_synth, goldens_voice, manifest_voice):
+    """A voice's audio embeddings enter a prefill outside the CUDA graphs; the rest replays them."""
+    from minicpm_cli.voice import Voice
+
+    voice = Voice(goldens_voice["ref_a_samples"])
+    for e in manifest_voice["voice_read"]:
+        utt = voice_synth.say(e["text"], Sampling(greedy=True), voice=voice)
+        np.testing.assert_array_equal(utt.codes.numpy(), goldens_voice[f"vread_{e['tag']}_codes"])
+        np.testing.assert_allclose(utt.audio, goldens_voice[f"vread_{e['tag']}_wav"], atol=1e-4, rtol=0)
+    e = manifest_voice["voice_reply"][0]
+    chunks = list(voice_synth.reply(e["user_text"], Sampling(greedy=True), max_tokens=24, voice=voice))
+    np.testing.assert_array_equal(torch.cat([c.codes for c in chunks]).numpy(), goldens_voice["vreply_a_name_codes"])
+    np.testing.assert_allclose(np.concatenate([c.samples for c in chunks]), goldens_voice["vreply_a_name_wav"],
+                               atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["compile", "int4"])
+def test_voice_runs_in_bf16(voice_dir, goldens_voice, backend):
+    from minicpm_cli.voice import Voice
+
+    s = Synthesizer.load(str(voice_dir), backend=backend, device="cuda", dtype="bfloat16")
+    voice = Voice(goldens_voice["ref_a_samples"])
+    a = s.say("Hello world.", Sampling(seed=3), voice=voice)
+    b = s.say("Hello world.", Sampling(seed=3), voice=voice)
+    assert torch.equal(a.codes, b.codes) and len(a.audio) == 512 * len(a.codes)
+    assert s.voices.model.apm.conv1.weight.dtype == torch.bfloat16
+    assert len(list(s.reply("Hi.", Sampling(seed=3), max_tokens=6, voice=voice))) > 0

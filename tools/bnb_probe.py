@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -119,16 +120,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="bf16,int8,nf4")
     ap.add_argument("--tokens", type=int, default=64, help="decode steps timed (median)")
+    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # (a child process: one format, one row)
     args = ap.parse_args()
+    if args.one:
+        r = probe(args.formats, args.tokens)
+        print(f"| {r['format']} | {r['weights_gib']} | {r['prefill_128_ms']} | {r['decode_ms']} | {r['decode_graph_ms']} | {r['peak_gib']} |",
+              flush=True)
+        return
     import bitsandbytes
 
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | bitsandbytes {bitsandbytes.__version__}")
     print("| format | LLM weights on the GPU (GiB) | prefill 128 tokens (ms) | decode eager (ms/token) | decode CUDA graph (ms/token) | peak (GiB) |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|", flush=True)
     for fmt in args.formats.split(","):
-        r = probe(fmt, args.tokens)
-        print(f"| {r['format']} | {r['weights_gib']} | {r['prefill_128_ms']} | {r['decode_ms']} | {r['decode_graph_ms']} | {r['peak_gib']} |",
-              flush=True)
+        # a process per format: a failed graph capture leaves CUDA's RNG in capture mode for the rest
+        # of its process, which would spoil the next format's figures
+        subprocess.run([sys.executable, __file__, "--formats", fmt, "--tokens", str(args.tokens), "--one"], check=False)
 
 
 if __name__ == "__main__":

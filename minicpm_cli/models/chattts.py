@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .transformer import Decoder, DecoderConfig
+from .transformer import Decoder, DecoderConfig, Embedding
 
 
 @dataclass(frozen=True)
@@ -83,8 +83,8 @@ class ChatTTS(nn.Module):
         self.config = c
         h = c.decoder.dim
         self.projector = Projector(c.llm_dim, h)
-        self.emb_text = nn.Embedding(c.num_text_tokens, h)
-        self.emb_code = nn.ModuleList(nn.Embedding(c.num_audio_tokens, h) for _ in range(c.num_vq))
+        self.emb_text = Embedding(c.num_text_tokens, h)
+        self.emb_code = nn.ModuleList(Embedding(c.num_audio_tokens, h) for _ in range(c.num_vq))
         self.heads = nn.Parameter(torch.empty(c.num_vq, c.num_audio_tokens, h))
         self.model = Decoder(c.decoder)
 

@@ -1,8 +1,9 @@
 """The Qwen2 LLM of MiniCPM-o 2.6 (`llm.*` in the checkpoint).
 
-Token ids in, `(logits, hidden)` out, where `hidden` is the post-final-RMSNorm last-layer state that
-`lm_head` reads and that conditions the TTS at the `<|spk|>` position. q/k/v carry biases, KV heads
-are grouped, RoPE theta comes from config.json and `lm_head` is not tied to the embeddings.
+Token ids (for a voice, with audio embeddings in place of some of theirs) in, `(logits, hidden)` out,
+where `hidden` is the post-final-RMSNorm last-layer state that `lm_head` reads and that conditions
+the TTS at the `<|spk|>` position. q/k/v carry biases, KV heads are grouped, RoPE theta comes from
+config.json and `lm_head` is not tied to the embeddings.
 """
 
 from __future__ import annotations
@@ -49,9 +50,14 @@ class Qwen2LM(nn.Module):
         self.lm_head = nn.Linear(c.decoder.dim, c.vocab_size, bias=False)
 
     def forward(self, ids: Tensor, input_pos: Tensor, mask: Tensor | None = None, kv_len: int = 0,
-                logits_at: slice | None = slice(-1, None), block_fns: tuple | None = None
-                ) -> tuple[Tensor | None, Tensor]:
-        """ids (B, T) -> logits (B, T', vocab) for the positions in `logits_at`, hidden (B, T, dim)."""
-        hidden = self.model(self.model.embed_tokens(ids), input_pos, mask, kv_len, block_fns)
+                logits_at: slice | None = slice(-1, None), block_fns: tuple | None = None,
+                embeds: Tensor | None = None, embed_at: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
+        """ids (B, T) -> logits (B, T', vocab) for the positions in `logits_at`, hidden (B, T, dim).
+        `embeds` (B, k, dim) replace the input embeddings of the k positions `embed_at` (k,): audio
+        embeddings in their placeholders."""
+        x = self.model.embed_tokens(ids)
+        if embeds is not None:
+            x = x.index_copy(1, embed_at, embeds.to(x.dtype))
+        hidden = self.model(x, input_pos, mask, kv_len, block_fns)
         logits = None if logits_at is None else self.lm_head(hidden[:, logits_at]).float()
         return logits, hidden

@@ -25,6 +25,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding whose random init is skipped on the meta device, where the models are built before
+    their weights are loaded: there is nothing to fill there, and torch's meta `normal_` imports
+    torch._dynamo (most of a second of every start)."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 @dataclass(frozen=True)
 class DecoderConfig:
     dim: int
@@ -185,7 +195,7 @@ class Decoder(nn.Module):
     def __init__(self, c: DecoderConfig, vocab_size: int | None = None):
         super().__init__()
         self.config = c
-        self.embed_tokens = nn.Embedding(vocab_size, c.dim) if vocab_size else None
+        self.embed_tokens = Embedding(vocab_size, c.dim) if vocab_size else None
         self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.rope_cos: Tensor | None = None

@@ -1,0 +1,308 @@
+"""The thin client: `say`, `reply` and `bench` speaking through a running `minicpm serve`.
+
+`Remote` offers what the commands need from a loaded model, `read(text, ...)` and
+`reply(message, ...)` as iterators of chunks (float32 samples, sample rate, text), so the commands
+write them with the same sinks as when the model runs in-process, and the bytes are the same. It
+asks the server for `pcm_f32`, the samples exactly as generated: `read` over the speech endpoint
+(`stream_format: "audio"` for a streamed decode, none for the per-segment one), `reply` over the
+reply endpoint's server-sent events (text and audio deltas).
+
+Standard library and numpy only: no torch, no model code (the point of a server is that `say`
+starts in milliseconds). Each request is its own connection; closing it (the iterator closed,
+Ctrl-C) is how the server learns to stop that generation.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from . import protocol
+from .errors import MinicpmError, UsageError
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}  # the aliases --dtype takes
+
+
+class ServerError(MinicpmError):
+    """The server failed, went away mid-response, or does not answer as a minicpm server."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What `say`/`reply` read from an AudioChunk: samples (float32 mono), their rate, the text."""
+
+    samples: np.ndarray
+    sample_rate: int
+    text: str = ""
+
+
+def server_url(explicit: str | None) -> tuple[str | None, bool]:
+    """(the URL to try or None for none, whether it was asked for explicitly with --server)."""
+    if explicit is not None:
+        return explicit, True
+    env = os.environ.get(protocol.SERVER_ENV)
+    if env is None:
+        return protocol.DEFAULT_URL, False
+    return (env.strip() or None), False
+
+
+class Remote:
+    """A minicpm server, used as `say`/`reply` use the model in-process."""
+
+    def __init__(self, url: str, props: dict, api_key: str | None):
+        self.url, self.props, self.api_key = url, props, api_key
+        self.sample_rate = int(props["sample_rate"])
+
+    # -- finding one ---------------------------------------------------------------------------
+
+    @classmethod
+    def find(cls, url: str | None, explicit: bool) -> "Remote | None":
+        """The server at `url`, once it answers as ready (it is waited for while it loads); None when
+        nothing answers there and it was not asked for explicitly, else an error that says why."""
+        if url is None:
+            return None
+        base = _base(url)
+        said = False
+        while True:
+            try:
+                status, body = _request(base, "GET", "/health", timeout=5.0 if explicit else 1.0)
+            except OSError as e:
+                if explicit:
+                    raise UsageError(f"no server answers at {url}: {_reason(e)}") from None
+                return None
+            error = _error_of(body)
+            if status == 503 and error.get("code") == "model_loading":
+                if not said:
+                    print(f"minicpm: waiting for the server at {url} to load its model", file=sys.stderr, flush=True)
+                    said = True
+                time.sleep(0.5)
+                continue
+            if status == 200 and _json(body).get("status") == "ok":
+                break
+            if explicit:
+                raise UsageError(f"no minicpm server at {url} (GET /health answered {status})")
+            return None  # something else listens on the default address: not ours
+        api_key = os.environ.get(protocol.API_KEY_ENV) or None
+        try:
+            status, body = _request(base, "GET", "/props", api_key=api_key)
+        except OSError as e:
+            raise ServerError(f"the server at {url} went away: {_reason(e)}") from None
+        if status != 200:
+            _raise(url, status, body)
+        return cls(base, _json(body), api_key)
+
+    def check(self, *, model: str | None, backend: str, device: str, dtype: str, gguf: str | None) -> None:
+        """Refuse what the server cannot honour: another model, backend, device, dtype or GGUF file
+        than it serves (options left at their defaults ask for nothing)."""
+        p = self.props
+        wrong = []
+        if model is not None and not _same_model(model, p):
+            wrong.append(f"model {p['model']}, not {model}")
+        if backend != "auto" and backend != p["backend"]:
+            wrong.append(f"backend {p['backend']}, not {backend}")
+        if device != "auto" and device != p["device"] and device != p["device"].split(":")[0]:
+            wrong.append(f"device {p['device']}, not {device}")
+        if dtype != "auto" and DTYPE_NAMES.get(dtype, dtype) != p["dtype"]:
+            wrong.append(f"dtype {p['dtype']}, not {dtype}")
+        if gguf is not None and not _same_path(gguf, p.get("gguf")):
+            wrong.append(f"GGUF {p.get('gguf') or '(none)'}, not {gguf}")
+        if wrong:
+            raise UsageError(f"the server at {self.url} serves {'; '.join(wrong)}: use --local to load "
+                             "it in this process, or --server URL for a server that has it")
+
+    def describe(self) -> str:
+        p = self.props
+        return f"server {self.url}: backend {p['backend']}, device {p['device']}, model {p['model']}"
+
+    # -- speaking ------------------------------------------------------------------------------
+
+    def read(self, text: str, *, greedy: bool, seed: int | None, decode: str,
+             first_chunk: int) -> Iterator[Chunk]:
+        """`Synthesizer.synthesize` on the server: decode "stream" (chunk by chunk) or "segment"."""
+        body = {"model": self.props["model"], "input": text, "voice": protocol.VOICES[0],
+                "response_format": "pcm_f32", "greedy": greedy, "seed": seed, "first_chunk": first_chunk}
+        if decode == "stream":
+            body["stream_format"] = "audio"
+        with self._post("/v1/audio/speech", body) as resp:
+            pending = b""
+            for data in _chunks(resp, self.url):
+                pending += data
+                whole = len(pending) - len(pending) % 4
+                if whole:
+                    yield Chunk(np.frombuffer(pending[:whole], dtype="<f4").astype(np.float32), self.sample_rate)
+                    pending = pending[whole:]
+            if pending:
+                raise ServerError(f"the server at {self.url} sent a partial sample")
+
+    def reply(self, message: str, *, greedy: bool, seed: int | None, temperature: float, max_tokens: int,
+              first_chunk: int) -> Iterator[Chunk]:
+        """`Synthesizer.reply` on the server: audio and the text it speaks, as they are generated."""
+        body = {"model": self.props["model"], "input": message, "voice": protocol.VOICES[0],
+                "response_format": "pcm_f32", "stream_format": "sse", "greedy": greedy, "seed": seed,
+                "temperature": temperature, "max_tokens": max_tokens, "first_chunk": first_chunk}
+        empty = np.zeros(0, dtype=np.float32)
+        with self._post("/v1/audio/reply", body) as resp:
+            for event in _events(resp, self.url):
+                kind = event.get("type")
+                if kind == "reply.audio.delta":
+                    yield Chunk(np.frombuffer(base64.b64decode(event["audio"]), dtype="<f4").astype(np.float32),
+                                self.sample_rate)
+                elif kind == "reply.text.delta":
+                    yield Chunk(empty, self.sample_rate, event["text"])
+                elif kind == "reply.done":
+                    return
+                elif kind == "error":
+                    raise ServerError(f"the server at {self.url} failed: {event['error']['message']}")
+            raise ServerError(f"the server at {self.url} ended the reply without its done event")
+
+    def _post(self, path: str, body: dict) -> "_Response":
+        conn = _connection(self.url, timeout=None)
+        headers = {"Content-Type": "application/json", **_auth(self.api_key)}
+        try:
+            conn.request("POST", _path(self.url, path), body=json.dumps({k: v for k, v in body.items() if v is not None}),
+                         headers=headers)
+            resp = conn.getresponse()
+        except OSError as e:
+            conn.close()
+            raise ServerError(f"the server at {self.url} went away: {_reason(e)}") from None
+        if resp.status != 200:
+            data = resp.read()
+            conn.close()
+            _raise(self.url, resp.status, data)
+        return _Response(conn, resp)
+
+
+class _Response:
+    """A response being read; leaving the `with` closes the connection (the server stops there)."""
+
+    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse):
+        self.conn, self.resp = conn, resp
+
+    def __enter__(self) -> http.client.HTTPResponse:
+        return self.resp
+
+    def __exit__(self, *exc) -> None:
+        self.conn.close()
+
+
+def _chunks(resp: http.client.HTTPResponse, url: str) -> Iterator[bytes]:
+    """The body as it arrives (one read per network delivery), to its verified end."""
+    while True:
+        try:
+            data = resp.read1(1 << 16)
+        except (http.client.IncompleteRead, OSError) as e:
+            raise ServerError(f"the server at {url} stopped in the middle of the audio ({_reason(e)})") from None
+        if not data:
+            if resp.length:  # a Content-Length body cut short
+                raise ServerError(f"the server at {url} stopped in the middle of the audio")
+            return
+        yield data
+
+
+def _events(resp: http.client.HTTPResponse, url: str) -> Iterator[dict]:
+    """Server-sent events' JSON data, one dict per event."""
+    buffer = b""
+    for data in _chunks(resp, url):
+        buffer += data.replace(b"\r\n", b"\n")
+        while b"\n\n" in buffer:
+            block, buffer = buffer.split(b"\n\n", 1)
+            lines = [line[5:].lstrip() for line in block.split(b"\n") if line.startswith(b"data:")]
+            if lines:
+                yield json.loads(b"\n".join(lines))
+
+
+# -- plumbing ------------------------------------------------------------------------------------
+
+
+def _base(url: str) -> str:
+    """The server's root URL (a trailing /v1, as OpenAI clients are given it, is dropped)."""
+    base = url.strip().rstrip("/")
+    if "://" not in base:
+        base = "http://" + base
+    parts = urlsplit(base)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"not an http:// URL: {url}")
+    return base[:-3] if base.endswith("/v1") else base
+
+
+def _connection(base: str, timeout: float | None) -> http.client.HTTPConnection:
+    parts = urlsplit(base)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    return cls(parts.hostname, parts.port, timeout=timeout)
+
+
+def _path(base: str, path: str) -> str:
+    return urlsplit(base).path.rstrip("/") + path
+
+
+def _auth(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _request(base: str, method: str, path: str, *, api_key: str | None = None,
+             timeout: float | None = 30.0) -> tuple[int, bytes]:
+    conn = _connection(base, timeout)
+    try:
+        conn.request(method, _path(base, path), headers=_auth(api_key))
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _json(body: bytes) -> dict:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _error_of(body: bytes) -> dict:
+    error = _json(body).get("error")
+    return error if isinstance(error, dict) else {}
+
+
+def _raise(url: str, status: int, body: bytes):
+    """An error response as one of our exceptions: the server's message (OpenAI's error object)."""
+    message = _error_of(body).get("message") or f"HTTP {status}"
+    if status == 401:
+        how = "set MINICPM_API_KEY to its key" if not os.environ.get(protocol.API_KEY_ENV) else "check MINICPM_API_KEY"
+        raise UsageError(f"the server at {url} refused the request ({message}): {how}")
+    if status == 413:
+        raise UsageError(f"{message} (the server at {url}; use --local to read it in this process)")
+    if status < 500:
+        raise UsageError(message)
+    raise ServerError(f"the server at {url} failed: {message}")
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, socket.timeout):
+        return "timed out"
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return str(e) or type(e).__name__
+
+
+def _same_path(asked: str, served: str | None) -> bool:
+    if served is None:
+        return False
+    if asked == served:
+        return True
+    a, b = Path(asked).expanduser(), Path(served).expanduser()
+    return a.exists() and b.exists() and a.resolve() == b.resolve()
+
+
+def _same_model(asked: str, props: dict) -> bool:
+    return asked == props["model"] or _same_path(asked, props.get("path"))

@@ -1,0 +1,35 @@
+"""The terms `minicpm serve` and its thin client share: address, environment variables, voices,
+audio formats, limits and event names. Plain constants, no imports: the client path (`say` through
+a server) must stay free of torch and the model code.
+"""
+
+from __future__ import annotations
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8910
+DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+SERVER_ENV = "MINICPM_SERVER"  # the server `say`/`reply` look for; empty: never look
+API_KEY_ENV = "MINICPM_API_KEY"  # the key `serve` requires and the client sends
+
+VOICES = ("default",)
+# OpenAI's own TTS model names, accepted as the served model so that drop-in clients work unchanged
+MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+# response_format: raw PCM (streamable, no header), WAV (a streaming header, or a whole file), and
+# whole encoded files. pcm_f32 is our extension: float32 samples exactly as generated, what the
+# thin client asks for so that its sinks write the same bytes as the local path.
+RAW_FORMATS = {"pcm": "s16", "pcm_f32": "f32"}
+STREAMABLE = ("wav", "pcm", "pcm_f32")
+ENCODED = ("flac", "mp3", "opus")  # whole files only (libsndfile patches their headers at the end)
+STREAM_FORMATS = ("audio", "sse")
+
+# Frames (21.3 ms) in a generation call: the range of `first_chunk` (= tts.FRAMES_PER_CALL; a test
+# checks they agree, this module cannot import the model code)
+FRAMES_PER_CALL = 25
+
+# A request's `input` is at most this many characters (about two hours of speech; OpenAI's limit is
+# 4096), its body at most this many bytes (room for the input JSON-escaped): beyond, 413.
+MAX_INPUT_CHARS = 100_000
+MAX_BODY_BYTES = 2 << 20
+
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (and so `--seed`)

@@ -1,0 +1,93 @@
+"""Loading reads each tensor once, straight onto its device (minicpm_cli/tensorio.py): the tensors
+it gives equal safetensors' own reader bit for bit, whatever the chunking, on the CPU and the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minicpm_cli.checkpoint import Checkpoint
+from minicpm_cli.errors import CheckpointError
+from minicpm_cli.synthetic import SyntheticSpec, write_checkpoint
+from minicpm_cli.tensorio import _chunks, read_header
+
+
+def _oracle(root) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(root.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, tiny_dir):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "sharded", SyntheticSpec.tiny(), tokenizer_from=tiny_dir,
+                            max_shard_bytes=1 << 20, include_vision_audio=True)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
+                                                                       b.contiguous().view(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("which", ["tiny", "sharded"])
+def test_prefetch_equals_safetensors_on_the_cpu(which, tiny_dir, sharded):
+    root = tiny_dir if which == "tiny" else sharded
+    ref = _oracle(root)
+    ckpt = Checkpoint(root)
+    ckpt.prefetch(list(ref), "cpu")
+    for k, v in ref.items():
+        assert _same(ckpt.tensor(k), v), k
+    assert not ckpt._read  # handed out, not kept
+
+
+def test_tensor_converts_like_torch(tiny_dir):
+    ckpt = Checkpoint(tiny_dir)
+    key = "llm.model.layers.0.self_attn.q_proj.weight"
+    want = load_file(tiny_dir / "model.safetensors")[key].to(torch.float32)
+    assert torch.equal(ckpt.tensor(key, torch.float32), want)
+
+
+@pytest.mark.parametrize("limit", [7, 1000, 1 << 16])
+def test_chunks_cover_every_byte_once(tiny_dir, limit):
+    entries = read_header(tiny_dir / "model.safetensors")
+    seen = {k: [] for k, e in entries.items() if e.end > e.begin}
+    for c in _chunks(entries, limit):
+        assert 0 < c.length <= limit
+        at = 0
+        for name, off, src, n in c.pieces:
+            assert src == at and n > 0  # pieces fill the read back to back
+            assert entries[name].begin + off == c.offset + src  # the bytes they name are the file's
+            seen[name].append((off, n))
+            at += n
+        assert at == c.length
+    for name, parts in seen.items():
+        e = entries[name]
+        covered = 0
+        for off, n in sorted(parts):
+            assert off == covered
+            covered += n
+        assert covered == e.end - e.begin, name
+
+
+def test_truncated_file_is_a_checkpoint_error(tiny_dir, tmp_path):
+    data = (tiny_dir / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        Checkpoint(tmp_path).tensor("llm.model.norm.weight")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["tiny", "sharded"])
+def test_prefetch_equals_safetensors_on_the_gpu(which, tiny_dir, sharded, monkeypatch):
+    import minicpm_cli.tensorio as tio
+
+    monkeypatch.setattr(tio, "CHUNK", 4096)  # many chunks: tensors split across reads and buffers
+    root = tiny_dir if which == "tiny" else sharded
+    ref = _oracle(root)
+    ckpt = Checkpoint(root)
+    ckpt.prefetch(list(ref), "cuda")
+    for k, v in ref.items():
+        t = ckpt.tensor(k)
+        assert t.device.type == "cuda" and _same(t.cpu(), v), k

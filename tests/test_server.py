@@ -1,0 +1,763 @@
+"""`minicpm serve` and the thin client.
+
+Real server processes on the tiny checkpoint (one per fixture, on a free port): the official `openai`
+client gets what `minicpm say` makes in-process, byte for byte; `say`/`reply` through the server write
+what `--local` writes; bad requests get OpenAI's error object with their status and the server stays
+up; concurrency, disconnects, the API key, loading and SIGTERM. Then the server's application
+in-process over a fake model, where queue order, cancellation and failures can be observed exactly.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from minicpm_cli import protocol
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "fixtures" / "tiny-minicpmo"
+TEXT = "Hello world. How are you today?"
+# about 90,000 characters: over a minute of work for the tiny model, the longest input a request takes
+LONG = " ".join(f"Sentence number {i} goes on for a while, and then it stops." for i in range(1400))
+KEY = "sekret-key"
+
+
+def _env(**extra) -> dict:
+    """The commands' environment: offline, no server looked for unless `extra` names one, no key."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MINICPM_DEBUG", "MINICPM_API_KEY")}
+    return {**env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": "", **extra}
+
+
+def minicpm(*args: str, stdin: bytes = b"", env: dict | None = None, timeout: float = 300):
+    return subprocess.run([sys.executable, "-m", "minicpm_cli", *args], input=stdin, capture_output=True,
+                          env=env or _env(), timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A `minicpm serve` process of the tiny checkpoint; its stderr lines collected as they come."""
+
+    def __init__(self, *args: str, port: int = 0, env: dict | None = None):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "minicpm_cli", "serve", "--model", str(TINY), "--device", "cpu",
+             "--dtype", "float32", "--port", str(port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env or _env())
+        self.lines: list[str] = []
+        self.url: str | None = f"http://127.0.0.1:{port}" if port else None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.decode(errors="replace"))
+
+    def wait_ready(self, timeout: float = 180) -> str:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            ready = [line for line in self.lines if line.startswith("minicpm: serving ")]
+            if ready:
+                self.url = ready[0].split(" at ")[-1].strip()
+                return self.url
+            if self.proc.poll() is not None:
+                time.sleep(0.2)
+                raise AssertionError(f"server exited {self.proc.returncode}: {''.join(self.lines)}")
+            time.sleep(0.05)
+        raise AssertionError(f"server not ready: {''.join(self.lines)}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+    @property
+    def address(self) -> tuple[str, int]:
+        u = urlsplit(self.url)
+        return u.hostname, u.port
+
+
+def call(url: str, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 120):
+    """(status, headers, body bytes); `body` a dict (sent as JSON) or bytes."""
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        data = json.dumps(body) if isinstance(body, dict) else body
+        hdrs = {"Content-Type": "application/json", **(headers or {})} if body is not None else dict(headers or {})
+        conn.request(method, path, body=data, headers=hdrs)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def error_of(status: int, body: bytes, expected: int) -> dict:
+    assert status == expected, (status, body[:500])
+    error = json.loads(body)["error"]
+    assert set(error) >= {"message", "type", "param", "code"}, error
+    assert "Traceback" not in error["message"] and "\n" not in error["message"], error
+    return error
+
+
+def sse_events(data: bytes) -> list[dict]:
+    blocks = [b for b in data.decode().split("\n\n") if b.strip()]
+    assert all(b.startswith("data: ") for b in blocks), blocks[:3]
+    return [json.loads(b[len("data: "):]) for b in blocks]
+
+
+def client(url: str, api_key: str = "unused"):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+# -- the tiny model, in-process (`--local`) and through the server -------------------------------------
+
+# (arguments, stdin): each is run with --local and with --server URL; files go to {dir}
+CASES = {
+    "file": (["say", TEXT, "--greedy", "-o", "{dir}/a.wav"], b""),
+    "flac": (["say", TEXT, "--seed", "3", "-o", "{dir}/a.flac"], b""),
+    "f32-file": (["say", TEXT, "--greedy", "--pcm", "f32", "-o", "{dir}/a.wav"], b""),
+    "stdout": (["say", TEXT, "--greedy", "-o", "-"], b""),
+    "first-chunk": (["say", TEXT, "--greedy", "--first-chunk", "8", "-o", "-"], b""),
+    "raw-f32-stdin": (["say", "-f", "-", "--greedy", "--raw", "--pcm", "f32"], TEXT.encode()),
+    "lines": (["say", "--lines", "--seed", "5", "-o", "-"], b"One line.\nAnd another one.\n"),
+    "dir": (["say", "--lines", "--greedy", "--dir", "{dir}"], b"One line.\n\nAnd another one.\n"),
+    "reply": (["reply", "Hi there", "--greedy", "-o", "-"], b""),
+}
+
+
+def without_peak_time(data: bytes) -> bytes:
+    """A float WAV's bytes with the time libsndfile stamps into its PEAK chunk zeroed: two runs of
+    `say --pcm f32 -o FILE.wav` differ there and only there, local or not."""
+    at = data.find(b"PEAK", 12, 200)
+    return data if at < 0 else data[: at + 12] + bytes(4) + data[at + 16 :]
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stdout: bytes
+    stderr: str
+    files: dict[str, bytes]
+
+
+def outcome(case: str, where: list[str], tmp: Path, env: dict | None = None) -> Outcome:
+    args, stdin = CASES[case]
+    d = tmp / f"{case}-{where[0].strip('-')}"
+    d.mkdir()
+    p = minicpm(*[a.replace("{dir}", str(d)) for a in args], *where, stdin=stdin, env=env)
+    return Outcome(p.returncode, p.stdout, p.stderr.decode().replace(str(d), "{dir}"),
+                   {f.name: without_peak_time(f.read_bytes()) for f in sorted(d.iterdir())})
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """What each case writes with the model in-process (`--local`), run once per case."""
+    tmp, cache = tmp_path_factory.mktemp("local"), {}
+
+    def get(case: str) -> Outcome:
+        if case not in cache:
+            cache[case] = outcome(case, ["--local", "--model", str(TINY), "--device", "cpu"], tmp)
+            assert cache[case].returncode == 0, cache[case].stderr
+        return cache[case]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served()
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_health_models_props(served):
+    status, _, body = call(served.url, "GET", "/health")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    status, _, body = call(served.url, "GET", "/v1/models")
+    assert status == 200
+    models = json.loads(body)
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [str(TINY)]
+    status, _, body = call(served.url, "GET", "/props")
+    props = json.loads(body)
+    assert (props["backend"], props["device"], props["dtype"], props["sample_rate"]) == ("eager", "cpu", "float32", 24000)
+    assert props["path"] == str(TINY.resolve()) and props["voices"] == ["default"]
+    assert {"wav", "pcm", "pcm_f32", "flac"} <= set(props["response_formats"])
+    assert json.loads(call(served.url, "GET", "/v1/audio/voices")[2]) == {"voices": ["default"]}
+    assert served.lines[0].startswith(f"minicpm: serving {TINY} (eager, cpu) at http://127.0.0.1:")
+    assert len(served.lines) == 1, served.lines  # one line when ready, nothing else
+
+
+def test_openai_whole_file_is_say_file(served, local):
+    """No stream_format: the whole file `say -o FILE` writes (segment decode), same bytes."""
+    c = client(served.url)
+    wav = c.audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="wav",
+                                extra_body={"greedy": True}).content
+    assert wav == local("file").files["a.wav"]
+    audio, sr = sf.read(io.BytesIO(wav), dtype="int16")
+    assert sr == 24000 and len(audio) > 0
+    flac = c.audio.speech.create(model=str(TINY), voice="default", input=TEXT, response_format="flac",
+                                 extra_body={"seed": 3}).content
+    assert flac == local("flac").files["a.flac"]
+    pcm = c.audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="pcm",
+                                extra_body={"greedy": True}).content
+    assert pcm == audio.astype("<i2").tobytes()
+
+
+def test_openai_stream_is_say_stdout(served, local):
+    """stream_format "audio": the bytes `say -o -` streams (a WAV header of unknown length, then the
+    chunk-by-chunk decode); the same samples as raw pcm; our first_chunk extension as --first-chunk."""
+    c = client(served.url)
+
+    def streamed(**kw) -> tuple[bytes, int]:
+        with c.audio.speech.with_streaming_response.create(model="tts-1", voice="default", input=TEXT,
+                                                           stream_format="audio", **kw) as r:
+            assert r.status_code == 200
+            parts = list(r.iter_bytes())
+        return b"".join(parts), len(parts)
+
+    wav, _ = streamed(response_format="wav", extra_body={"greedy": True})
+    expected = local("stdout").stdout
+    assert wav == expected
+    ours, sr = sf.read(io.BytesIO(wav), dtype="float32")
+    theirs, _ = sf.read(io.BytesIO(expected), dtype="float32")
+    assert sr == 24000 and np.array_equal(ours, theirs)
+    pcm, _ = streamed(response_format="pcm", extra_body={"greedy": True})
+    assert pcm == expected[44:]
+    early, _ = streamed(response_format="wav", extra_body={"greedy": True, "first_chunk": 8})
+    assert early == local("first-chunk").stdout and early != wav
+
+
+def test_stream_arrives_while_it_is_generated(served):
+    text = " ".join(LONG.split(". ")[:40])
+    host, port = served.address
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/audio/speech", body=json.dumps({"input": text, "greedy": True, "stream_format": "audio",
+                                                               "response_format": "pcm"}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.getheader("transfer-encoding") == "chunked"
+    first = resp.read1(1 << 16)
+    t_first = time.monotonic() - t0
+    rest = resp.read()
+    total = time.monotonic() - t0
+    conn.close()
+    assert first and len(first) + len(rest) > 24000 * 2 * 5  # more than 5 s of audio
+    assert t_first < total / 3, (t_first, total)
+
+
+def test_sse_events(served, local):
+    c = client(served.url)
+    data = c.audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="wav",
+                                 stream_format="sse", extra_body={"greedy": True}).content
+    events = sse_events(data)
+    assert [e["type"] for e in events[:-1]] == ["speech.audio.delta"] * (len(events) - 1) and len(events) > 3
+    done = events[-1]
+    assert done["type"] == "speech.audio.done"
+    usage = done["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert b"".join(base64.b64decode(e["audio"]) for e in events[:-1]) == local("stdout").stdout
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cli_through_the_server_writes_what_local_writes(served, local, tmp_path, case):
+    """Every output mode of `say` and `reply`: the same bytes, files, stderr and status either way."""
+    remote = outcome(case, ["--server", served.url], tmp_path)
+    here = local(case)
+    assert remote.returncode == 0, remote.stderr
+    assert remote.stdout == here.stdout
+    assert remote.files == here.files
+    assert remote.stderr == here.stderr  # (reply: its text; --dir: the file names)
+    assert here.stdout or here.files
+
+
+def test_the_client_path_imports_no_torch(served, tmp_path):
+    out = tmp_path / "x.wav"
+    code = ("import sys, atexit\n"
+            "def check():\n"
+            "    bad = [m for m in ('torch', 'minicpm_cli.pipeline', 'minicpm_cli.models') if m in sys.modules]\n"
+            "    sys.stderr.write(f'IMPORTED {bad}' if bad else 'CLEAN')\n"
+            "atexit.register(check)\n"
+            f"sys.argv = ['minicpm', 'say', 'Hi there.', '--model', {str(TINY)!r}, '--greedy', '-o', {str(out)!r}]\n"
+            "from minicpm_cli.entry import main\nmain()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=_env(MINICPM_SERVER=served.url), timeout=120)
+    assert p.returncode == 0 and p.stderr.decode().endswith("CLEAN"), p.stderr.decode()
+    assert sf.info(out).frames > 0
+    # and with no server, the same command loads the model here
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=_env(), timeout=300)
+    assert p.returncode == 0 and "IMPORTED" in p.stderr.decode(), p.stderr.decode()
+
+
+def _one_line_error(p, *needles: str, status: int = 1):
+    err = p.stderr.decode()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert p.returncode == status and len(lines) == 1 and lines[0].startswith("minicpm: error: "), err
+    for n in needles:
+        assert n in lines[0], err
+    assert p.stdout == b""
+
+
+def test_what_the_server_cannot_honour_is_an_error(served, tmp_path):
+    out = str(tmp_path / "x.wav")
+    via = ["--server", served.url]
+    _one_line_error(minicpm("say", "Hi.", "--backend", "compile", "-o", out, *via), "serves backend eager, not compile", "--local")
+    _one_line_error(minicpm("say", "Hi.", "--model", "openbmb/MiniCPM-o-2_6", "-o", out, *via), "serves model")
+    _one_line_error(minicpm("reply", "Hi.", "--dtype", "bfloat16", "-o", out, *via), "dtype float32, not bfloat16")
+    _one_line_error(minicpm("say", "Hi.", "--gguf", "x.gguf", "--backend", "gguf", "-o", out, *via), "GGUF")
+    _one_line_error(minicpm("say", "x" * (protocol.MAX_INPUT_CHARS + 1), "-o", out, *via), "--local", "100000")
+    _one_line_error(minicpm("say", "Hi.", "-o", out, "--server", f"http://127.0.0.1:{free_port()}"), "no server answers")
+    _one_line_error(minicpm("say", "Hi.", "-o", out, "--local", *via), "--local and --server", status=2)
+    # a relative path to the served checkpoint is the same model; MINICPM_SERVER finds the server
+    p = subprocess.run([sys.executable, "-m", "minicpm_cli", "say", "Hi.", "--model", "tests/fixtures/tiny-minicpmo",
+                        "--device", "cpu", "--dtype", "fp32", "-v", "-o", out],
+                       capture_output=True, env=_env(MINICPM_SERVER=served.url + "/v1"), cwd=ROOT, timeout=120)
+    assert p.returncode == 0 and p.stderr.decode() == f"minicpm: server {served.url}: backend eager, device cpu, model {TINY}\n"
+    assert [f.name for f in tmp_path.iterdir()] == ["x.wav"]
+
+
+def test_eight_concurrent_requests_each_get_their_own(served):
+    texts = [f"Request number {i} asks for its own words, {'and more ' * i}please." for i in range(4)]
+    jobs = [(t, mode) for t in texts for mode in ("file", "stream")]
+
+    def ask(text: str, mode: str) -> bytes:
+        body = {"input": text, "greedy": True, "response_format": "wav"}
+        if mode == "stream":
+            body["stream_format"] = "audio"
+        status, _, data = call(served.url, "POST", "/v1/audio/speech", body)
+        assert status == 200
+        return data
+
+    alone = {job: ask(*job) for job in jobs}
+    results: dict = {}
+    barrier = threading.Barrier(len(jobs))
+
+    def worker(job):
+        barrier.wait()
+        results[job] = ask(*job)
+
+    threads = [threading.Thread(target=worker, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == alone
+    assert len(set(alone.values())) == len(jobs)
+
+
+def test_a_client_that_leaves_stops_its_generation(served):
+    """LONG takes over a minute on the tiny model; once its client is gone the next request runs at
+    once (well within 30 s, on a loaded machine too), whether the long one was streaming or building a
+    whole file. Health answers meanwhile."""
+    host, port = served.address
+    assert len(LONG) <= protocol.MAX_INPUT_CHARS
+    for stream in (True, False):
+        conn = http.client.HTTPConnection(host, port, timeout=120)
+        body = {"input": LONG, "greedy": True, "response_format": "pcm", **({"stream_format": "audio"} if stream else {})}
+        conn.request("POST", "/v1/audio/speech", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        if stream:
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.read1(1 << 16)
+        else:
+            time.sleep(1.0)  # generating the whole file
+        assert call(served.url, "GET", "/health", timeout=15)[0] == 200  # (not after the long request)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        # (a socket timeout here means the short request waited for the abandoned one)
+        assert call(served.url, "POST", "/v1/audio/speech", {"input": "Hello.", "greedy": True}, timeout=30)[0] == 200
+
+
+BAD = [
+    # (path, body, status, words in the message)
+    ("/v1/audio/speech", {"input": "Hi.", "voice": "alloy"}, 400, ["alloy", "default"]),
+    ("/v1/audio/speech", {"input": "Hi.", "voice": {"id": "voice_1234"}}, 400, ["voice_1234"]),
+    ("/v1/audio/speech", {"input": "Hi.", "response_format": "aac"}, 400, ["aac"]),
+    ("/v1/audio/speech", {"input": "Hi.", "speed": 1.5}, 400, ["speed"]),
+    ("/v1/audio/speech", {"input": "Hi.", "instructions": "Whisper."}, 400, ["instructions"]),
+    ("/v1/audio/speech", {"input": "Hi.", "stream_format": "video"}, 400, ["stream_format"]),
+    ("/v1/audio/speech", {"input": "Hi.", "stream_format": "audio", "response_format": "flac"}, 400, ["whole file"]),
+    ("/v1/audio/speech", {"input": "Hi.", "greedy": True, "seed": 1}, 400, ["greedy takes no seed"]),
+    ("/v1/audio/speech", {"input": "Hi.", "seed": 2**64}, 400, ["seed"]),
+    ("/v1/audio/speech", {"input": "Hi.", "first_chunk": 0}, 400, ["first_chunk"]),
+    ("/v1/audio/speech", {"input": "  \n "}, 400, ["no text to speak"]),
+    ("/v1/audio/speech", {"input": "Hi.", "model": "gpt-5"}, 404, ["gpt-5"]),
+    ("/v1/audio/speech", {"input": "x" * (protocol.MAX_INPUT_CHARS + 1)}, 413, ["characters"]),
+    ("/v1/audio/speech", {"voice": "default"}, 422, ["input"]),
+    ("/v1/audio/speech", {"input": 5}, 422, ["input"]),
+    ("/v1/audio/speech", {"input": "Hi.", "greedy": "yes"}, 422, ["greedy"]),
+    ("/v1/audio/speech", b"{not json", 422, ["JSON"]),
+    ("/v1/audio/speech", b"[1, 2]", 422, []),
+    ("/v1/audio/reply", {"input": "Hi.", "temperature": 0}, 400, ["temperature"]),
+    ("/v1/audio/reply", {"input": "Hi.", "max_tokens": 0}, 400, ["max_tokens"]),
+    ("/v1/audio/reply", {"input": "Hi.", "response_format": "flac"}, 400, ["response_format"]),
+    ("/v1/audio/reply", {"input": "Hi.", "stream_format": "audio"}, 400, ["sse"]),
+    ("/v1/audio/reply", {"input": ""}, 400, ["no text to reply to"]),
+]
+
+
+def test_bad_requests_get_their_status_and_the_server_stays_up(served):
+    for path, body, status, words in BAD:
+        got, headers, data = call(served.url, "POST", path, body)
+        error = error_of(got, data, status)
+        assert headers.get("content-type") == "application/json", (body, headers)
+        for w in words:
+            assert w in error["message"], (body, error)
+    error_of(*call(served.url, "GET", "/nope")[::2], 404)
+    error_of(*call(served.url, "GET", "/v1/audio/speech")[::2], 405)
+    # a body over the limit: refused on its Content-Length, or once it passes the limit (chunked)
+    host, port = served.address
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    conn.putrequest("POST", "/v1/audio/speech")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(protocol.MAX_BODY_BYTES + 1))
+    conn.endheaders()
+    resp = conn.getresponse()
+    error_of(resp.status, resp.read(), 413)
+    conn.close()
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    pad = b" " * (64 << 10)
+    conn.request("POST", "/v1/audio/speech", body=iter([pad] * (protocol.MAX_BODY_BYTES // len(pad) + 1)),
+                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    resp = conn.getresponse()
+    error_of(resp.status, resp.read(), 413)
+    conn.close()
+    # the official client sees the same errors
+    with pytest.raises(openai.BadRequestError) as e:
+        client(served.url).audio.speech.create(model="tts-1", voice="alloy", input="Hi.")
+    assert e.value.status_code == 400 and "default" in str(e.value)
+    # mp3 and opus: where this libsndfile writes them, else a 400 that says so
+    formats = json.loads(call(served.url, "GET", "/props")[2])["response_formats"]
+    for fmt, magic in (("mp3", (b"ID3", b"\xff\xfb", b"\xff\xf3")), ("opus", (b"OggS",))):
+        got, _, data = call(served.url, "POST", "/v1/audio/speech", {"input": "Hi.", "response_format": fmt})
+        if fmt in formats:
+            assert got == 200 and data.startswith(magic), (fmt, data[:8])
+        else:
+            assert "libsndfile" in error_of(got, data, 400)["message"]
+    assert call(served.url, "GET", "/health")[0] == 200
+    assert call(served.url, "POST", "/v1/audio/speech", {"input": "Still here.", "greedy": True})[0] == 200
+
+
+def test_reply_endpoint_streams_text_and_audio(served, local):
+    got, headers, data = call(served.url, "POST", "/v1/audio/reply", {"input": "Hi there", "greedy": True})
+    assert got == 200 and headers["content-type"].startswith("text/event-stream")
+    events = sse_events(data)
+    kinds = {e["type"] for e in events}
+    assert kinds == {"reply.audio.delta", "reply.text.delta", "reply.done"} and events[-1]["type"] == "reply.done"
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "reply.audio.delta")
+    text = "".join(e["text"] for e in events if e["type"] == "reply.text.delta")
+    here = local("reply")
+    assert audio == here.stdout
+    assert text + "\n" == here.stderr and events[-1]["text"] == text
+
+
+def test_bench_measures_the_server(served, tmp_path):
+    out = tmp_path / "bench.json"
+    p = minicpm("bench", "--server", served.url, "--runs", "1", "--warmup", "0", "--max-tokens", "24",
+                "--json", str(out))
+    assert p.returncode == 0, p.stderr.decode()
+    table = p.stdout.decode()
+    assert "| eager (server) | read |" in table and "| eager (server) | reply |" in table
+    assert f"measured over HTTP at {served.url}" in table and "Forced lengths" not in table
+    result = json.loads(out.read_text())
+    assert result["environment"]["server"] == served.url and result["environment"]["torch"]
+    for e in result["results"]:
+        assert e["load_s"] is None and e["llm_ms_per_token"] is None
+        assert len(e["samples"]) == (3 if e["workload"] == "read" else 6)
+        for s in e["samples"]:
+            assert 0 < s["ttfa_ms"] <= s["total_s"] * 1e3 and s["audio_s"] > 0 and s["rtf"] > 0
+    p = minicpm("bench", "--server", served.url, "--backend", "eager")
+    assert p.returncode == 2 and "--backend" in p.stderr.decode()
+
+
+# -- a server with an API key: loading, the key, SIGTERM ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def secured():
+    """Started on a port known in advance, so that /health can be watched while the model loads."""
+    s = Served("--api-key", KEY, port=free_port())
+    statuses, first_503 = [], None
+    end = time.monotonic() + 180
+    while time.monotonic() < end and s.proc.poll() is None:
+        try:
+            status, _, body = call(s.url, "GET", "/health", timeout=5)
+        except OSError:  # not listening yet (imports)
+            time.sleep(0.05)
+            continue
+        statuses.append(status)
+        if status == 503 and first_503 is None:
+            models = call(s.url, "GET", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+            first_503 = (body, models[0])
+        if status == 200:
+            break
+        time.sleep(0.05)
+    s.loading = (statuses, first_503)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_health_is_503_while_loading(secured):
+    statuses, (body, models) = secured.loading
+    assert statuses[0] == 503 and statuses[-1] == 200 and set(statuses) == {503, 200}, statuses
+    assert error_of(503, body, 503)["code"] == "model_loading"
+    assert models in (503, 200)  # (/v1/models answers 503 too, unless the loading ended in between)
+
+
+def test_api_key(secured, local, tmp_path):
+    url = secured.url
+    for path in ("/v1/models", "/props", "/v1/audio/voices"):
+        error_of(*call(url, "GET", path)[::2], 401)
+        error_of(*call(url, "GET", path, headers={"Authorization": "Bearer nope"})[::2], 401)
+        assert call(url, "GET", path, headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+    error_of(*call(url, "POST", "/v1/audio/speech", {"input": "Hi."})[::2], 401)
+    assert call(url, "GET", "/health")[0] == 200  # (probes carry no key)
+    with pytest.raises(openai.AuthenticationError):
+        client(url).audio.speech.create(model="tts-1", voice="default", input="Hi.")
+    wav = client(url, KEY).audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="wav",
+                                               extra_body={"greedy": True}).content
+    assert wav == local("file").files["a.wav"]
+    keyed = outcome("stdout", ["--server", url], tmp_path, env=_env(MINICPM_API_KEY=KEY))
+    assert keyed.returncode == 0 and keyed.stdout == local("stdout").stdout
+    _one_line_error(minicpm("say", "Hi.", "-o", "-", "--server", url), "MINICPM_API_KEY")
+
+
+def test_sigterm_lets_the_request_in_flight_finish(secured):
+    text = " ".join(LONG.split(". ")[:50])
+    host, port = secured.address
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    conn.request("POST", "/v1/audio/speech", body=json.dumps({"input": text, "greedy": True, "stream_format": "audio",
+                                                               "response_format": "pcm"}),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    first = resp.read1(1 << 16)
+    secured.proc.send_signal(signal.SIGTERM)
+    rest = resp.read()  # (IncompleteRead if the response were cut)
+    conn.close()
+    assert len(first) + len(rest) > 24000 * 2 * 5
+    assert secured.proc.wait(timeout=60) == 0, secured.lines
+    assert not [line for line in secured.lines if "Traceback" in line or "error" in line.lower()], secured.lines
+    with pytest.raises(OSError):
+        call(secured.url, "GET", "/health", timeout=5)
+
+
+def test_serve_usage_errors():
+    """An open host without a key, a bad port, a taken port, a model that does not load: one line."""
+    p = minicpm("serve", "--host", "0.0.0.0", "--model", str(TINY))
+    _one_line_error(p, "--api-key", "--insecure", status=2)
+    _one_line_error(minicpm("serve", "--port", "70000"), "--port", status=2)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        _one_line_error(minicpm("serve", "--port", str(taken.getsockname()[1])), "cannot listen", "in use")
+    _one_line_error(minicpm("serve", "--port", "0", "--model", "/no/such/model"), "model directory not found")
+
+
+def test_serve_help_does_not_import_torch():
+    code = ("import sys\nsys.argv = ['minicpm', 'serve', '--help']\nfrom minicpm_cli.cli import main\n"
+            "try:\n    main()\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=_env())
+    assert p.returncode == 0 and b"--api-key" in p.stdout, p.stderr.decode()
+
+
+def test_protocol_frames_per_call_is_the_tts_one():
+    from minicpm_cli.tts import FRAMES_PER_CALL
+
+    assert protocol.FRAMES_PER_CALL == FRAMES_PER_CALL
+
+
+# -- the application in-process, over a fake model ---------------------------------------------------
+
+
+@dataclass
+class FakeChunk:
+    samples: np.ndarray
+    codes: np.ndarray
+    text: str = ""
+
+
+class FakeSynth:
+    """Chunks whose samples say which request and which chunk they are. Text: 'NAME n=N delay=S
+    fail=K' (fail: raise before chunk K)."""
+
+    sample_rate = 24000
+    tokenizers = SimpleNamespace(encode_bert=lambda text: text.split())
+
+    def __init__(self):
+        self.started: list[str] = []
+        self.produced: dict[str, int] = {}
+        self.forced: dict[str, int | None] = {}
+        self.max_tokens: dict[str, int] = {}
+
+    def synthesize(self, text, sampling, *, decode, first_chunk, frames_per_token=None):
+        name, *opts = text.split()
+        o = dict(x.split("=") for x in opts)
+        n, delay, fail = int(o.get("n", 3)), float(o.get("delay", 0)), int(o.get("fail", -1))
+        self.started.append(name)
+        self.produced[name] = 0
+        self.forced[name] = frames_per_token
+        for i in range(n):
+            if i == fail:
+                raise RuntimeError(f"boom in {name}")
+            time.sleep(delay)
+            self.produced[name] += 1
+            yield FakeChunk(np.full(240, value(name, i), np.float32), np.zeros((1, 4)))
+
+    def reply(self, message, sampling, *, llm, max_tokens, first_chunk, frames_per_token=None):
+        self.max_tokens[message.split()[0]] = max_tokens
+        for chunk in self.synthesize(message, sampling, decode="stream", first_chunk=first_chunk,
+                                     frames_per_token=frames_per_token):
+            yield FakeChunk(chunk.samples, chunk.codes, "word ")
+
+
+def value(name: str, i: int) -> float:
+    return (sum(map(ord, name)) % 97) / 1000 + i / 10000
+
+
+@contextlib.contextmanager
+def in_process(synth, **loaded):
+    import uvicorn
+
+    from minicpm_cli import server
+
+    service = server.Service(lambda: server.Loaded(synth, model="fake", backend="fake", device="cpu",
+                                                   dtype="float32", **loaded), warm_up=False)
+    sock = server.listen("127.0.0.1", 0)
+    srv = uvicorn.Server(uvicorn.Config(server.create_app(service), log_level="critical", lifespan="off"))
+    service.start(lambda ld: None, lambda e: None)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not (srv.started and service.ready):
+        time.sleep(0.01)
+    try:
+        yield server.url_of("127.0.0.1", sock)
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+        service.worker.stop(timeout=30)
+
+
+def f32(text: str, **extra) -> dict:
+    return {"input": text, "response_format": "pcm_f32", "stream_format": "audio", **extra}
+
+
+def test_requests_queue_in_arrival_order_and_never_mix():
+    synth = FakeSynth()
+    with in_process(synth) as url:
+        results = {}
+
+        def ask(name, n):
+            results[name] = call(url, "POST", "/v1/audio/speech", f32(f"{name} n={n} delay=0.05"))
+
+        threads = []
+        for name, n in (("first", 60), ("second", 5), ("third", 5), ("fourth", 5)):
+            threads.append(threading.Thread(target=ask, args=(name, n)))
+            threads[-1].start()
+            time.sleep(0.5)  # (each arrives while the first is still generating)
+        for t in threads:
+            t.join(timeout=30)
+    assert synth.started == ["first", "second", "third", "fourth"]
+    for name, (status, _, data) in results.items():
+        got = np.frombuffer(data, "<f4").reshape(-1, 240)
+        assert status == 200 and np.array_equal(got[:, 0], np.float32([value(name, i) for i in range(len(got))])), name
+        assert (got == got[:, :1]).all()
+
+
+def test_a_gone_client_stops_its_job_within_a_chunk_and_a_queued_one_never_starts():
+    synth = FakeSynth()
+    with in_process(synth) as url:
+        u = urlsplit(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("POST", "/v1/audio/speech", body=json.dumps(f32("long n=100 delay=0.5")),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read1(1 << 16)
+        waiting = http.client.HTTPConnection(u.hostname, u.port, timeout=30)  # queued behind "long"
+        waiting.request("POST", "/v1/audio/speech", body=json.dumps(f32("queued n=5")),
+                        headers={"Content-Type": "application/json"})
+        time.sleep(0.2)
+        waiting.sock.shutdown(socket.SHUT_RDWR)
+        waiting.close()
+        time.sleep(0.2)
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        at_close = synth.produced["long"]
+        time.sleep(2.0)
+        # the chunk being generated when the client left may still finish, no more
+        assert synth.produced["long"] <= at_close + 2, (at_close, synth.produced["long"])
+        status, _, _ = call(url, "POST", "/v1/audio/speech", f32("next n=2"))
+        assert status == 200
+    assert synth.started == ["long", "next"]
+
+
+def test_failures_are_500s_or_cut_streams_and_the_server_stays_up(capfd):
+    synth = FakeSynth()
+    with in_process(synth) as url:
+        error = error_of(*call(url, "POST", "/v1/audio/speech", f32("early fail=0"))[::2], 500)
+        assert error["type"] == "server_error" and "RuntimeError: boom in early" in error["message"]
+        u = urlsplit(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("POST", "/v1/audio/speech", body=json.dumps(f32("late n=5 fail=2")),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        with pytest.raises(http.client.IncompleteRead):
+            resp.read()
+        conn.close()
+        status, _, data = call(url, "POST", "/v1/audio/speech", {**f32("sse n=5 fail=2"), "stream_format": "sse"})
+        events = sse_events(data)
+        assert [e["type"] for e in events] == ["speech.audio.delta"] * 2 + ["error"]
+        assert "boom in sse" in events[-1]["error"]["message"]
+        status, _, data = call(url, "POST", "/v1/audio/reply", {"input": "talk n=3 fail=1", "response_format": "pcm"})
+        assert [e["type"] for e in sse_events(data)] == ["reply.audio.delta", "reply.text.delta", "error"]
+        assert call(url, "GET", "/health")[0] == 200
+        assert call(url, "POST", "/v1/audio/speech", f32("fine n=2"))[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "minicpm: error in a request: RuntimeError: boom in late" in err
+
+
+def test_random_weights_force_every_requests_lengths():
+    """A server of random weights (speed work) forces the lengths bench forces, and says so."""
+    synth = FakeSynth()
+    with in_process(synth, frames_per_token=10, reply_tokens=24) as url:
+        props = json.loads(call(url, "GET", "/props")[2])
+        assert props["forced_lengths"] == {"frames_per_token": 10, "reply_tokens": 24}
+        assert call(url, "POST", "/v1/audio/speech", f32("read n=2"))[0] == 200
+        assert call(url, "POST", "/v1/audio/reply", {"input": "talk n=2", "max_tokens": 500})[0] == 200
+    assert synth.forced == {"read": 10, "talk": 10} and synth.max_tokens == {"talk": 24}
+    synth = FakeSynth()
+    with in_process(synth) as url:
+        assert json.loads(call(url, "GET", "/props")[2])["forced_lengths"] is None
+        assert call(url, "POST", "/v1/audio/reply", {"input": "talk n=2", "max_tokens": 500})[0] == 200
+    assert synth.forced == {"talk": None} and synth.max_tokens == {"talk": 500}
