@@ -1,7 +1,7 @@
 """`eager`: the Qwen2 LLM in plain PyTorch over a static KV cache, no compilation.
 
-Cost: the slowest choice. About real time on an H100 (RTF 0.7-1.0, first audio 0.4-0.8 s, host-bound),
-16.7 GiB of GPU memory in bf16, no compilation. Runs on a CPU too (slowly).
+Cost: the slowest choice. About real time on an H200 (RTF 0.66 reading, 0.74 replying; first audio
+0.35-0.56 s; host-bound), 15.2 GiB of GPU memory in bf16, no compilation. Runs on a CPU too (slowly).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ checkpoint without GPTQ tensors (a bf16 one) is quantized while loading, round-t
 group per output channel (the official checkpoint's layout); random weights are drawn as 4-bit
 values directly.
 
-Cost: ~6.5 GiB of GPU memory; the LLM decodes 2.3x as fast as compile on an H200 (1.73 against 3.90
+Cost: ~7 GiB of GPU memory; the LLM decodes 2.3x as fast as compile on an H200 (1.73 against 3.92
 ms a token), the rest is compile's. 4-bit weights: output close to, not equal to, the bf16 model's. A bf16
 checkpoint is quantized while loading (slower to start than the official int4 checkpoint).
 """

@@ -94,3 +94,18 @@ def voice_dir(tmp_path_factory) -> Path:
             weight_map.update(dict.fromkeys(f.keys(), name))
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return d
+
+
+@pytest.fixture(scope="session")
+def assert_read_golden(goldens, manifest):
+    """assert_read_golden(synth, tag, atol): a greedy read of the manifest's text `tag` gives the
+    reference's codes exactly and its waveform within `atol`."""
+    from minicpm_cli.sampling import Sampling
+
+    def check(synth, tag: str, atol: float) -> None:
+        text = next(e for e in manifest["read"] if e["tag"] == tag)["text"]
+        utt = synth.say(text, Sampling(greedy=True))
+        np.testing.assert_array_equal(utt.codes.numpy(), goldens[f"read_{tag}_codes"])
+        np.testing.assert_allclose(utt.audio, goldens[f"read_{tag}_wav"], atol=atol, rtol=0)
+
+    return check

@@ -18,11 +18,8 @@ def synth(tiny_dir):
 
 
 @pytest.mark.parametrize("tag", ["short", "punct", "digits"])
-def test_read_parity_on_cuda(synth, goldens, manifest, tag):
-    text = next(e for e in manifest["read"] if e["tag"] == tag)["text"]
-    utt = synth.say(text, Sampling(greedy=True))
-    np.testing.assert_array_equal(utt.codes.numpy(), goldens[f"read_{tag}_codes"])
-    np.testing.assert_allclose(utt.audio, goldens[f"read_{tag}_wav"], atol=1e-4, rtol=0)
+def test_read_parity_on_cuda(synth, assert_read_golden, tag):
+    assert_read_golden(synth, tag, atol=1e-4)
 
 
 def test_reply_parity_on_cuda(synth, goldens, manifest):

@@ -187,11 +187,8 @@ def voice_ckpt_eager(voice_dir):
 
 
 @pytest.mark.parametrize("tag", ["short", "digits"])
-def test_without_a_voice_the_base_read_goldens_hold(voice_ckpt_eager, goldens, manifest, tag):
-    text = next(e for e in manifest["read"] if e["tag"] == tag)["text"]
-    utt = voice_ckpt_eager.say(text, Sampling(greedy=True))
-    np.testing.assert_array_equal(utt.codes.numpy(), goldens[f"read_{tag}_codes"])
-    np.testing.assert_allclose(utt.audio, goldens[f"read_{tag}_wav"], atol=1e-5, rtol=0)
+def test_without_a_voice_the_base_read_goldens_hold(voice_ckpt_eager, assert_read_golden, tag):
+    assert_read_golden(voice_ckpt_eager, tag, atol=1e-5)
 
 
 def test_without_a_voice_the_base_reply_goldens_hold(voice_ckpt_eager, goldens, manifest):
