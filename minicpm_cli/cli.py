@@ -51,6 +51,7 @@ RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
 ServerOpt = Annotated[Optional[str], typer.Option("--server", help=f"Speak through the minicpm server at URL (an error if none answers) [default: ${protocol.SERVER_ENV}, else {protocol.DEFAULT_URL} when a server answers there].", show_default=False)]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Load the model in this process even if a server is running.")]
+VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of this recording (wav, flac, ogg; 0.5-30 s): the model card's voice cloning. Needs a checkpoint with the audio encoder, and --local while a server runs (the server does not take voices yet). Clone only voices you have the right to use.", show_default=False)]
 
 
 def _version(value: bool) -> None:
@@ -102,18 +103,33 @@ class _Local:
     def __init__(self, synth):
         self.synth, self.sample_rate = synth, synth.sample_rate
 
-    def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int):
+    def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int, voice=None):
         from .sampling import Sampling
 
-        return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk)
+        return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk,
+                                     voice=voice)
 
     def reply(self, message: str, *, greedy: bool, seed: Optional[int], temperature: float, max_tokens: int,
-              first_chunk: int):
+              first_chunk: int, voice=None):
         from .llm import LLMSampling
         from .sampling import Sampling
 
         return self.synth.reply(message, Sampling(greedy=greedy, seed=seed), llm=LLMSampling(temperature=temperature),
-                                max_tokens=max_tokens, first_chunk=first_chunk)
+                                max_tokens=max_tokens, first_chunk=first_chunk, voice=voice)
+
+
+def _voice(path: Optional[str]):
+    """The reference of --voice, read and checked before any model is looked for (no torch)."""
+    if path is None:
+        return None
+    from .voice import Voice
+
+    return Voice.load(path)
+
+
+def _local_only(ref, speaker) -> None:
+    if ref is not None and not isinstance(speaker, _Local):
+        raise UsageError("the server does not take --voice yet: add --local to clone the voice in this process")
 
 
 def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str], verbose: bool,
@@ -243,6 +259,7 @@ def say(
     verbose: VerboseOpt = False,
     server: ServerOpt = None,
     local: LocalOpt = False,
+    voice: VoiceOpt = None,
 ) -> None:
     """Read text aloud: to an audio file, or streamed to stdout as it is generated.
 
@@ -271,12 +288,16 @@ def say(
         raise UsageError("no text to speak")
 
     _check_sampling(greedy, seed)
+    ref = _voice(voice)
     speaker = _speaker(model, backend, device, dtype, gguf, verbose, server, local)
+    _local_only(ref, speaker)
     bar = _progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
 
     def chunks(t: str, decode: str):
-        return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames)
+        if ref is None:
+            return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames)
+        return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames, voice=ref)
 
     def speak(t: str, sink, to_file: bool) -> None:
         _play(chunks(t, "segment" if to_file else "stream"), sink, advance)
@@ -321,6 +342,7 @@ def reply(
     verbose: VerboseOpt = False,
     server: ServerOpt = None,
     local: LocalOpt = False,
+    voice: VoiceOpt = None,
 ) -> None:
     """Answer a message with speech, streamed as the LLM writes the answer.
 
@@ -343,7 +365,9 @@ def reply(
         raise UsageError(f"output directory does not exist: {Path(text_out).parent}")
 
     _check_sampling(greedy, seed)
+    ref = _voice(voice)
     speaker = _speaker(model, backend, device, dtype, gguf, verbose, server, local)
+    _local_only(ref, speaker)
     said: list[str] = []
 
     def show(chunk) -> None:
@@ -352,8 +376,9 @@ def reply(
             sys.stderr.write(chunk.text)
             sys.stderr.flush()
 
+    options = {"voice": ref} if ref is not None else {}
     chunks = speaker.reply(message, greedy=greedy, seed=seed, temperature=temperature, max_tokens=max_tokens,
-                           first_chunk=frames)
+                           first_chunk=frames, **options)
     _play(chunks, audio.open_sink(output, pcm, speaker.sample_rate, raw), show)
     if text_out is None:
         sys.stderr.write("\n")

@@ -444,3 +444,26 @@ def test_gguf_takes_a_voice(voice_dir, goldens_voice, manifest_voice, tmp_path):
                           voice=turn)
     tokens = [i for piece in pieces for i in piece.ids]
     np.testing.assert_array_equal(tokens, goldens_voice["vreply_a_name_llm_new_tokens"])
+
+
+def test_say_voice_file_reproduces_the_golden_waveform(voice_dir, goldens_voice, manifest_voice, tmp_path):
+    """The command line's --voice FILE (local model): the voice-cloning read's golden waveform."""
+    import os
+    import subprocess
+    import sys
+
+    e = next(x for x in manifest_voice["voice_read"] if x["tag"] == "a_slow")
+    out = tmp_path / "x.wav"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": ""}
+    p = subprocess.run([sys.executable, "-m", "minicpm_cli", "say", e["text"], "--voice", str(REF),
+                        "--model", str(voice_dir), "--greedy", "--device", "cpu", "--dtype", "float32", "--pcm", "f32",
+                        "--local", "-o", str(out)], capture_output=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr.decode()
+    audio, sr = sf.read(out, dtype="float32")
+    assert sr == 24000
+    np.testing.assert_allclose(audio, goldens_voice["vread_a_slow_wav"], atol=1e-5, rtol=0)
+    bad = subprocess.run([sys.executable, "-m", "minicpm_cli", "say", "Hi.", "--voice", str(tmp_path / "none.wav"),
+                          "--model", str(voice_dir), "--local", "-o", str(tmp_path / "y.wav")], capture_output=True,
+                         env=env, timeout=120)
+    assert bad.returncode == 1 and b"none.wav" in bad.stderr and b"Traceback" not in bad.stderr
+    assert not (tmp_path / "y.wav").exists()
