@@ -102,20 +102,21 @@ class _Local:
 
     def __init__(self, synth):
         self.synth, self.sample_rate = synth, synth.sample_rate
+        self.voice = None  # --voice: every request of this command speaks in it
 
-    def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int, voice=None):
+    def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int):
         from .sampling import Sampling
 
         return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk,
-                                     voice=voice)
+                                     voice=self.voice)
 
     def reply(self, message: str, *, greedy: bool, seed: Optional[int], temperature: float, max_tokens: int,
-              first_chunk: int, voice=None):
+              first_chunk: int):
         from .llm import LLMSampling
         from .sampling import Sampling
 
         return self.synth.reply(message, Sampling(greedy=greedy, seed=seed), llm=LLMSampling(temperature=temperature),
-                                max_tokens=max_tokens, first_chunk=first_chunk, voice=voice)
+                                max_tokens=max_tokens, first_chunk=first_chunk, voice=self.voice)
 
 
 def _voice(path: Optional[str]):
@@ -127,9 +128,13 @@ def _voice(path: Optional[str]):
     return Voice.load(path)
 
 
-def _local_only(ref, speaker) -> None:
-    if ref is not None and not isinstance(speaker, _Local):
+def _give_voice(ref, speaker) -> None:
+    """Make the speaker speak in `ref` (the model in this process only, for now)."""
+    if ref is None:
+        return
+    if not isinstance(speaker, _Local):
         raise UsageError("the server does not take --voice yet: add --local to clone the voice in this process")
+    speaker.voice = ref
 
 
 def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str], verbose: bool,
@@ -290,14 +295,12 @@ def say(
     _check_sampling(greedy, seed)
     ref = _voice(voice)
     speaker = _speaker(model, backend, device, dtype, gguf, verbose, server, local)
-    _local_only(ref, speaker)
+    _give_voice(ref, speaker)
     bar = _progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
 
     def chunks(t: str, decode: str):
-        if ref is None:
-            return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames)
-        return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames, voice=ref)
+        return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames)
 
     def speak(t: str, sink, to_file: bool) -> None:
         _play(chunks(t, "segment" if to_file else "stream"), sink, advance)
@@ -367,7 +370,7 @@ def reply(
     _check_sampling(greedy, seed)
     ref = _voice(voice)
     speaker = _speaker(model, backend, device, dtype, gguf, verbose, server, local)
-    _local_only(ref, speaker)
+    _give_voice(ref, speaker)
     said: list[str] = []
 
     def show(chunk) -> None:
@@ -376,9 +379,8 @@ def reply(
             sys.stderr.write(chunk.text)
             sys.stderr.flush()
 
-    options = {"voice": ref} if ref is not None else {}
     chunks = speaker.reply(message, greedy=greedy, seed=seed, temperature=temperature, max_tokens=max_tokens,
-                           first_chunk=frames, **options)
+                           first_chunk=frames)
     _play(chunks, audio.open_sink(output, pcm, speaker.sample_rate, raw), show)
     if text_out is None:
         sys.stderr.write("\n")

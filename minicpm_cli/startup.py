@@ -7,8 +7,8 @@ moved), weight preparation (fusing, packing), and during the first request the J
 the first run of a step triggers (Triton, torch.compile, NVRTC) and the CUDA-graph captures. Per
 backend, a first run with empty compilation caches and a second run with the caches the first one
 filled, as a user's first and every later command; the caches live in a temporary folder so the
-user's own stay untouched. The page cache is not dropped (that needs root): a checkpoint read once is
-read from memory afterwards, which is stated under the table.
+user's own stay untouched. The page cache is not dropped: a checkpoint read once is read from memory
+afterwards, which is stated above the table.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ class Run:
     spans: dict[str, float] = field(default_factory=dict)  # every phase the process noted, summed
 
 
-def _measure(backend: str, which: str, model: str, cache: Path, device: str, extra_env: dict) -> Run:
+def _measure(backend: str, which: str, model: str, cache: Path, device: str) -> Run:
     log = cache / f"{backend}-{which}.jsonl"
     log.unlink(missing_ok=True)
-    env = {**os.environ, **extra_env, "MINICPM_STARTUP_LOG": str(log), "TRITON_CACHE_DIR": str(cache / "triton"),
+    env = {**os.environ, "MINICPM_STARTUP_LOG": str(log), "TRITON_CACHE_DIR": str(cache / "triton"),
            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "MINICPM_CACHE_DIR": str(cache / "minicpm"),
            "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "minicpm_cli", "say", TEXT, "-o", "-", "--local", "--backend", backend,
@@ -104,7 +104,7 @@ def run(model: str, backends: tuple[str, ...], device: str = "auto") -> list[Run
         with tempfile.TemporaryDirectory(prefix="minicpm-startup-") as tmp:
             for which in ("first", "second"):
                 print(f"bench: startup {backend}: {which} process", file=sys.stderr, flush=True)
-                runs.append(_measure(backend, which, model, Path(tmp), device, {}))
+                runs.append(_measure(backend, which, model, Path(tmp), device))
     return runs
 
 

@@ -64,3 +64,38 @@ def test_random_weights_and_forced_lengths():
     frames = sum(len(c.codes) for c in chunks)
     assert frames == 10 * len(synth.tokenizers.encode_bert(spoken))
     assert not torch.isnan(torch.from_numpy(chunks[0].samples)).any()
+
+
+def test_startup_times_fresh_processes_phase_by_phase(tiny_dir):
+    """`bench --startup` on the tiny checkpoint: two fresh `say` processes, each timed from exec to its
+    first audio sample and to its exit, with the phases the child noted (imports, tensors read)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "s.json")
+        p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--startup", "--model", str(tiny_dir),
+                            "--backend", "eager", "--device", "cpu", "--json", out], capture_output=True, timeout=300,
+                           env={**os.environ, "MINICPM_SERVER": ""})
+        assert p.returncode == 0, p.stderr.decode()
+        runs = json.loads(open(out).read())
+    assert [r["which"] for r in runs] == ["first", "second"]
+    for r in runs:
+        assert r["exit_code"] == 0, r
+        assert 0 < r["exec_to_start"] + r["imports"] < r["loaded"] <= r["first_byte"] <= r["done"], r
+        assert r["gbytes"] > 0.001 and r["tensors"] > 0  # the tiny checkpoint's ~8 MB passed the reader
+        assert {"load_tokenizers", "load_llm", "tensors"} <= set(r["spans"]), r["spans"]
+    table = p.stdout.decode()
+    assert table.count("| eager | first |") == 1 and table.count("| eager | second |") == 1
+
+
+def test_startup_needs_a_checkpoint_directory():
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--startup", "--random-weights"],
+                       capture_output=True, timeout=60)
+    assert p.returncode == 2 and b"--startup needs --model DIR" in p.stderr

@@ -226,3 +226,23 @@ def test_fused_4bit_decode_matches_dequantized_model(channel, blocks):
     assert torch.equal(lr.argmax(-1), lq.argmax(-1))
     assert (lq - lr).abs().max() <= 1e-4 * lr.abs().max()
     assert (hq - hr).abs().max() <= 1e-4 * hr.abs().max()
+
+
+def test_nvrtc_cubins_are_cached_on_disk_by_everything_they_depend_on(tmp_path, monkeypatch):
+    """The CUDA C kernel's compile is paid once per source, options, GPU and NVRTC version: later
+    processes read the CUBIN from the cache (the compiler is replaced by a counter here)."""
+    from minicpm_cli.backends import cuda
+
+    calls = []
+    monkeypatch.setenv("MINICPM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cuda, "_nvrtc_version", lambda: "13.0")
+    monkeypatch.setattr(cuda, "_compile", lambda src, name, arch, opts: calls.append((arch, opts)) or f"{arch}{opts}".encode())
+    first = cuda._cached_compile("src", "k", "90", ("-DA=1",))
+    assert cuda._cached_compile("src", "k", "90", ("-DA=1",)) == first and len(calls) == 1
+    cuda._cached_compile("src", "k", "90", ("-DA=2",))  # other constants
+    cuda._cached_compile("src", "k", "100", ("-DA=1",))  # another GPU
+    cuda._cached_compile("src2", "k", "90", ("-DA=1",))  # another source
+    monkeypatch.setattr(cuda, "_nvrtc_version", lambda: "13.1")
+    cuda._cached_compile("src", "k", "90", ("-DA=1",))  # another compiler
+    assert len(calls) == 5
+    assert len(list((tmp_path / "nvrtc").glob("k-*.cubin"))) == 5 and not list((tmp_path / "nvrtc").glob(".*"))
