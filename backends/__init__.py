@@ -83,14 +83,15 @@ class Backend:
                                                            max_len=max_len, **options)
 
 
-    def tts_runner(self, model):
-        """The TTS runner this backend brings (compile: CUDA graphs), else the eager one."""
+    def tts_runner(self, model, rows: int = 1):
+        """The TTS runner this backend brings (compile: CUDA graphs), else the eager one; `rows`
+        streams at once."""
         make = getattr(importlib.import_module(self.module), "tts_runner", None)
         if make is None:
             from minicpm_cli.tts import TTSRunner
 
-            return TTSRunner(model)
-        return make(model)
+            return TTSRunner(model, rows=rows)
+        return make(model, rows)
 
 
     def wrap_codec(self, codec) -> None:

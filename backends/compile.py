@@ -31,25 +31,26 @@ from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
 from minicpm_cli.tts import MIN_KEEP, TTSRunner
 
-from .eager import build
+from .eager import Rows, build, decode_batch
 
 LLM_BUCKET = 256  # KV length granularity of the LLM graphs
 TTS_BUCKET = 128
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-_compiled: tuple | None = None
+_compiled: dict[bool, tuple] = {}
 
 
-def block_fns() -> tuple:
-    """torch.compile'd Block halves for one-token steps (shared by every layer of both models)."""
-    global _compiled
-    if _compiled is None:
+def block_fns(dynamic: bool = False) -> tuple:
+    """torch.compile'd Block halves for one-token steps (shared by every layer of both models);
+    `dynamic`: one compilation for every batch size (the batched steps on CUDA, which otherwise
+    launch some twenty small kernels a layer)."""
+    if dynamic not in _compiled:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         try:
-            _compiled = (torch.compile(Block.pre_attention, fullgraph=True, dynamic=False),
-                         torch.compile(Block.post_attention, fullgraph=True, dynamic=False))
+            _compiled[dynamic] = (torch.compile(Block.pre_attention, fullgraph=True, dynamic=dynamic),
+                                  torch.compile(Block.post_attention, fullgraph=True, dynamic=dynamic))
         except Exception as e:  # no silent fallback: say which backend failed
             raise BackendError(f"backend 'compile': torch.compile failed: {e}") from None
-    return _compiled
+    return _compiled[dynamic]
 
 
 def _kernels(module: str):
@@ -98,22 +99,30 @@ def _bucket(n: int, step: int, cap: int) -> int:
     return min(-(-n // step) * step, cap)
 
 
-class CompiledLLM:
+def batch_bucket(n: int, rows: int) -> int:
+    """Rows a batched step runs over for rows 0..n-1: a power of two (one CUDA graph each), at most `rows`."""
+    return min(1 << (n - 1).bit_length(), rows)
+
+
+class CompiledLLM(Rows):
     name = "compile"
 
-    def __init__(self, model, max_len: int, fuse: bool = True, use_triton: bool | None = None):
+    def __init__(self, model, max_len: int, fuse: bool = True, use_triton: bool | None = None, rows: int = 1):
         self.model = model
         dev = self.device = model.lm_head.weight.device
-        self.max_len = max_len
+        self.max_len, self.rows = max_len, rows
         if fuse:
             with trace.span("prepare"):
                 model.model.fuse()
-        model.model.setup_cache(max_len, model.lm_head.weight.dtype, dev)
+        model.model.setup_cache(max_len, model.lm_head.weight.dtype, dev, rows)
         model.model.setup_rope(model.config.decoder.max_positions, dev)
+        self.positions = [0] * rows
         self.slots = torch.arange(max_len, device=dev)
         self.ids = torch.zeros(max_len, dtype=torch.long, device=dev)
         self.pos0 = torch.zeros(1, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.row = torch.zeros(1, dtype=torch.long, device=dev)  # the cache row of a prefill of row > 0
+        self.batch_in = torch.zeros(2, rows, dtype=torch.long, device=dev)  # a batched step's ids, positions
         # a decode token's (id, position): written on the host, copied in by the decode graph's first
         # node (pinned memory: the copy reads it when the graph runs), so a token launches one graph
         cuda = dev.type == "cuda"
@@ -133,7 +142,7 @@ class CompiledLLM:
         # torch.compile'd layer halves only where one-token steps do not run on the Triton kernels
         # (a CPU, act-order int4): creating them imports torch._dynamo, seconds of a start
         self.fns = block_fns() if self.triton is None else None
-        self.pos = 0
+        self.batch_fns = self.fns if self.triton is None else None  # (block_fns(True) once a batch runs)
         self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
                         "(Triton decode + CUDA graphs)"
                         if self.triton is not None else f"torch {torch.__version__} (inductor + CUDA graphs)")
@@ -144,15 +153,13 @@ class CompiledLLM:
                                 if not n.startswith("model.embed_tokens") and "kv_cache" not in n
                                 and not n.endswith("perm"))
 
-    def reset(self) -> None:
-        self.pos = 0
-
-    def _run(self, t: int, kv: int) -> tuple[Tensor, Tensor]:
-        """t tokens from ids[:t] at positions pos0.. (static t and kv) -> (logits at `last`, hidden)."""
+    def _run(self, t: int, kv: int, rows=None) -> tuple[Tensor, Tensor]:
+        """t tokens from ids[:t] at positions pos0.. (static t and kv) of cache row `rows` (default
+        0) -> (logits at `last`, hidden)."""
         pos = self.pos0 + self.slots[:t]
         mask = (self.slots[None, :kv] <= pos[:, None])[None, None]
         logits, hidden = self.model(self.ids[None, :t], pos, mask, kv, logits_at=None,
-                                    block_fns=self.fns if t == 1 else None)
+                                    block_fns=self.fns if t == 1 else None, rows=rows)
         return self.model.lm_head(hidden[0].index_select(0, self.last)).float()[0], hidden[0]
 
     def _decode(self) -> tuple[Tensor, Tensor]:
@@ -166,36 +173,41 @@ class CompiledLLM:
         _kernels("matvec").gemv(self.lm_head, self.hidden[0], self.logits, **self.lm_head_cfg, pdl=pdl)
         return self.logits, self.hidden
 
-    def _run_embeds(self, ids: list[int], embeds: Tensor, embed_at: list[int]) -> tuple[Tensor, Tensor]:
+    def _run_embeds(self, row: int, ids: list[int], embeds: Tensor, embed_at: list[int]) -> tuple[Tensor, Tensor]:
         """A prefill with audio embeddings (a voice's turn, once per request): run as it comes, at its
         exact length and outside the graphs, on the same KV cache."""
-        n = len(ids)
-        pos = self.slots[self.pos : self.pos + n]
-        mask = (self.slots[None, : self.pos + n] <= pos[:, None])[None, None]
-        logits, hidden = self.model(torch.tensor(ids, device=self.device)[None], pos, mask, self.pos + n,
+        n, start = len(ids), self.positions[row]
+        pos = self.slots[start : start + n]
+        mask = (self.slots[None, : start + n] <= pos[:, None])[None, None]
+        logits, hidden = self.model(torch.tensor(ids, device=self.device)[None], pos, mask, start + n,
                                     embeds=embeds.to(self.device)[None],
-                                    embed_at=torch.tensor(embed_at, device=self.device))
+                                    embed_at=torch.tensor(embed_at, device=self.device), rows=slice(row, row + 1))
         return logits[0, -1], hidden[0]
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], embeds: Tensor | None = None,
-                embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
+    def forward_row(self, row: int, ids: list[int], embeds: Tensor | None = None,
+                    embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
         n = len(ids)
-        end = self.pos + n
-        if end > self.max_len:
-            raise UsageError(f"LLM context full: {end} tokens > {self.max_len}")
+        end = self._check_room(row, n)
         if embeds is not None:
-            logits, hidden = self._run_embeds(ids, embeds, embed_at)
-            self.pos = end
+            logits, hidden = self._run_embeds(row, ids, embeds, embed_at)
+            self.positions[row] = end
             return logits, hidden
+        start = self.positions[row]
         t = n if n == 1 else next((b for b in PREFILL_BUCKETS if b >= n), n)
-        if self.pos + t > self.max_len:  # padding would run past the cache: exact length
+        if start + t > self.max_len:  # padding would run past the cache: exact length
             t = n
-        kv = _bucket(self.pos + t, LLM_BUCKET, self.max_len)
-        if n == 1 and self.triton is not None:  # the position is read on the device: one graph
+        kv = _bucket(start + t, LLM_BUCKET, self.max_len)
+        if row > 0:  # another stream's row: the graphs of row 0's shapes, on a gathered row
+            self.ids[:n].copy_(torch.tensor(ids, device=self.device))
+            self.pos0.fill_(start)
+            self.last.fill_(n - 1)
+            self.row.fill_(row)
+            logits, hidden = self.graphs.run((t, kv, "row"), lambda: self._run(t, kv, self.row))
+        elif n == 1 and self.triton is not None:  # the position is read on the device: one graph
             if self.read is not None:
                 self.read.synchronize()  # the previous token's graph has copied its inputs
-            self.host_np[0], self.host_np[1] = ids[0], self.pos
+            self.host_np[0], self.host_np[1] = ids[0], start
             logits, hidden = self.graphs.run("decode", self._decode)
             if self.read is not None:
                 self.read.record()
@@ -204,11 +216,32 @@ class CompiledLLM:
                 self.ids[:1].fill_(ids[0])  # no host-to-device copy (and no sync) per decoded token
             else:
                 self.ids[:n].copy_(torch.tensor(ids, device=self.device))
-            self.pos0.fill_(self.pos)
+            self.pos0.fill_(start)
             self.last.fill_(n - 1)
             logits, hidden = self.graphs.run((t, kv), lambda: self._run(t, kv))
-        self.pos = end
+        self.positions[row] = end
         return logits, hidden[:n]  # static buffers, valid until the next forward (LLMStage)
+
+    @torch.inference_mode()
+    def decode_rows(self, rows: list[int], ids: list[int]) -> tuple[Tensor, Tensor]:
+        """One token for each of `rows` (distinct) in one forward over rows 0..nb-1 (cuBLAS products in
+        a CUDA graph per row count and KV bucket) -> (logits (n, vocab), hidden (n, dim)) in that order.
+        Row 0 alone takes the single-stream step (the Triton kernels on CUDA)."""
+        if rows == [0] and self.triton is not None:
+            logits, hidden = self.forward_row(0, ids)
+            return logits[None], hidden
+        nb = batch_bucket(max(rows) + 1, self.rows)
+        tok, pos, kv = self._batch_inputs(rows, ids, nb)
+        kv = _bucket(kv, LLM_BUCKET, self.max_len)
+        self.batch_in[:, :nb].copy_(torch.tensor([tok, pos]))
+        if self.batch_fns is None:
+            self.batch_fns = block_fns(dynamic=True)
+        logits, hidden = self.graphs.run(("batch", nb, kv), lambda: decode_batch(
+            self.model, self.batch_in[0, :nb], self.batch_in[1, :nb], kv, self.slots, self.batch_fns))
+        for r in rows:
+            self.positions[r] += 1
+        at = torch.tensor(rows, device=self.device)
+        return logits.index_select(0, at), hidden.index_select(0, at)
 
 
 class GraphTTSRunner(TTSRunner):
@@ -217,15 +250,18 @@ class GraphTTSRunner(TTSRunner):
     position read on the device, so one graph serves every position); on a CPU, the compiled layer
     halves."""
 
-    def __init__(self, model: ChatTTS, use_triton: bool | None = None):
+    def __init__(self, model: ChatTTS, use_triton: bool | None = None, rows: int = 1):
         model.model.fuse()
         triton = use_triton if use_triton is not None else model.emb_text.weight.device.type == "cuda"
-        super().__init__(model, block_fns=None if triton else block_fns())  # (see CompiledLLM.fns)
+        super().__init__(model, block_fns=None if triton else block_fns(), rows=rows)  # (see CompiledLLM.fns)
+        if triton:
+            self.batch_fns = None  # (block_fns(True) once a batch runs)
         model.model.setup_rope(model.config.decoder.max_positions, self.device)
         self.graphs = Graphs(self.device)
         self.ids = torch.zeros(self.L, dtype=torch.long, device=self.device)
         self.spk = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.row = torch.zeros(1, dtype=torch.long, device=self.device)
         self.triton = None
         if triton:  # (tests: the interpreter)
             self.triton = _kernels("decode").TritonDecode(model.model, self.visible_from)
@@ -253,16 +289,34 @@ class GraphTTSRunner(TTSRunner):
         kv = _bucket(self.pos + 1, TTS_BUCKET, self.max_len)
         return self.graphs.run(("step", kv, sampled), lambda: self._step(kv, sampled))
 
+    def bucket(self, n: int) -> int:
+        return batch_bucket(n, self.rows)
+
+    def _run_batch(self, nb: int, kv: int, sampled: bool) -> None:
+        if self.triton is not None and nb == 1:  # row 0 alone: the single-stream step on the Triton kernels
+            self.pos_t.copy_(self.ctl[0, :1])
+            self.block_eos_t.copy_(self.ctl[1, :1] > 0)
+            self._run_step(sampled)
+        else:
+            if self.batch_fns is None:
+                self.batch_fns = block_fns(dynamic=True)
+            kv = _bucket(kv, TTS_BUCKET, self.max_len)
+            self.graphs.run(("batch", nb, kv, sampled), lambda: self._batch_step(nb, kv, sampled))
+        self._advance(nb)
+
     @torch.inference_mode()
-    def prefill(self, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
+    def prefill_row(self, row: int, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         t = len(ids)
         kv = _bucket(begin + t, TTS_BUCKET, self.max_len)
         self.ids[:t].copy_(torch.tensor(ids, device=self.device))
         self.begin.fill_(begin)
+        self.row.fill_(row)
         if spk is not None:
             self.spk.copy_(spk)
         spk_in = self.spk if spk is not None else None
-        self.graphs.run(("prefill", t, kv, spk is not None), lambda: self._prefill(self.ids[:t], self.begin, kv, spk_in))
+        rows = None if row == 0 else self.row  # row 0 in place; another row gathered (graphs for any row)
+        self.graphs.run(("prefill", t, kv, spk is not None, row == 0),
+                        lambda: self._prefill(self.ids[:t], self.begin, kv, spk_in, rows))
 
 
 class GraphCodec:
@@ -286,12 +340,12 @@ class GraphCodec:
         return self.graphs.run(t, lambda: self.decode_eager(self.codes[:t])).clone()
 
 
-def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, **options) -> CompiledLLM:
-    return CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len)
+def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows: int = 1, **options) -> CompiledLLM:
+    return CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len, rows=rows)
 
 
-def tts_runner(model: ChatTTS) -> GraphTTSRunner:
-    return GraphTTSRunner(model)
+def tts_runner(model: ChatTTS, rows: int = 1) -> GraphTTSRunner:
+    return GraphTTSRunner(model, rows=rows)
 
 
 def wrap_codec(codec) -> None:

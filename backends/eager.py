@@ -15,36 +15,121 @@ from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
 from minicpm_cli.models.transformer import causal_mask
 
 
-class EagerLLM:
+def decode_batch(model: Qwen2LM, ids: Tensor, pos: Tensor, kv: int, slots: Tensor,
+                 block_fns: tuple | None = None) -> tuple[Tensor, Tensor]:
+    """One token for each of the first nb cache rows: ids and positions (nb,) -> (float32 logits
+    (nb, vocab), hidden (nb, dim)), each row attending causally over its own slots [0, kv)."""
+    mask = (slots[None, :kv] <= pos[:, None])[:, None, None]  # (nb, 1, 1, kv)
+    logits, hidden = model(ids[:, None], pos[:, None], mask, kv, block_fns=block_fns, rows=slice(0, len(ids)))
+    return logits[:, -1], hidden[:, -1]
+
+
+class Rows:
+    """Where each KV-cache row of an LLM stage stands: the single-stream interface is row 0
+    (`pos`, `reset`, `forward`); `forward_row` and `decode_rows` serve the others (batching)."""
+
+    rows = 1
+    positions: list[int]
+
+    @property
+    def pos(self) -> int:
+        return self.positions[0]
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        self.positions[0] = value
+
+    def reset(self) -> None:
+        self.reset_row(0)
+
+    def reset_row(self, row: int) -> None:
+        self.positions[row] = 0  # stale cache slots past pos are masked until overwritten
+
+    def forward(self, ids: list[int], embeds: Tensor | None = None,
+                embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        return self.forward_row(0, ids, embeds, embed_at)
+
+    def _check_room(self, row: int, n: int) -> int:
+        end = self.positions[row] + n
+        if end > self.max_len:
+            raise UsageError(f"LLM context full: {end} tokens > {self.max_len}")
+        return end
+
+    @torch.inference_mode()
+    def prefill_rows(self, rows: list[int], ids: list[list[int]]) -> list[tuple[Tensor, Tensor]]:
+        """Several rows' prompts in one forward, padded to the longest, each at its own positions (the
+        padding writes slots past a row's end, which its next tokens rewrite before anything reads
+        them) -> per row (float32 logits of its last token (vocab,), hidden states (len, dim))."""
+        lens = [len(x) for x in ids]
+        T = max(lens)
+        starts = [self.positions[r] for r in rows]
+        for r, n in zip(rows, lens):
+            self._check_room(r, n)
+        if max(starts) + T > self.max_len:  # padding would run past a cache: one at a time
+            return [self.forward_row(r, x) for r, x in zip(rows, ids)]
+        dev = self.device
+        tok = torch.tensor([x + [0] * (T - len(x)) for x in ids], device=dev)  # (n, T)
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)  # (n, T)
+        kv = max(starts) + T
+        mask = (self.slots[None, None, :kv] <= pos[:, :, None])[:, None]  # (n, 1, T, kv)
+        _, hidden = self.model(tok, pos, mask, kv, logits_at=None, rows=torch.tensor(rows, device=dev))
+        last = hidden[torch.arange(len(rows), device=dev), torch.tensor(lens, device=dev) - 1]  # (n, dim)
+        logits = self.model.lm_head(last).float()
+        for r, n in zip(rows, lens):
+            self.positions[r] += n
+        return [(logits[i], hidden[i, :lens[i]]) for i in range(len(rows))]
+
+    def _batch_inputs(self, rows: list[int], ids: list[int], nb: int) -> tuple[list[int], list[int], int]:
+        """(ids, positions) of rows 0..nb-1 and the KV length to attend over. Rows without a token
+        are computed too, at their own next slot (clamped into the cache), which their next real
+        token rewrites before anything reads it."""
+        for r in rows:
+            self._check_room(r, 1)
+        tok = [0] * nb
+        for r, t in zip(rows, ids):
+            tok[r] = t
+        pos = [min(p, self.max_len - 1) for p in self.positions[:nb]]
+        return tok, pos, max(pos[r] for r in rows) + 1
+
+
+class EagerLLM(Rows):
     name = "eager"
 
-    def __init__(self, model: Qwen2LM, max_len: int):
+    def __init__(self, model: Qwen2LM, max_len: int, rows: int = 1):
         self.model = model
         self.device = model.lm_head.weight.device
-        self.max_len = max_len
-        model.model.setup_cache(max_len, model.lm_head.weight.dtype, self.device)
-        self.pos = 0
+        self.max_len, self.rows = max_len, rows
+        model.model.setup_cache(max_len, model.lm_head.weight.dtype, self.device, rows)
+        self.positions = [0] * rows
+        self.slots = torch.arange(max_len, device=self.device)  # (compile's CompiledLLM sets its own)
         self.version = f"torch {torch.__version__}"
         # bytes a decode step reads: every weight but the embedding table (one row of it)
         self.weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                                 if not n.startswith("model.embed_tokens"))
 
-    def reset(self) -> None:
-        self.pos = 0  # stale cache slots past pos are masked until overwritten
-
     @torch.inference_mode()
-    def forward(self, ids: list[int], embeds: Tensor | None = None,
-                embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
-        end = self.pos + len(ids)
-        if end > self.max_len:
-            raise UsageError(f"LLM context full: {end} tokens > {self.max_len}")
-        pos = torch.arange(self.pos, end, device=self.device)
+    def forward_row(self, row: int, ids: list[int], embeds: Tensor | None = None,
+                    embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        end = self._check_room(row, len(ids))
+        pos = torch.arange(self.positions[row], end, device=self.device)
         x = torch.tensor(ids, device=self.device)[None]
         audio = {} if embeds is None else {"embeds": embeds.to(self.device)[None],
                                            "embed_at": torch.tensor(embed_at, device=self.device)}
-        logits, hidden = self.model(x, pos, causal_mask(pos, end), end, **audio)
-        self.pos = end
+        logits, hidden = self.model(x, pos, causal_mask(pos, end), end, rows=slice(row, row + 1), **audio)
+        self.positions[row] = end
         return logits[0, -1], hidden[0]
+
+    @torch.inference_mode()
+    def decode_rows(self, rows: list[int], ids: list[int]) -> tuple[Tensor, Tensor]:
+        """One token for each of `rows` (distinct) -> (logits (n, vocab), hidden (n, dim)) in that order."""
+        nb = max(rows) + 1
+        tok, pos, kv = self._batch_inputs(rows, ids, nb)
+        logits, hidden = decode_batch(self.model, torch.tensor(tok, device=self.device),
+                                      torch.tensor(pos, device=self.device), kv, self.slots)
+        for r in rows:
+            self.positions[r] += 1
+        at = torch.tensor(rows, device=self.device)
+        return logits.index_select(0, at), hidden.index_select(0, at)
 
 
 def build(ckpt: Checkpoint, config: dict, *, device, dtype) -> Qwen2LM:
@@ -55,5 +140,5 @@ def build(ckpt: Checkpoint, config: dict, *, device, dtype) -> Qwen2LM:
     return model.eval()
 
 
-def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, **options) -> EagerLLM:
-    return EagerLLM(build(ckpt, config, device=device, dtype=dtype), max_len)
+def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows: int = 1, **options) -> EagerLLM:
+    return EagerLLM(build(ckpt, config, device=device, dtype=dtype), max_len, rows)

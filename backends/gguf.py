@@ -86,6 +86,21 @@ class GGUFLLM:
         self.lib.llama_memory_clear(mem, True)
         self.pos = 0
 
+    # One LLM stream (one llama.cpp sequence): a batch over this backend has one row (`rows`), so
+    # its streams' LLM work takes turns; the row interface is the single stream's.
+    rows = 1
+
+    def reset_row(self, row: int) -> None:
+        self.reset()
+
+    def forward_row(self, row: int, ids: list[int], embeds: Tensor | None = None,
+                    embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        return self.forward(ids, embeds, embed_at)
+
+    def decode_rows(self, rows: list[int], ids: list[int]) -> tuple[Tensor, Tensor]:
+        logits, hidden = self.forward(ids)
+        return logits[None], hidden
+
     def forward(self, ids: list[int], embeds: Tensor | None = None,
                 embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
         if embeds is not None:
@@ -160,7 +175,8 @@ class GGUFLLM:
             self.lib.llama_batch_free(batch)
 
 
-def create(ckpt, config: dict, *, device, dtype, max_len: int, gguf: str | None = None) -> GGUFLLM:
+def create(ckpt, config: dict, *, device, dtype, max_len: int, gguf: str | None = None, rows: int = 1) -> GGUFLLM:
+    """`rows` is accepted and left at one: llama.cpp runs one stream here (see GGUFLLM.rows)."""
     path = resolve_gguf(gguf)
     return GGUFLLM(path, max_len, torch.device(device))
 

@@ -100,14 +100,15 @@ def build(ckpt: Checkpoint, config: dict, *, device, dtype, triton: bool | None 
     return model.eval()
 
 
-def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, **options) -> compiled.CompiledLLM:
+def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows: int = 1,
+           **options) -> compiled.CompiledLLM:
     model = build(ckpt, config, device=device, dtype=dtype)
     first = model.model.layers[0].self_attn.q_proj
     # Q4Linears stack into fused q/k/v and gate/up for the Triton decode kernels unless act-order
     # permutes their inputs differently; Int4Linears (CPU) run unfused on the compiled layer halves
     fuse = isinstance(first, Q4Linear) and all(
         m.perm is None for m in model.modules() if isinstance(m, Q4Linear))
-    llm = compiled.CompiledLLM(model, max_len, fuse=fuse)
+    llm = compiled.CompiledLLM(model, max_len, fuse=fuse, rows=rows)
     llm.name = "int4"
     return llm
 

@@ -12,6 +12,12 @@ With `server` (a URL) the same workloads go over HTTP to a running `minicpm serv
 `reply` send them: TTFA is the time from sending the request to receiving the first audio bytes, RTF
 the time to the response's end over the audio's duration. The server's model is measured whatever
 it is; load and per-stage costs are the server's own and are not reported.
+
+With `concurrency` N (`concurrent`), N requests of a workload start together (in one batch of
+streams here, or as N simultaneous HTTP requests to a server), `runs` times: TTFA per request from
+the common start to its first audio, RTF per stream (its end over its audio), and the aggregate
+audio seconds per wall second. The `bulk` workload reads BULK_LINES lines with up to N in flight, as
+`say --lines --dir --batch N` does, and reports the aggregate only.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ READ_TEXTS = (
 REPLY_PROMPTS = ("I'm fine, thank you!", "What's your name?", "My name is John Doe",
                  "What's your favorite color?", "My favorite color is blue", "What's your favorite food?")
 REPLY_WARMUP = "Hi, how are you?"
+BULK_LINES = 256
 REPLY_TEMPERATURE = 0.1  # the original benchmark's streaming_generate(temperature=0.1)
 FORCED_REPLY_TOKENS = 24
 FORCED_FRAMES_PER_TOKEN = 10
@@ -62,10 +69,14 @@ class BenchOptions:
     first_chunk: int = 25  # frames of the first streamed chunk
     gguf: str | None = None  # the GGUF file of the gguf backend
     server: str | None = None  # measure the minicpm server at this URL instead of loading backends
+    concurrency: int | None = None  # streams started together (see `concurrent`)
+    bulk_lines: int = BULK_LINES  # lines of the bulk workload
 
     def __post_init__(self):
         if self.runs < 1 or self.warmup < 0:
             raise ValueError("--runs must be at least 1 and --warmup at least 0")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("--concurrency must be at least 1")
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -135,14 +146,20 @@ def _requests(workload: str):
     return READ_TEXTS if workload == "read" else REPLY_PROMPTS
 
 
-def _stream(synth, workload: str, item: str, seed: int, opts: BenchOptions):
+def _stream(synth, workload: str, item: str, seed: int, opts: BenchOptions, lane=None):
     forced = FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
     sampling = Sampling(seed=seed)
     if workload == "read":
-        return synth.synthesize(item, sampling, frames_per_token=forced, first_chunk=opts.first_chunk)
+        return synth.synthesize(item, sampling, frames_per_token=forced, first_chunk=opts.first_chunk, lane=lane)
     tokens = FORCED_REPLY_TOKENS if opts.random_weights else opts.max_tokens
     return synth.reply(item, sampling, llm=LLMSampling(temperature=REPLY_TEMPERATURE), max_tokens=tokens,
-                       frames_per_token=forced, first_chunk=opts.first_chunk)
+                       frames_per_token=forced, first_chunk=opts.first_chunk, lane=lane)
+
+
+def bulk_lines(n: int = BULK_LINES) -> list[str]:
+    """n lines of the read workload's sentences, in turn."""
+    sentences = [s.strip() + "." for t in READ_TEXTS for s in t.split(".") if s.strip()]
+    return [sentences[i % len(sentences)] for i in range(n)]
 
 
 def _one(synth, workload: str, item: str, seed: int, opts: BenchOptions, clock: Clock) -> dict:
@@ -311,6 +328,173 @@ def run_server(opts: BenchOptions) -> dict:
                                      "codec_ms_per_chunk", "peak_gpu_gib")},
         })
     return result
+
+
+def _streams_together(synth, workload: str, n: int, seed: int, opts: BenchOptions, clock: Clock) -> list[dict]:
+    """n requests of `workload` started together in one batch -> one record each (times from the start)."""
+    from .batching import Stream
+
+    items = _requests(workload)
+    engine = synth.batch(n)
+    recs = [{"text": items[k % len(items)], "seed": seed + k, "first": None, "end": None, "samples": 0,
+             "error": None} for k in range(n)]
+
+    def sink(rec, chunk):
+        if rec["first"] is None and len(chunk.samples):
+            rec["first"] = clock.now()
+        rec["samples"] += len(chunk.samples)
+
+    def done(rec, error):
+        rec["end"], rec["error"] = clock.now(), error
+
+    clock.sync()
+    t0 = clock.now()
+    for rec in recs:
+        engine.submit(Stream(lambda lane, r=rec: _stream(synth, workload, r["text"], r["seed"], opts, lane),
+                             lambda c, r=rec: sink(r, c), lambda e, r=rec: done(r, e)))
+    engine.run()
+    return _records(recs, t0, synth.sample_rate)
+
+
+def _records(recs: list[dict], t0: float, rate: int) -> list[dict]:
+    failed = [r["error"] for r in recs if r["error"] is not None]
+    if failed:
+        raise failed[0]
+    out = []
+    for r in recs:
+        audio = r["samples"] / rate
+        out.append({"text": r["text"], "seed": r["seed"], "audio_s": audio,
+                    "ttfa_ms": None if r["first"] is None else (r["first"] - t0) * 1e3, "total_s": r["end"] - t0,
+                    "rtf": (r["end"] - t0) / audio if audio else None})
+    return out
+
+
+def _summary(samples: list[dict], wall: float) -> dict:
+    ttfa = [s["ttfa_ms"] for s in samples if s["ttfa_ms"] is not None]
+    rtf = [s["rtf"] for s in samples if s["rtf"] is not None]
+    return {"ttfa_ms": {"p50": _pct(ttfa, 0.5), "p90": _pct(ttfa, 0.9)},
+            "rtf": {"p50": _pct(rtf, 0.5), "p90": _pct(rtf, 0.9)},
+            "audio_s_per_s": sum(s["audio_s"] for s in samples) / wall if wall else None}
+
+
+def concurrent(opts: BenchOptions) -> dict:
+    """The workloads with `opts.concurrency` streams at once (see the module's docstring)."""
+    n = opts.concurrency
+    if opts.server is not None:
+        return _concurrent_server(opts)
+    from .pipeline import Synthesizer, resolve_device
+
+    device = resolve_device(opts.device)
+    clock = Clock(device)
+    result = {"environment": environment(device), "options": {**opts.__dict__},
+              "forced_lengths": opts.random_weights, "concurrency": n, "results": []}
+    forced = FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
+    for backend in opts.backends:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        _log(f"{backend}: loading for {n} streams")
+        synth = Synthesizer.load(opts.model, backend=backend, device=opts.device, dtype=opts.dtype,
+                                 random_weights=opts.random_weights, gguf=opts.gguf if backend == "gguf" else None,
+                                 rows=n)
+        for workload in opts.workloads:
+            t = clock.now()
+            if workload == "bulk":
+                lines = bulk_lines(opts.bulk_lines)
+                warm = [(line, Sampling(seed=10_000 + i)) for i, line in enumerate(lines[: 2 * n])]
+                for _ in range(opts.warmup):
+                    for _ in synth.say_many(warm, batch=n, frames_per_token=forced):
+                        pass
+                warmup_s = clock.now() - t
+                walls, audio = [], 0.0
+                for r in range(opts.runs):
+                    clock.sync()
+                    t0 = clock.now()
+                    for chunks in synth.say_many([(line, Sampling(seed=r * len(lines) + i)) for i, line in
+                                                  enumerate(lines)], batch=n, frames_per_token=forced):
+                        audio += sum(len(c.samples) for c in chunks) / synth.sample_rate
+                    walls.append(clock.now() - t0)
+                    _log(f"{backend} bulk x{n}: run {r + 1}/{opts.runs}")
+                entry = {"ttfa_ms": {"p50": None, "p90": None}, "rtf": {"p50": None, "p90": None},
+                         "audio_s_per_s": audio / sum(walls), "lines": len(lines), "wall_s": walls}
+            else:
+                for i in range(opts.warmup):
+                    _streams_together(synth, workload, n, 10_000 + i * n, opts, clock)
+                warmup_s = clock.now() - t
+                samples, wall = [], 0.0
+                for r in range(opts.runs):
+                    recs = _streams_together(synth, workload, n, r * n, opts, clock)
+                    samples += recs
+                    wall += max(s["total_s"] for s in recs)
+                    _log(f"{backend} {workload} x{n}: run {r + 1}/{opts.runs}")
+                entry = {**_summary(samples, wall), "samples": samples}
+            entry.update({"backend": backend, "workload": workload, "streams": n, "warmup_s": warmup_s,
+                          "peak_gpu_gib": (torch.cuda.max_memory_allocated(device)
+                                           + getattr(synth.llm, "extra_gpu_bytes", 0)) / 2**30
+                          if device.type == "cuda" else None})
+            result["results"].append(entry)
+        del synth
+        gc.collect()
+    return result
+
+
+def _concurrent_server(opts: BenchOptions) -> dict:
+    """N simultaneous HTTP requests (threads), each timed from the common start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .client import Remote
+
+    n = opts.concurrency
+    remote = Remote.find(opts.server, explicit=True)
+    props = remote.props
+    env = {**props.get("environment", {}), "server": remote.url, "server_version": props.get("version"),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    result = {"environment": env, "options": {**opts.__dict__}, "forced_lengths": bool(props.get("forced_lengths")),
+              "concurrency": n, "results": []}
+
+    def together(workload: str, seed: int) -> list[dict]:
+        """(each request is timed from its own send; the n threads send at once)"""
+        items = _requests(workload)
+        with ThreadPoolExecutor(n) as pool:
+            return list(pool.map(lambda k: _one_http(remote, workload, items[k % len(items)], seed + k, opts),
+                                 range(n)))
+
+    for workload in [w for w in opts.workloads if w != "bulk"]:
+        t = time.perf_counter()
+        for i in range(opts.warmup):
+            together(workload, 10_000 + i * n)
+        warmup_s = time.perf_counter() - t
+        samples, wall = [], 0.0
+        for r in range(opts.runs):
+            t0 = time.perf_counter()
+            samples += together(workload, r * n)
+            wall += time.perf_counter() - t0
+            _log(f"server {workload} x{n}: run {r + 1}/{opts.runs}")
+        result["results"].append({**_summary(samples, wall), "samples": samples, "backend": f"{props['backend']} (server)",
+                                  "workload": workload, "streams": n, "warmup_s": warmup_s, "peak_gpu_gib": None})
+    return result
+
+
+def concurrency_table(result: dict) -> str:
+    env = result["environment"]
+    lines = [
+        f"Device: {env['device']} (driver {env.get('driver') or '-'}), torch {env.get('torch', '-')}, "
+        f"commit {env.get('commit') or '-'}, {env['date']}"
+        + (f", measured over HTTP at {env['server']}" if env.get("server") else ""),
+        "",
+        "| backend | workload | streams | TTFA p50 / p90 (ms) | per-stream RTF p50 / p90 | audio s per wall s "
+        "| peak GPU (GiB) | warm-up (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in result["results"]:
+        lines.append(
+            f"| {e['backend']} | {e['workload']} | {e['streams']} | {_f(e['ttfa_ms']['p50'], '.1f')} / "
+            f"{_f(e['ttfa_ms']['p90'], '.1f')} | {_f(e['rtf']['p50'], '.3f')} / {_f(e['rtf']['p90'], '.3f')} "
+            f"| {_f(e['audio_s_per_s'], '.1f')} | {_f(e['peak_gpu_gib'], '.1f')} | {e['warmup_s']:.1f} |")
+    if result.get("forced_lengths"):
+        lines += ["", "Forced lengths (random weights): "
+                  f"{FORCED_REPLY_TOKENS} LLM tokens a reply, {FORCED_FRAMES_PER_TOKEN} frames per TTS text token."]
+    return "\n".join(lines) + "\n"
 
 
 def _f(x, fmt: str) -> str:

@@ -21,7 +21,8 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -144,6 +145,24 @@ class Remote:
                     pending = pending[whole:]
             if pending:
                 raise ServerError(f"the server at {self.url} sent a partial sample")
+
+    def read_many(self, texts: Iterable[str], *, batch: int, **options) -> Iterator[list[Chunk]]:
+        """`read` of each text, `batch` requests in flight at once (the server batches them); each
+        text's chunks as a list, in input order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(batch, thread_name_prefix="minicpm-read") as pool:
+            pending: deque = deque()
+            try:
+                for text in texts:
+                    pending.append(pool.submit(lambda t: list(self.read(t, **options)), text))
+                    if len(pending) >= batch:
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            finally:
+                for f in pending:
+                    f.cancel()
 
     def reply(self, message: str, *, greedy: bool, seed: int | None, temperature: float, max_tokens: int,
               first_chunk: int) -> Iterator[Chunk]:

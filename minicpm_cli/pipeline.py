@@ -14,7 +14,7 @@ loaded when a voice is first used; without a voice nothing of it is loaded or ru
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,11 +146,14 @@ class Synthesizer:
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, *, backend: str = "auto", device: str = "auto",
              dtype: str = "auto", random_weights: bool = False, seed: int = 0,
-             spec=None, gguf: str | None = None) -> "Synthesizer":
+             spec=None, gguf: str | None = None, rows: int = 1) -> "Synthesizer":
         """From a checkpoint (directory or hub repo id), or with `random_weights` the full-size model
         drawn directly on the device (for speed work; tokenizers from `model` if it is a directory,
         else the bundled ones of the tiny test checkpoint). `backend="auto"` picks one for the
-        device and checkpoint (`backends.choose`)."""
+        device and checkpoint (`backends.choose`). `rows`: how many streams can be generated at once
+        (`batch()`; each has its own rows of the KV caches; gguf runs one LLM stream)."""
+        if rows < 1:
+            raise UsageError("the batch size must be at least 1")
         dev = resolve_device(device)
         if backend == backends.AUTO:
             backend = backends.choose(model, dev.type, gguf=gguf)
@@ -180,11 +183,12 @@ class Synthesizer:
             codec = build_codec(ckpt, vocos, device=dev)
             be.wrap_codec(codec)
         with trace.span("load_llm"):
-            llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf)
+            llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf,
+                            rows=rows if rows > 1 else None)
         voices = None if random_weights else functools.partial(load_voices, model or DEFAULT_MODEL, tokenizers,
                                                                   device=dev, dtype=dt)
         with trace.span("load_tts_runner"):
-            runner = be.tts_runner(tts)
+            runner = be.tts_runner(tts, rows)
         return cls(tokenizers, llm, tts, codec, runner, voices)
 
     @property
@@ -197,16 +201,42 @@ class Synthesizer:
             self._voices = self._load_voices()
         return self._voices
 
+    def batch(self, rows: int | None = None):
+        """An engine that generates up to `rows` streams at once (default: as many as loaded)."""
+        from .batching import Engine
+
+        return Engine(self, rows)
+
+    def say_many(self, items: Iterable[tuple[str, Sampling]], *, batch: int = 1, voice=None,
+                 decode: str = "segment", frames_per_token: int | None = None) -> Iterator[list[AudioChunk]]:
+        """Read many texts, up to `batch` at a time in one batch of streams; each text's chunks (as
+        `synthesize` gives them) in input order. `batch=1` reads them one after another."""
+        from .batching import in_order
+
+        voice = as_voice(voice)
+        jobs = (functools.partial(self._read_job, text, sampling, voice, decode, frames_per_token)
+                for text, sampling in items)
+        if batch == 1:
+            for job in jobs:
+                yield list(job(None))
+            return
+        yield from in_order(self.batch(batch), jobs, batch)
+
+    def _read_job(self, text, sampling, voice, decode, frames_per_token, lane):
+        return self.synthesize(text, sampling, decode=decode, voice=voice, frames_per_token=frames_per_token,
+                               lane=lane)
+
     def speaker(self, prompt_ids: list[int], embeds: Tensor | None = None,
-                embed_at: list[int] | None = None) -> Tensor:
-        """Run the LLM over a prompt (with a voice: its audio embeddings at `embed_at`); the projected
-        hidden state at its last <|spk|> (hidden,)."""
+                embed_at: list[int] | None = None, llm=None) -> Tensor:
+        """Run the LLM (`llm`: a lane of it; default the single stream) over a prompt (with a voice:
+        its audio embeddings at `embed_at`); the projected hidden state at its last <|spk|> (hidden,)."""
+        llm = llm or self.llm
         spk_pos = len(prompt_ids) - 1 - prompt_ids[::-1].index(self.tokenizers.spk_id)
-        self.llm.reset()
+        llm.reset()
         if embeds is None:
-            _, hidden = self.llm.forward(prompt_ids)
+            _, hidden = llm.forward(prompt_ids)
         else:
-            _, hidden = self.llm.forward(prompt_ids, embeds, embed_at)
+            _, hidden = llm.forward(prompt_ids, embeds, embed_at)
         return self._project(hidden[spk_pos])
 
     def _project(self, hidden: Tensor) -> Tensor:
@@ -226,20 +256,21 @@ class Synthesizer:
         room = context - (len(ids) - len(text_ids)) - 8  # 8: re-tokenisation at the cut
         return tok.encode_llm(read_prompt(tok.llm.decode(text_ids[:room])))
 
-    def _read_speaker(self, text: str, voice: Voice | None) -> Tensor:
+    def _read_speaker(self, text: str, voice: Voice | None, llm=None) -> Tensor:
         """The speaker vector of a read: the reference's chat() read prompt, after its voice-cloning
         turn when there is a voice (spec §4.3)."""
         if voice is None:
-            return self.speaker(self._read_prompt_ids(text))
+            return self.speaker(self._read_prompt_ids(text), llm=llm)
         turn = self.voices.turn(voice, "read")
         ids = turn.ids + self._read_prompt_ids(text, reserved=len(turn.ids))
-        return self.speaker(ids, turn.embeds, turn.embed_at)
+        return self.speaker(ids, turn.embeds, turn.embed_at, llm=llm)
 
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
                    first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
-                   voice: Voice | np.ndarray | None = None) -> Iterator[AudioChunk]:
+                   voice: Voice | np.ndarray | None = None, lane=None) -> Iterator[AudioChunk]:
         """Read `text` aloud (spec §4.3: the caller's text, not an LLM rewrite), as audio chunks, in
         the model's default voice or in a cloned `voice` (16 kHz mono float32 samples or a Voice).
+        `lane`: the rows of a batch (`batching.Lane`) it runs on; default the single stream.
 
         decode="stream": each generation call is decoded as soon as it exists, with the reference's
         4-frame context and crossfade, and released at once (`first_chunk` frames first).
@@ -254,9 +285,9 @@ class Synthesizer:
         tok = self.tokenizers
         if not tok.encode_bert(text):
             raise UsageError("the text has nothing the TTS tokenizer can read")
-        spk = self._read_speaker(text, as_voice(voice))
+        spk = self._read_speaker(text, as_voice(voice), lane and lane.llm)
         pieces = read_pieces(text, lambda t: len(tok.encode_bert(t)))
-        machine = StreamingTTS(self.tts, tok, spk, sampling.generator(self.device), normalize=False,
+        machine = StreamingTTS(lane.tts if lane else self.tts, tok, spk, sampling.generator(self.device), normalize=False,
                                cut=read_cut, read_all=True, first_chunk=first_chunk,
                                frames_per_token=frames_per_token)
         events = machine.run("", iter(pieces))
@@ -264,7 +295,7 @@ class Synthesizer:
 
     def reply(self, user_text: str, sampling: Sampling = Sampling(), *, llm: LLMSampling = LLMSampling(),
               max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
-              voice: Voice | np.ndarray | None = None) -> Iterator[AudioChunk]:
+              voice: Voice | np.ndarray | None = None, lane=None) -> Iterator[AudioChunk]:
         """The spoken answer to a user message (spec §4.5), streamed: LLM text pieces feed the TTS as
         they are generated; each chunk carries the reply text it speaks. With a `voice`, the
         reference's audio-assistant system turn comes first and the answer is spoken in that voice."""
@@ -275,11 +306,11 @@ class Synthesizer:
         voice = as_voice(voice)
         turn = self.voices.turn(voice, "reply") if voice is not None else None
         generator = sampling.generator(self.device)
-        pieces = reply_pieces(self.llm, self.tokenizers, user_text, llm, generator, max_tokens,
+        pieces = reply_pieces(lane.llm if lane else self.llm, self.tokenizers, user_text, llm, generator, max_tokens,
                               force_length=frames_per_token is not None, voice=turn)
         first = next(pieces)
         spk = self._project(first.spk_hidden)
-        machine = StreamingTTS(self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,
+        machine = StreamingTTS(lane.tts if lane else self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,
                                first_chunk=first_chunk, frames_per_token=frames_per_token)
         yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream")
 

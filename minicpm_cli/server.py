@@ -204,13 +204,14 @@ class Service:
         def start() -> None:
             try:
                 loaded = self._load()
+                engine = loaded.synth.batch() if loaded.synth.tts.rows > 1 else None
                 if self._warm_up:
-                    warm_up(loaded)
+                    warm_up(loaded, engine)
             except BaseException as e:
                 self.failure = e
                 on_failure(e)
                 return
-            self.loaded = loaded
+            self.loaded, self.worker.engine = loaded, engine
             self._ready.set()
             on_ready(loaded)
 
@@ -237,7 +238,7 @@ class Service:
             job.cancel()
             watcher.cancel()
 
-        self.worker.submit(job.run)
+        self.worker.submit_job(job)
         return job, end
 
 
@@ -248,19 +249,30 @@ async def _watch(request: Request, job: Job) -> None:
     job.cancel()
 
 
-def warm_up(ld: Loaded) -> None:
+def warm_up(ld: Loaded, engine=None) -> None:
     """One short request down each path (read streamed and per segment, a reply), so that the first
-    real request does not pay for compilation or first-use costs."""
+    real request does not pay for compilation or first-use costs; with a batch `engine`, as many of
+    them at once as it has rows (and one alone), so its batched steps are ready too."""
+    from .batching import Stream
     from .llm import LLMSampling
     from .sampling import Sampling
 
     forced = ld.frames_per_token
-    for decode in ("stream", "segment"):
-        for _ in ld.synth.synthesize("Hello.", Sampling(greedy=True), decode=decode, frames_per_token=forced):
+    works = [lambda lane, d=d: ld.synth.synthesize("Hello.", Sampling(greedy=True), decode=d, frames_per_token=forced,
+                                                   lane=lane) for d in ("stream", "segment")]
+    works.append(lambda lane: ld.synth.reply("Hi.", Sampling(greedy=True), llm=LLMSampling(),
+                                             max_tokens=ld.reply_tokens or 4, frames_per_token=forced, lane=lane))
+    for work in works:
+        for _ in work(None):
             pass
-    for _ in ld.synth.reply("Hi.", Sampling(greedy=True), llm=LLMSampling(), max_tokens=ld.reply_tokens or 4,
-                            frames_per_token=forced):
-        pass
+    if engine is not None:
+        failed = []
+        for k in range(engine.rows):
+            engine.submit(Stream(works[k % len(works)], lambda item: None,
+                                 lambda error: error is not None and failed.append(error)))
+        engine.run()
+        if failed:
+            raise failed[0]
 
 
 # -- the application -----------------------------------------------------------------------------
@@ -333,10 +345,10 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         decode = "segment" if req.stream_format is None else "stream"
         usage = {"input_tokens": 0, "output_tokens": 0}
 
-        def work():
+        def work(lane):
             usage["input_tokens"] = len(synth.tokenizers.encode_bert(req.input.strip()))
             return synth.synthesize(req.input, sampling, decode=decode, first_chunk=frames,
-                                    frames_per_token=ld.frames_per_token)
+                                    frames_per_token=ld.frames_per_token, lane=lane)
 
         job, end = await service.run(request, work)
         first = await _first(job, end)
@@ -407,9 +419,9 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         synth, sampling, frames = ld.synth, _sampling(req), _first_chunk(req)
         llm = LLMSampling(temperature=req.temperature)
 
-        def work():
+        def work(lane):
             return synth.reply(req.input, sampling, llm=llm, max_tokens=ld.reply_tokens or req.max_tokens,
-                               first_chunk=frames, frames_per_token=ld.frames_per_token)
+                               first_chunk=frames, frames_per_token=ld.frames_per_token, lane=lane)
 
         job, end = await service.run(request, work)
         first = await _first(job, end)

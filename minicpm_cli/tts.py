@@ -13,6 +13,8 @@ This module knows ids and tensors; tokenization and audio decoding live elsewher
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -30,29 +32,44 @@ MAX_FRAMES = 2048  # the reference stops once a segment has more frames than thi
 
 
 class TTSRunner:
-    """Eager generation. Per-step state lives in small device tensors that `_step` only reads, so a
-    backend can capture `_step` as a CUDA graph (see backends/compile.py) and get the same results."""
+    """Eager generation for up to `rows` streams at once, each in its own row of the KV cache.
 
-    def __init__(self, model: ChatTTS, *, max_frames: int = MAX_FRAMES, block_fns: tuple | None = None):
+    The runner itself is row 0's view (`start`, `prefill`, `generate`, ...), the single-stream path;
+    `lane(b)` is row b's. Per-step state lives in small device tensors with a leading row dimension
+    (`*_b`; the single path's `*_t` names are row 0's views) that the step functions only read, so a
+    backend can capture them as CUDA graphs (see backends/compile.py) and get the same results.
+    `step_calls` advances several rows' `generate` calls by one step together (batching)."""
+
+    def __init__(self, model: ChatTTS, *, max_frames: int = MAX_FRAMES, block_fns: tuple | None = None,
+                 rows: int = 1):
         c = model.config
-        self.model, self.config, self.block_fns = model, c, block_fns
+        self.model, self.config, self.block_fns, self.rows = model, c, block_fns, rows
+        self.batch_fns = block_fns  # the layer halves of batched steps
         dev = self.device = model.emb_text.weight.device
         self.dtype = model.emb_text.weight.dtype
         self.L = c.condition_length
         self.max_len = min(c.decoder.max_positions, self.L + max_frames + 2 * FRAMES_PER_CALL)
-        model.model.setup_cache(self.max_len, self.dtype, dev)
+        model.model.setup_cache(self.max_len, self.dtype, dev, rows)
         self.slots = torch.arange(self.max_len, device=dev)
         self.temps = torch.tensor(TEMPERATURES, device=dev)[:, None]
         with torch.inference_mode():
             self.bos_embed = model.emb_text(torch.tensor([c.audio_bos_token_id], device=dev))  # (1, hidden)
         self.is_eos = self.slots[: c.num_audio_tokens] == c.eos_code
-        # step inputs (written by the host loop between steps) and outputs (written by _step)
-        self.last_t = torch.zeros(c.num_vq, dtype=torch.long, device=dev)
-        self.bos_t = torch.ones(1, dtype=torch.bool, device=dev)
-        self.pos_t = torch.zeros(1, dtype=torch.long, device=dev)
-        self.block_eos_t = torch.zeros(1, dtype=torch.bool, device=dev)
-        self.noise_t = torch.ones(c.num_vq, c.num_audio_tokens, device=dev)
-        self.code_t = torch.zeros(c.num_vq, dtype=torch.long, device=dev)
+        # step inputs (written by the host loop between steps) and outputs (written by the step), per
+        # row; the *_t names are row 0's, which the single-stream step reads
+        self.last_b = torch.zeros(rows, c.num_vq, dtype=torch.long, device=dev)
+        self.bos_b = torch.ones(rows, 1, dtype=torch.bool, device=dev)
+        self.pos_b = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.block_b = torch.zeros(rows, 1, dtype=torch.bool, device=dev)
+        self.noise_b = torch.ones(rows, c.num_vq, c.num_audio_tokens, device=dev)
+        self.code_b = torch.zeros(rows, c.num_vq, dtype=torch.long, device=dev)
+        self.last_t, self.bos_t, self.pos_t = self.last_b[0], self.bos_b[0], self.pos_b[:1]
+        self.block_eos_t, self.noise_t, self.code_t = self.block_b[0], self.noise_b[0], self.code_b[0]
+        # a batched step's control (position, EOS blocked, advances, step index in its call) per row,
+        # and the codes of each row's call so far (step FRAMES_PER_CALL is where idle rows write)
+        self.ctl = torch.zeros(4, rows, dtype=torch.long, device=dev)
+        self.calls_out = torch.zeros(rows, FRAMES_PER_CALL + 1, c.num_vq, dtype=torch.long, device=dev)
+        self.row_ids = torch.arange(rows, device=dev)
         # Position from which each cache slot is visible (spec §4.1): a text slot s once
         # V(p) >= s - 1, an audio slot once written (p >= s), [Ptts] and [PAD]s never. A query's
         # mask is then one comparison, `visible_from <= p`.
@@ -60,54 +77,88 @@ class TTSRunner:
         s_ = self.slots[: self.L]
         self._text_from = torch.where(s_ < 2, 0, r + 1 + AUDIO_CHUNK * (torch.div(s_ - 1 + chunk - 1, chunk,
                                                                                rounding_mode="floor") - 1))
-        self.visible_from = self.slots.clone()
+        self.vis_b = self.slots.repeat(rows, 1)  # (rows, max_len)
+        self.visible_from = self.vis_b[0]
         self.never = self.max_len + AUDIO_CHUNK * r  # beyond any position
         self.trace: list[tuple[Tensor, Tensor]] | None = None  # (raw logits, probs) per step, for tests
-        self.start(0)
+        self.positions = [self.L - 1] * rows  # each row's next query position (host)
+        self.lanes = [TTSLane(self, b) for b in range(rows)]
+        for b in range(rows):
+            self.start_row(b, 0)
+
+    # --- row 0, the single-stream interface (a lane) ---
+
+    @property
+    def pos(self) -> int:
+        return self.positions[0]
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        self.positions[0] = value
+
+    def lane(self, row: int) -> "TTSLane":
+        """The streaming interface of one row, whose generate() calls can be batched with others'."""
+        return self.lanes[row]
 
     def start(self, n: int) -> None:
         """A new segment with n text tokens: zero cache, next query at the [Ptts] slot."""
-        self.model.model.reset_cache()
-        self.pos = self.L - 1
-        self.bos_t.fill_(True)
-        self.set_text_len(n)
+        self.start_row(0, n)
 
     def set_text_len(self, n: int) -> None:
-        """_build_streaming_mask(n): [Stts], [spk_emb], n text tokens and [Etts] visible; [PAD]s not."""
-        s = self.slots[: self.L]
-        visible = (s <= n + 2) & (s < self.L - 1)  # the reference's mask also marks [Ptts], but no query sees it
-        self.visible_from[: self.L].copy_(torch.where(visible, self._text_from, self.never))
-
-    def _prefill(self, ids: Tensor, begin: Tensor, kv_len: int, spk: Tensor | None) -> None:
-        """ids at positions begin.. (`begin` a 1-element device tensor, so a graph can replay this
-        for any start), attending causally over cache slots [0, kv_len)."""
-        x = self.model.embed_text(ids, spk)
-        pos = begin + self.slots[: len(ids)]
-        mask = self.slots[None, :kv_len] <= pos[:, None]
-        self.model.model(x, pos, mask[None, None], kv_len)
+        self.set_text_len_row(0, n)
 
     @torch.inference_mode()
     def prefill(self, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         """Write the K/V of condition slots begin..begin+len(ids)-1 (plain causal attention)."""
-        self._prefill(torch.tensor(ids, device=self.device), self.slots[begin : begin + 1], begin + len(ids), spk)
+        self.prefill_row(0, ids, begin, spk)
+
+    def prefill_audio(self, frames: Tensor) -> None:
+        self.prefill_audio_row(0, frames)
 
     def visible_text(self, p: int) -> int:
         """V(p): how many text slots (after [Stts][spk_emb]) a query at position p may see."""
         r = self.config.streaming_text_reserved_len
         return min(self.config.streaming_text_chunk_size * -(-(p - r) // AUDIO_CHUNK), r)
 
-    def _visibility(self, pos: Tensor, kv_len: int, audio_upto: Tensor | None = None) -> Tensor:
-        """(1, 1, 1, kv_len) mask for a query at position `pos` (a 1-element device tensor): text
-        slots 2..V(pos)+1 minus [PAD]s, [Stts]/[spk_emb], audio slots up to `audio_upto` (default pos).
-        Tensor ops only: no host synchronisation, capturable in a CUDA graph."""
-        seen = self.visible_from[:kv_len] <= pos
+    # --- any row ---
+
+    def start_row(self, row: int, n: int) -> None:
+        self.model.model.reset_cache(row)
+        self.positions[row] = self.L - 1
+        self.bos_b[row].fill_(True)
+        self.set_text_len_row(row, n)
+
+    def set_text_len_row(self, row: int, n: int) -> None:
+        """_build_streaming_mask(n): [Stts], [spk_emb], n text tokens and [Etts] visible; [PAD]s not."""
+        s = self.slots[: self.L]
+        visible = (s <= n + 2) & (s < self.L - 1)  # the reference's mask also marks [Ptts], but no query sees it
+        self.vis_b[row, : self.L].copy_(torch.where(visible, self._text_from, self.never))
+
+    def _prefill(self, ids: Tensor, begin: Tensor, kv_len: int, spk: Tensor | None, rows=None) -> None:
+        """ids at positions begin.. (`begin` a 1-element device tensor, so a graph can replay this
+        for any start), attending causally over cache slots [0, kv_len) of cache row `rows`."""
+        x = self.model.embed_text(ids, spk)
+        pos = begin + self.slots[: len(ids)]
+        mask = self.slots[None, :kv_len] <= pos[:, None]
+        self.model.model(x, pos, mask[None, None], kv_len, rows=rows)
+
+    @torch.inference_mode()
+    def prefill_row(self, row: int, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
+        self._prefill(torch.tensor(ids, device=self.device), self.slots[begin : begin + 1], begin + len(ids), spk,
+                      slice(row, row + 1))
+
+    def _visibility(self, pos: Tensor, kv_len: int, audio_upto: Tensor | None = None, row: int = 0) -> Tensor:
+        """(1, 1, 1, kv_len) mask for a query of `row` at position `pos` (a 1-element device tensor):
+        text slots 2..V(pos)+1 minus [PAD]s, [Stts]/[spk_emb], audio slots up to `audio_upto`
+        (default pos). Tensor ops only: no host synchronisation, capturable in a CUDA graph."""
+        seen = self.vis_b[row, :kv_len] <= pos
         if audio_upto is not None:
             slots = self.slots[:kv_len]
             seen = seen | ((slots >= self.L) & (slots <= audio_upto))
         return seen[None, None, None]
 
     @torch.inference_mode()
-    def prefill_audio(self, frames: Tensor) -> None:
+    def prefill_audio_row(self, row: int, frames: Tensor) -> None:
         """Seed a continuation segment with frames carried over (spec §4.5 step 7): [Ptts] and all but
         the last frame go through one forward whose single mask row (that of the [Ptts] query, with
         the current text mask) is shared by every query, so they see each other in both directions.
@@ -115,10 +166,12 @@ class TTSRunner:
         x = torch.cat([self.bos_embed, self.model.embed_codes(frames[:-1])])[None]  # (1, k, hidden)
         start, end = self.L - 1, self.L - 1 + len(frames)
         pos = self.slots[start:end]
-        self.model.model(x, pos, self._visibility(pos[:1], end, pos[-1:]), end)
-        self.pos = end
-        self.last_t.copy_(frames[-1])
-        self.bos_t.fill_(False)
+        self.model.model(x, pos, self._visibility(pos[:1], end, pos[-1:], row), end, rows=slice(row, row + 1))
+        self.positions[row] = end
+        self.last_b[row].copy_(frames[-1])
+        self.bos_b[row].fill_(False)
+
+    # --- one stream's step (row 0) ---
 
     def _step(self, kv_len: int, sampled: bool) -> tuple[Tensor, Tensor]:
         """One audio frame from the step tensors -> code_t; returns (raw logits, probs)."""
@@ -130,14 +183,19 @@ class TTSRunner:
     def _choose(self, raw: Tensor, sampled: bool) -> Tensor:
         """Raw logits -> probabilities after temperature, top-p, top-k and the EOS block; the chosen
         codes go to code_t."""
+        probs = self._probs(raw, self.bos_t, self.block_eos_t)
+        self.code_t.copy_(choose(probs, self.noise_t if sampled else None))
+        return probs
+
+    def _probs(self, raw: Tensor, bos: Tensor, block_eos: Tensor) -> Tensor:
+        """raw (..., num_vq, V) with bos/block_eos (..., 1) -> probabilities to choose from."""
         c = self.config
         logits = raw / self.temps
         # the BOS step samples from the plain distribution; later steps after top-p then top-k
-        logits = torch.where(self.bos_t, logits, top_k(top_p(logits, c.top_p, MIN_KEEP), c.top_k, MIN_KEEP))
-        logits = logits.masked_fill(self.is_eos & self.block_eos_t, float("-inf"))
-        probs = F.softmax(logits, dim=-1)
-        self.code_t.copy_(choose(probs, self.noise_t if sampled else None))
-        return probs
+        bos, block_eos = bos[..., None], block_eos[..., None]  # (..., 1, 1)
+        logits = torch.where(bos, logits, top_k(top_p(logits, c.top_p, MIN_KEEP), c.top_k, MIN_KEEP))
+        logits = logits.masked_fill(self.is_eos & block_eos, float("-inf"))
+        return F.softmax(logits, dim=-1)
 
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
         """The backbone on one input embedding (hidden,) at pos_t -> final hidden state (hidden,)."""
@@ -170,9 +228,136 @@ class TTSRunner:
             self.last_t.copy_(self.code_t)
             self.bos_t.fill_(False)
             self.pos += 1
+        return self._finish(out[:steps], n_steps)
+
+    def _finish(self, out: Tensor, n_steps: int) -> tuple[Tensor, bool]:
         # One host round trip per call: frames after the first EOS were computed but are dropped;
         # nothing reads the cache past an EOS.
-        hits = (out[:steps] == c.eos_code).any(1).nonzero()
+        hits = (out == self.config.eos_code).any(1).nonzero()
         if len(hits):
             return out[: int(hits[0])], True
-        return out[:steps], steps < n_steps
+        return out, len(out) < n_steps
+
+    # --- several streams' steps at once ---
+
+    def call(self, row: int, generator: torch.Generator | None, n_steps: int = FRAMES_PER_CALL,
+             min_new: int = MIN_FRAMES_PER_CALL, allow_eos: bool = True) -> "Call":
+        """Row `row`'s next generate() call, to be advanced by `step_calls` (its noise is drawn now,
+        from the stream's own generator, exactly as `generate` draws it)."""
+        c = self.config
+        q = noise((n_steps, c.num_vq, c.num_audio_tokens), generator, self.device)
+        if q is None:
+            self.noise_b[row].fill_(1.0)  # argmax(p / 1) is the greedy choice
+        return Call(row, min(n_steps, self.max_len - self.positions[row]), n_steps,
+                    n_steps if not allow_eos else min_new, q)
+
+    def step_calls(self, calls: list["Call"]) -> list["Call"]:
+        """Advance each call (one per row) by one step in one batched forward over rows 0..nb-1
+        (rows without a call in between are computed but left as they were: their step rewrites, at
+        their own next position, what their next real step writes first) -> the calls now done, with
+        `result` set."""
+        nb = self.bucket(max(c.row for c in calls) + 1)
+        ctl = [[self.positions[b] for b in range(nb)], [0] * nb, [0] * nb, [FRAMES_PER_CALL] * nb]
+        for c in calls:
+            ctl[1][c.row], ctl[2][c.row], ctl[3][c.row] = int(c.done < c.min_new), 1, c.done
+            if c.noise is not None:
+                self.noise_b[c.row].copy_(c.noise[c.done])
+        ctl[0] = [min(p, self.max_len - 1) for p in ctl[0]]  # (a finished row's position may be the end)
+        kv = max(ctl[0][c.row] for c in calls) + 1
+        self.ctl[:, :nb].copy_(torch.tensor(ctl, dtype=torch.long))
+        self._run_batch(nb, kv, any(c.noise is not None for c in calls))
+        done = []
+        for c in calls:
+            c.done += 1
+            self.positions[c.row] += 1
+            if c.done == c.steps:
+                c.result = self._finish(self.calls_out[c.row, : c.steps].clone(), c.n_steps)
+                done.append(c)
+        return done
+
+    def bucket(self, n: int) -> int:
+        """Rows a batched step runs over for rows 0..n-1 (backends round up to their graph sizes)."""
+        return n
+
+    def _run_batch(self, nb: int, kv: int, sampled: bool) -> None:
+        self._batch_step(nb, kv, sampled)
+        self._advance(nb)
+
+    def _batch_step(self, nb: int, kv: int, sampled: bool) -> None:
+        """One frame for rows 0..nb-1 from `ctl` and the row state -> code_b (greedy rows choose with
+        noise 1). It changes no input, so a backend can run it more than once (graph warm-up)."""
+        m = self.model
+        pos, block = self.ctl[0, :nb], self.ctl[1, :nb, None] > 0
+        self.pos_b[:nb].copy_(pos)
+        self.block_b[:nb].copy_(block)
+        bos, last = self.bos_b[:nb], self.last_b[:nb]
+        x = torch.where(bos, self.bos_embed, m.embed_codes(last))  # (nb, hidden)
+        mask = (self.vis_b[:nb, :kv] <= pos[:, None])[:, None, None]  # (nb, 1, 1, kv)
+        h = m.model(x[:, None], pos[:, None], mask, kv, self.batch_fns, rows=slice(0, nb))[:, -1]  # (nb, hidden)
+        probs = self._probs(m.logits(h), bos, block)
+        self.code_b[:nb].copy_(choose(probs, self.noise_b[:nb]) if sampled else choose(probs, None))
+
+    def _advance(self, nb: int) -> None:
+        """After a batched step: the codes into each row's call output (idle rows' to the spare step),
+        and the rows that took part move on to them."""
+        codes, adv = self.code_b[:nb], self.ctl[2, :nb, None] > 0
+        self.calls_out[self.row_ids[:nb], self.ctl[3, :nb]] = codes
+        bos, last = self.bos_b[:nb], self.last_b[:nb]
+        last.copy_(torch.where(adv, codes, last))
+        bos.copy_(bos & ~adv)
+
+
+@dataclass
+class Call:
+    """One stream's generate() call in progress (see TTSRunner.call / step_calls)."""
+
+    row: int
+    steps: int  # steps it runs (n_steps, or fewer at the end of the cache)
+    n_steps: int  # steps asked for
+    min_new: int  # EOS blocked in steps 0..min_new-1
+    noise: Tensor | None  # (n_steps, num_vq, V) Exp(1) draws; None when greedy
+    done: int = 0
+    result: tuple[Tensor, bool] | None = None
+
+
+class TTSLane:
+    """Row `row` of a TTSRunner, with the interface the streaming state machine uses. Its `generate`
+    runs through `step_calls`: alone here, or batched with other rows by whoever set `batcher`
+    (a function taking the Call and returning when it is done)."""
+
+    def __init__(self, runner: TTSRunner, row: int):
+        self.runner, self.row = runner, row
+        self.config, self.L, self.device, self.dtype = runner.config, runner.L, runner.device, runner.dtype
+        self.batcher = None
+
+    @property
+    def pos(self) -> int:
+        return self.runner.positions[self.row]
+
+    def start(self, n: int) -> None:
+        self.runner.start_row(self.row, n)
+
+    def set_text_len(self, n: int) -> None:
+        self.runner.set_text_len_row(self.row, n)
+
+    def prefill(self, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
+        self.runner.prefill_row(self.row, ids, begin, spk)
+
+    def prefill_audio(self, frames: Tensor) -> None:
+        self.runner.prefill_audio_row(self.row, frames)
+
+    def visible_text(self, p: int) -> int:
+        return self.runner.visible_text(p)
+
+    @torch.inference_mode()
+    def generate(self, generator: torch.Generator | None, n_steps: int = FRAMES_PER_CALL,
+                 min_new: int = MIN_FRAMES_PER_CALL, allow_eos: bool = True) -> tuple[Tensor, bool]:
+        call = self.runner.call(self.row, generator, n_steps, min_new, allow_eos)
+        if call.steps <= 0:
+            return self.runner._finish(self.runner.calls_out[self.row, :0], n_steps)
+        if self.batcher is not None:
+            self.batcher(call)
+        else:
+            while call.result is None:
+                self.runner.step_calls([call])
+        return call.result

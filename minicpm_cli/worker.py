@@ -1,12 +1,14 @@
 """The one thread that touches the model, and the jobs it runs for the event loop.
 
 `Worker` runs functions one at a time, in the order submitted, on its own thread: the model's CUDA
-state (current stream, graphs captured at warm-up) and torch's thread-local modes stay on one thread,
-and generations never overlap. `Job` is one request's generation: the worker runs it whole, handing
-each item (an audio chunk) to the asyncio loop as soon as it exists; the loop reads them with
-`await job.next()`. `cancel()`, from the loop, stops a job after the item being generated (the
-generator is closed on the worker thread, so its cleanup runs there); a job cancelled before its turn
-never starts. Nothing here knows HTTP or the model.
+state (current stream, graphs captured at warm-up) and torch's thread-local modes stay on one thread.
+`Job` is one request's generation, handing each item (an audio chunk) to the asyncio loop as soon as
+it exists; the loop reads them with `await job.next()`. Without an engine the worker runs each job
+whole, in arrival order; with one (`Worker.engine`, a `batching.Engine`), jobs become streams of a
+batch: the worker runs the engine's rounds while any stream is running and picks up new jobs between
+two rounds, so a request joins the running batch at the next step. `cancel()`, from the loop, stops
+a job after the item being generated (the generator is closed on the worker thread, so its cleanup
+runs there); a job cancelled before its turn never starts. Nothing here knows HTTP or the model.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 _END = object()
+_NOTHING = object()
 
 
 class _Failed:
@@ -25,15 +28,28 @@ class _Failed:
 
 
 class Job:
-    """One request's generation (`work` returns its iterator of chunks), for a Worker to run."""
+    """One request's generation (`work(lane)` returns its iterator of chunks; lane None when run
+    alone), for a Worker to run."""
 
-    def __init__(self, work: Callable[[], Iterable], loop: asyncio.AbstractEventLoop):
+    def __init__(self, work: Callable[..., Iterable], loop: asyncio.AbstractEventLoop):
         self.work, self.loop = work, loop
         self.items: asyncio.Queue = asyncio.Queue()
         self._cancelled = threading.Event()
+        self._stream = None
 
     def cancel(self) -> None:
         self._cancelled.set()
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def stream(self):
+        """This job as a stream of a batch (batching.Stream), on the worker thread."""
+        from .batching import Stream
+
+        self._stream = Stream(self.work, self._put, lambda error: self._put(_END if error is None else _Failed(error)))
+        if self._cancelled.is_set():
+            self._stream.cancel()
+        return self._stream
 
     def run(self) -> None:  # on the worker thread
         if self._cancelled.is_set():
@@ -41,7 +57,7 @@ class Job:
             return
         chunks = None
         try:
-            chunks = self.work()
+            chunks = self.work(None)
             for item in chunks:
                 self._put(item)
                 if self._cancelled.is_set():
@@ -72,9 +88,11 @@ class Job:
 
 
 class Worker:
-    """The one thread that touches the model. Functions run one at a time, in the order submitted."""
+    """The one thread that touches the model. Functions run one at a time, in the order submitted;
+    jobs (`submit_job`) run whole in turn, or as streams of `engine` once one is set (on this thread)."""
 
     def __init__(self):
+        self.engine = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="minicpm-model", daemon=True)
         self._thread.start()
@@ -82,10 +100,25 @@ class Worker:
     def submit(self, fn: Callable[[], None]) -> None:
         self._queue.put(fn)
 
+    def submit_job(self, job: Job) -> None:
+        self.submit(lambda: job.run() if self.engine is None else self.engine.submit(job.stream()))
+
     def stop(self, timeout: float | None = None) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
 
     def _loop(self) -> None:
-        while (fn := self._queue.get()) is not None:
-            fn()
+        while True:
+            busy = self.engine is not None and not self.engine.idle
+            try:  # while a batch runs, new work is picked up between two of its rounds
+                fn = self._queue.get_nowait() if busy else self._queue.get()
+            except queue.Empty:
+                fn = _NOTHING
+            if fn is None:
+                break
+            if fn is not _NOTHING:
+                fn()
+            if self.engine is not None and not self.engine.idle:
+                self.engine.round()
+        if self.engine is not None:  # (stopping: the requests in flight have ended by now)
+            self.engine.run()

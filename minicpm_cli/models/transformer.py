@@ -4,11 +4,13 @@ Both the Qwen2 LLM and the ChatTTS backbone are this stack: RMSNorm, rotary atte
 q/k/v biases and grouped KV heads, a SiLU-gated MLP, and a final RMSNorm. Parameter names follow the
 Hugging Face checkpoints (`layers.N.self_attn.q_proj.weight`, ...) so state dicts load unchanged.
 
-Contract: `Decoder.forward(x, input_pos, mask, kv_len)` takes embeddings `(B, T, dim)`, the absolute
-positions of those T tokens (also their KV-cache slots), a boolean mask `(1|B, 1, T, kv_len)` that is
-True where a query may attend a cache slot, and how many cache slots to attend over. It returns the
-post-final-norm hidden states. Without a cache (`setup_cache` not called) the T tokens attend only to
-each other. The module knows nothing about tokens, sampling or devices.
+Contract: `Decoder.forward(x, input_pos, mask, kv_len, rows=...)` takes embeddings `(B, T, dim)`, the
+absolute positions of those T tokens (also their KV-cache slots): `(T,)` shared by the batch or
+`(B, T)` one row of positions per sequence, a boolean mask `(1|B, 1, T, kv_len)` that is True where a
+query may attend a cache slot, how many cache slots to attend over, and which rows of the cache the B
+sequences own (a slice, or a `(B,)` index tensor; default the first B). It returns the post-final-norm
+hidden states. Without a cache (`setup_cache` not called) the T tokens attend only to each other. The
+module knows nothing about tokens, sampling or devices.
 """
 
 from __future__ import annotations
@@ -65,17 +67,34 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+Rows = "slice | Tensor"  # cache rows of a batch: a slice (a view) or a (B,) index tensor (a gather)
+
+
 class KVCache(nn.Module):
-    def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+    """One row of K/V slots per sequence (`rows` of them), written at input positions."""
+
+    def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device, rows: int = 1):
         super().__init__()
-        shape = (1, n_kv_heads, max_len, head_dim)
+        shape = (rows, n_kv_heads, max_len, head_dim)  # (rows, Hkv, S, D)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
+        """k/v (B, Hkv, T, D) into `rows` at input_pos ((T,) or (B, T)) -> those rows' caches."""
+        if isinstance(rows, slice):
+            kc, vc = self.k[rows], self.v[rows]
+            if input_pos.dim() == 1:
+                kc.index_copy_(2, input_pos, k)
+                vc.index_copy_(2, input_pos, v)
+            else:  # per-sequence positions: element (b, t) goes to slot input_pos[b, t] of row b
+                b = torch.arange(len(input_pos), device=input_pos.device)[:, None]
+                kc[b, :, input_pos] = k.transpose(1, 2)  # indexed (B, T, Hkv, D)
+                vc[b, :, input_pos] = v.transpose(1, 2)
+            return kc, vc
+        pos = input_pos if input_pos.dim() == 2 else input_pos.expand(len(rows), -1)
+        self.k[rows[:, None], :, pos] = k.transpose(1, 2)
+        self.v[rows[:, None], :, pos] = v.transpose(1, 2)
+        return self.k.index_select(0, rows), self.v.index_select(0, rows)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -124,18 +143,20 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Tensor | None, kv_len: int) -> Tensor:
-        """Write k/v at input_pos, attend over cache slots [0, kv_len) -> (B, T, H*D) before o_proj."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, input_pos: Tensor, mask: Tensor | None, kv_len: int,
+               rows: Rows | None = None) -> Tensor:
+        """Write k/v at input_pos of cache `rows` (default the first B), attend over cache slots
+        [0, kv_len) -> (B, T, H*D) before o_proj."""
         B, _, T, _ = q.shape
         if self.kv_cache is not None:
-            k, v = self.kv_cache.update(input_pos, k, v)
+            k, v = self.kv_cache.update(input_pos, k, v, slice(0, B) if rows is None else rows)
             k, v = k[:, :, :kv_len], v[:, :, :kv_len]
         if T == 1 and mask is not None:
             # One query: attend per KV head with the query heads of its group stacked, i.e. GQA
             # without repeating K/V (SDPA's masked GQA path repeats them and takes the math kernel).
             H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
             s = q.view(B, Hkv, H // Hkv, D) @ k.transpose(-1, -2) * D**-0.5  # (B, Hkv, H/Hkv, S)
-            s = s.float().masked_fill(~mask[:, :, 0], float("-inf"))
+            s = s.float().masked_fill(~mask, float("-inf"))  # mask (1|B, 1, 1, S)
             y = (s.softmax(-1).to(v.dtype) @ v).view(B, H, 1, D)  # (B, H, 1, D)
         elif mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_heads != self.n_heads)
@@ -209,35 +230,39 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (S, D)
         self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
 
-    def setup_cache(self, max_len: int, dtype: torch.dtype, device) -> None:
+    def setup_cache(self, max_len: int, dtype: torch.dtype, device, rows: int = 1) -> None:
+        """A KV cache of `rows` sequences of max_len slots each."""
         c = self.config
         for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(max_len, c.n_kv_heads, c.head_dim, dtype, device)
+            layer.self_attn.kv_cache = KVCache(max_len, c.n_kv_heads, c.head_dim, dtype, device, rows)
 
     def fuse(self) -> None:
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def reset_cache(self) -> None:
+    def reset_cache(self, row: int | None = None) -> None:
+        """Zero the cache (one row of it, when given)."""
         for layer in self.layers:
             if layer.self_attn.kv_cache is not None:
-                layer.self_attn.kv_cache.k.zero_()
-                layer.self_attn.kv_cache.v.zero_()
+                c = layer.self_attn.kv_cache
+                (c.k if row is None else c.k[row]).zero_()
+                (c.v if row is None else c.v[row]).zero_()
 
     def forward(self, x: Tensor, input_pos: Tensor, mask: Tensor | None = None, kv_len: int = 0,
-                block_fns: tuple | None = None) -> Tensor:
+                block_fns: tuple | None = None, rows: Rows | None = None) -> Tensor:
         """`block_fns` = (pre_attention, post_attention) replacements, e.g. compiled versions of
-        Block's own methods, called as fn(layer, ...)."""
+        Block's own methods, called as fn(layer, ...). `rows`: the cache rows of the B sequences."""
         if self.rope_cos is None or self.rope_cos.device != x.device:
             self.setup_rope(self.config.max_positions, x.device)
-        cos = self.rope_cos[input_pos].to(x.dtype)[None, None]  # (1, 1, T, D)
-        sin = self.rope_sin[input_pos].to(x.dtype)[None, None]
+        cos = self.rope_cos[input_pos].to(x.dtype)  # (T, D) or (B, T, D)
+        sin = self.rope_sin[input_pos].to(x.dtype)
+        cos, sin = (cos[None, None], sin[None, None]) if input_pos.dim() == 1 else (cos[:, None], sin[:, None])
         pre, post = block_fns or (Block.pre_attention, Block.post_attention)
         with sdpa_kernel(SDPA_BACKENDS):
             for layer in self.layers:
                 q, k, v = pre(layer, x, cos, sin)
-                x = post(layer, x, layer.self_attn.attend(q, k, v, input_pos, mask, kv_len))
+                x = post(layer, x, layer.self_attn.attend(q, k, v, input_pos, mask, kv_len, rows))
         return self.norm(x)
 
 

@@ -1,0 +1,97 @@
+"""Where the time of a batch goes: N reads (or replies) started together, each stage timed.
+
+    python tools/batch_profile.py [--streams 16] [--workload read|reply|bulk] [--backend compile] [--cprofile]
+
+Full-size random weights, lengths forced as `bench --random-weights` forces them. After a warm-up
+batch, one batch runs with every stage wrapped in a device-synchronised timer (so the total is
+longer than an untimed run's): the batched TTS steps and LLM tokens, the prefills of each stream
+(LLM prompt, TTS text chunks), the codec, and what is left (host work between them). With
+--cprofile, a second batch runs under cProfile (host time by function).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import time
+
+import torch
+
+from minicpm_cli import bench as b
+from minicpm_cli.batching import Stream
+from minicpm_cli.pipeline import Synthesizer
+
+
+def wrap(obj, name: str, totals: dict, key: str) -> None:
+    fn = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        totals[key][0] += 1
+        totals[key][1] += time.perf_counter() - t
+        return out
+
+    setattr(obj, name, timed)
+
+
+def batch(synth, workload: str, n: int, opts) -> float:
+    if workload == "bulk":
+        from minicpm_cli.sampling import Sampling
+
+        t = time.perf_counter()
+        for _ in synth.say_many([(line, Sampling(seed=i)) for i, line in enumerate(b.bulk_lines(4 * n))], batch=n,
+                                frames_per_token=b.FORCED_FRAMES_PER_TOKEN):
+            pass
+        return time.perf_counter() - t
+    engine = synth.batch(n)
+    items = b._requests(workload)
+    for k in range(n):
+        engine.submit(Stream(lambda lane, k=k: b._stream(synth, workload, items[k % len(items)], k, opts, lane),
+                             lambda chunk: None))
+    t = time.perf_counter()
+    engine.run()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--workload", default="read")
+    ap.add_argument("--backend", default="compile")
+    ap.add_argument("--cprofile", action="store_true")
+    args = ap.parse_args()
+    opts = b.BenchOptions(backends=(args.backend,), random_weights=True)
+    synth = Synthesizer.load(None, backend=args.backend, random_weights=True, rows=args.streams)
+    batch(synth, args.workload, args.streams, opts)  # warm-up: graphs captured here
+    plain = batch(synth, args.workload, args.streams, opts)
+    totals = collections.defaultdict(lambda: [0, 0.0])
+    wrap(synth.tts, "step_calls", totals, "tts batched step")
+    wrap(synth.tts, "prefill_row", totals, "tts prefill")
+    wrap(synth.tts, "prefill_audio_row", totals, "tts prefill audio")
+    wrap(synth.llm, "decode_rows", totals, "llm batched token")
+    wrap(synth.llm, "forward_row", totals, "llm prefill / single")
+    wrap(synth.codec, "decode", totals, "codec")
+    timed = batch(synth, args.workload, args.streams, opts)
+    print(f"{args.streams} x {args.workload} ({args.backend}, {torch.cuda.get_device_name()}): {plain * 1e3:.0f} ms "
+          f"untimed, {timed * 1e3:.0f} ms with timers")
+    rest = timed
+    for key, (count, secs) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        rest -= secs
+        print(f"  {key:22s} {count:6d} calls {secs * 1e3:8.1f} ms  {secs / count * 1e3:7.3f} ms/call")
+    print(f"  {'rest (host)':22s} {'':6s}       {rest * 1e3:8.1f} ms")
+    if args.cprofile:
+        prof = cProfile.Profile()
+        prof.enable()
+        batch(synth, args.workload, args.streams, opts)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
