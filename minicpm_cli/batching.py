@@ -146,7 +146,9 @@ class Engine:
         with torch.inference_mode():
             if self.llm_prompts:
                 rows = sorted(self.llm_prompts)
-                outs = self.synth.llm.prefill_rows(rows, [self.llm_prompts[r][1] for r in rows])
+                prompts = [self.llm_prompts[r][1] for r in rows]
+                llm = self.synth.llm  # (one prompt alone: exactly the single-stream prefill)
+                outs = llm.prefill_rows(rows, prompts) if len(rows) > 1 else [llm.forward_row(rows[0], prompts[0])]
                 for r, out in zip(rows, outs):
                     self.ready.append((self.llm_prompts.pop(r)[0], out))
             if self.llm_tokens:
