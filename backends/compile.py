@@ -143,6 +143,7 @@ class CompiledLLM(Rows):
         # (a CPU, act-order int4): creating them imports torch._dynamo, seconds of a start
         self.fns = block_fns() if self.triton is None else None
         self.batch_fns = self.fns if self.triton is None else None  # (block_fns(True) once a batch runs)
+        self.compile_batches = True  # int4: its Triton products are not traced by torch.compile
         self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
                         "(Triton decode + CUDA graphs)"
                         if self.triton is not None else f"torch {torch.__version__} (inductor + CUDA graphs)")
@@ -234,7 +235,7 @@ class CompiledLLM(Rows):
         tok, pos, kv = self._batch_inputs(rows, ids, nb)
         kv = _bucket(kv, LLM_BUCKET, self.max_len)
         self.batch_in[:, :nb].copy_(torch.tensor([tok, pos]))
-        if self.batch_fns is None:
+        if self.batch_fns is None and self.compile_batches:
             self.batch_fns = block_fns(dynamic=True)
         logits, hidden = self.graphs.run(("batch", nb, kv), lambda: decode_batch(
             self.model, self.batch_in[0, :nb], self.batch_in[1, :nb], kv, self.slots, self.batch_fns))

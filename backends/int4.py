@@ -110,6 +110,9 @@ def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows:
         m.perm is None for m in model.modules() if isinstance(m, Q4Linear))
     llm = compiled.CompiledLLM(model, max_len, fuse=fuse, rows=rows)
     llm.name = "int4"
+    # batched tokens: the layers as written (their 4-bit products on our kernels) in CUDA graphs;
+    # torch.compile would trace into the kernels' launchers (which it does not take in one graph)
+    llm.compile_batches = False
     return llm
 
 
