@@ -272,6 +272,7 @@ def say(
     --raw get audio chunk by chunk as soon as it is generated. A running `minicpm serve` does the
     work when one answers (the same bytes come out); --local loads the model here.
     """
+    trace.mark("parsed")
     from . import audio
 
     frames = _first_chunk(first_chunk)
@@ -308,6 +309,7 @@ def say(
     try:
         if whole is not None:
             speak(whole, audio.open_sink(output, pcm, speaker.sample_rate, raw), output != "-" and not raw)
+            trace.mark("written")
         elif directory is not None:
             count = 0
             for line in _lines(file):

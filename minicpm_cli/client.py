@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from . import protocol
+from . import protocol, trace
 from .errors import MinicpmError, UsageError
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}  # the aliases --dtype takes
@@ -100,6 +100,7 @@ class Remote:
             raise ServerError(f"the server at {url} went away: {_reason(e)}") from None
         if status != 200:
             _raise(url, status, body)
+        trace.mark("found")
         return cls(base, _json(body), api_key)
 
     def check(self, *, model: str | None, backend: str, device: str, dtype: str, gguf: str | None) -> None:
@@ -172,7 +173,9 @@ class Remote:
         try:
             conn.request("POST", _path(self.url, path), body=json.dumps({k: v for k, v in body.items() if v is not None}),
                          headers=headers)
+            trace.mark("sent")
             resp = conn.getresponse()
+            trace.mark("response")
         except OSError as e:
             conn.close()
             raise ServerError(f"the server at {self.url} went away: {_reason(e)}") from None

@@ -25,6 +25,8 @@ def main() -> None:
 
         trace.mark("start")
         from .cli import main as run
+
+        trace.mark("cli")
     except KeyboardInterrupt:
         sys.exit(130)
     run()

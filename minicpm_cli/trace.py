@@ -1,4 +1,6 @@
-"""Startup phases as JSON lines in $MINICPM_STARTUP_LOG, for `minicpm bench --startup`.
+"""Startup phases as JSON lines in $MINICPM_STARTUP_LOG, for `minicpm bench --startup` and, through a
+server, the thin client's phases for `tools/serve_latency.py` (start, cli imported, options parsed,
+server found, request sent, response headers in, file written).
 
 `mark(event)` notes a moment (wall-clock seconds since the epoch, comparable with the parent's clock),
 `span(name)` the duration of a piece of work (summed by name by the reader). Without the variable both
