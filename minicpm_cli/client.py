@@ -69,14 +69,16 @@ class Remote:
     @classmethod
     def find(cls, url: str | None, explicit: bool) -> "Remote | None":
         """The server at `url`, once it answers as ready (it is waited for while it loads); None when
-        nothing answers there and it was not asked for explicitly, else an error that says why."""
+        nothing answers there and it was not asked for explicitly, else an error that says why. One
+        request a try, `GET /props`: 503 while the model loads (as `/health`), then what is served."""
         if url is None:
             return None
         base = _base(url)
+        api_key = os.environ.get(protocol.API_KEY_ENV) or None
         said = False
         while True:
             try:
-                status, body = _request(base, "GET", "/health", timeout=5.0 if explicit else 1.0)
+                status, body = _request(base, "GET", "/props", api_key=api_key, timeout=5.0 if explicit else 1.0)
             except OSError as e:
                 if explicit:
                     raise UsageError(f"no server answers at {url}: {_reason(e)}") from None
@@ -88,20 +90,15 @@ class Remote:
                     said = True
                 time.sleep(0.5)
                 continue
-            if status == 200 and _json(body).get("status") == "ok":
-                break
+            props = _json(body) if status == 200 else {}
+            if "sample_rate" in props:
+                trace.mark("found")
+                return cls(base, props, api_key)
+            if error.get("code") in ("invalid_api_key", "internal_error"):
+                _raise(url, status, body)  # ours: the key missing or wrong, or a failure
             if explicit:
-                raise UsageError(f"no minicpm server at {url} (GET /health answered {status})")
+                raise UsageError(f"no minicpm server at {url} (GET /props answered {status})")
             return None  # something else listens on the default address: not ours
-        api_key = os.environ.get(protocol.API_KEY_ENV) or None
-        try:
-            status, body = _request(base, "GET", "/props", api_key=api_key)
-        except OSError as e:
-            raise ServerError(f"the server at {url} went away: {_reason(e)}") from None
-        if status != 200:
-            _raise(url, status, body)
-        trace.mark("found")
-        return cls(base, _json(body), api_key)
 
     def check(self, *, model: str | None, backend: str, device: str, dtype: str, gguf: str | None) -> None:
         """Refuse what the server cannot honour: another model, backend, device, dtype or GGUF file

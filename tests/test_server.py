@@ -649,7 +649,8 @@ def value(name: str, i: int) -> float:
 
 
 @contextlib.contextmanager
-def in_process(synth, **loaded):
+def in_process(synth, requests: list | None = None, **loaded):
+    """The server's application over `synth` on a free port; `requests` collects (method, path) of each."""
     import uvicorn
 
     from minicpm_cli import server
@@ -657,7 +658,15 @@ def in_process(synth, **loaded):
     service = server.Service(lambda: server.Loaded(synth, model="fake", backend="fake", device="cpu",
                                                    dtype="float32", **loaded), warm_up=False)
     sock = server.listen("127.0.0.1", 0)
-    srv = uvicorn.Server(uvicorn.Config(server.create_app(service), log_level="critical", lifespan="off"))
+    app = server.create_app(service)
+    if requests is not None:
+        inner = app
+
+        async def app(scope, receive, send):
+            requests.append((scope["method"], scope["path"]))
+            await inner(scope, receive, send)
+
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
     service.start(lambda ld: None, lambda e: None)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -764,3 +773,59 @@ def test_random_weights_force_every_requests_lengths():
         assert json.loads(call(url, "GET", "/props")[2])["forced_lengths"] is None
         assert call(url, "POST", "/v1/audio/reply", {"input": "talk n=2", "max_tokens": 500})[0] == 200
     assert synth.forced == {"talk": None} and synth.max_tokens == {"talk": 500}
+
+
+# -- the thin client against the in-process application ----------------------------------------------
+
+
+def test_say_asks_the_server_one_question_then_speaks(tmp_path):
+    """`say` through a server: one GET /props, then the speech request; the local sinks write its samples."""
+    from minicpm_cli.audio import to_pcm, wav_header
+
+    requests: list = []
+    expected = np.concatenate([np.full(240, value("hello", i), np.float32) for i in range(3)])
+    with in_process(FakeSynth(), requests) as url:
+        p = minicpm("say", "hello n=3", "--server", url, "-o", "-")
+        assert p.returncode == 0, p.stderr.decode()
+        assert p.stdout == wav_header(24000, "s16") + to_pcm(expected, "s16").astype("<i2").tobytes()
+        assert requests == [("GET", "/props"), ("POST", "/v1/audio/speech")]
+        requests.clear()
+        p = minicpm("say", "hello n=3", "--server", url, "--pcm", "f32", "-o", str(tmp_path / "x.wav"))
+        assert p.returncode == 0, p.stderr.decode()
+        assert np.array_equal(sf.read(tmp_path / "x.wav", dtype="float32")[0], expected)
+        assert requests == [("GET", "/props"), ("POST", "/v1/audio/speech")]
+
+
+@contextlib.contextmanager
+def not_minicpm():
+    """Another HTTP server (404 for everything, as a web server on the default port would answer)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"detail": "Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+
+
+def test_a_server_that_is_not_ours(tmp_path):
+    """--server URL of another server is an error that says so; found at MINICPM_SERVER, it is passed by
+    and the model loads here."""
+    out = tmp_path / "x.wav"
+    with not_minicpm() as url:
+        _one_line_error(minicpm("say", "Hi.", "-o", str(out), "--server", url),
+                        f"no minicpm server at {url} (GET /props answered 404)")
+        p = minicpm("say", "Hi.", "--model", str(TINY), "--device", "cpu", "--greedy", "-o", str(out),
+                    env=_env(MINICPM_SERVER=url))
+        assert p.returncode == 0 and sf.info(out).frames > 0, p.stderr.decode()
