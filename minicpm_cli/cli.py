@@ -303,12 +303,15 @@ def say(
     def chunks(t: str, decode: str):
         return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames)
 
-    def speak(t: str, sink, to_file: bool) -> None:
-        _play(chunks(t, "segment" if to_file else "stream"), sink, advance)
+    def speak(t: str, target: str, to_file: bool) -> None:
+        # (the chunks are asked for before the sink is opened: a server starts on them while opening
+        # it loads numpy and libsndfile)
+        stream = chunks(t, "segment" if to_file else "stream")
+        _play(stream, audio.open_sink(target, pcm, speaker.sample_rate, raw), advance)
 
     try:
         if whole is not None:
-            speak(whole, audio.open_sink(output, pcm, speaker.sample_rate, raw), output != "-" and not raw)
+            speak(whole, output, output != "-" and not raw)
             trace.mark("written")
         elif directory is not None:
             count = 0
@@ -316,7 +319,7 @@ def say(
                 if line.strip():
                     count += 1
                     path = str(Path(directory) / f"line-{count:04d}{'.raw' if raw else '.wav'}")
-                    speak(line, audio.open_sink(path, pcm, speaker.sample_rate, raw), not raw)
+                    speak(line, path, not raw)
                     print(path, file=sys.stderr, flush=True)
         else:
             # every line into one stream, each line's chunks as soon as they exist

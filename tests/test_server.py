@@ -796,6 +796,27 @@ def test_say_asks_the_server_one_question_then_speaks(tmp_path):
         assert requests == [("GET", "/props"), ("POST", "/v1/audio/speech")]
 
 
+def test_read_and_reply_send_their_request_before_a_chunk_is_asked_for():
+    """The server works on a request while the command opens its sink (which loads numpy, libsndfile)."""
+    from minicpm_cli.client import Remote
+
+    synth = FakeSynth()
+    with in_process(synth) as url:
+        remote = Remote.find(url, explicit=True)
+        for name, start in (("read", lambda: remote.read("read n=2", greedy=True, seed=None, decode="stream",
+                                                          first_chunk=25)),
+                            ("talk", lambda: remote.reply("talk n=2", greedy=True, seed=None, temperature=0.7,
+                                                          max_tokens=8, first_chunk=25))):
+            chunks = start()
+            end = time.monotonic() + 30
+            while name not in synth.started and time.monotonic() < end:
+                time.sleep(0.01)
+            assert name in synth.started  # (and not one chunk asked for)
+            samples = [c.samples for c in chunks if len(c.samples)]
+            assert np.array_equal(np.concatenate(samples), np.concatenate(
+                [np.full(240, value(name, i), np.float32) for i in range(2)]))
+
+
 @contextlib.contextmanager
 def not_minicpm():
     """Another HTTP server (404 for everything, as a web server on the default port would answer)."""
