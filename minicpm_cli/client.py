@@ -207,7 +207,7 @@ class Remote:
             resp = conn.getresponse()
         except OSError as e:
             raise ServerError(f"the server at {self.url} went away: {_reason(e)}") from None
-        trace.mark("response")
+        trace.mark("response", server_timing=resp.getheader("Server-Timing"))
         if resp.status != 200:
             _raise(self.url, resp.status, resp.read())
         return resp

@@ -775,6 +775,15 @@ def test_random_weights_force_every_requests_lengths():
     assert synth.forced == {"talk": None} and synth.max_tokens == {"talk": 500}
 
 
+def test_speech_says_the_servers_time_to_first_audio():
+    """`Server-Timing: first-chunk;dur=MS` on every speech response, streamed or whole."""
+    with in_process(FakeSynth()) as url:
+        for body in (f32("streamed n=2 delay=0.2"), {"input": "whole n=2 delay=0.2", "response_format": "wav"}):
+            status, headers, _ = call(url, "POST", "/v1/audio/speech", body)
+            name, dur = headers["server-timing"].split(";")
+            assert status == 200 and name == "first-chunk" and 200 <= float(dur.removeprefix("dur=")) < 5000, headers
+
+
 # -- the thin client against the in-process application ----------------------------------------------
 
 
