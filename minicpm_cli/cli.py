@@ -151,6 +151,9 @@ def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: 
 
         remote = Remote.find(*server_url(server))
         if remote is not None:
+            # no model in this process: numpy, imported next, needs none of OpenBLAS's threads (one a
+            # core), whose start took 25-70 ms of numpy's import on the 2-core machine
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
             remote.check(model=model, backend=backend, device=device, dtype=dtype, gguf=gguf)
             if verbose:
                 print(f"minicpm: {remote.describe()}", file=sys.stderr)
