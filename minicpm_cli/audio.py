@@ -17,11 +17,12 @@ import struct
 import sys
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FORMATS = {".wav": "WAV", ".flac": "FLAC"}
 PCM = {"s16": "PCM_16", "f32": "FLOAT"}
@@ -58,6 +59,8 @@ def check_output(path: str, pcm: str, raw: bool = False) -> None:
 
 
 def to_pcm(samples: np.ndarray, pcm: str) -> np.ndarray:
+    import numpy as np  # (here, not at the top: `say` through a server sends its request before numpy loads)
+
     samples = np.asarray(samples, dtype=np.float32)
     if pcm == "f32":
         return samples

@@ -282,7 +282,7 @@ def _one_http(remote, workload: str, item: str, seed: int, opts: BenchOptions) -
         chunks = remote.reply(item, greedy=False, seed=seed, temperature=REPLY_TEMPERATURE,
                               max_tokens=opts.max_tokens, first_chunk=opts.first_chunk)
     ttfa, samples = None, 0
-    for chunk in chunks:  # (the request is sent at the first step)
+    for chunk in chunks:  # (the request went out in read/reply)
         if ttfa is None and len(chunk.samples):
             ttfa = time.perf_counter() - t0
         samples += len(chunk.samples)

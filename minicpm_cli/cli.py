@@ -161,6 +161,9 @@ def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: 
 
         remote = Remote.find(*server_url(server))
         if remote is not None:
+            # no model in this process: numpy, imported next, needs none of OpenBLAS's threads (one a
+            # core), whose start took 25-70 ms of numpy's import on the 2-core machine
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
             remote.check(model=model, backend=backend, device=device, dtype=dtype, gguf=gguf)
             if verbose:
                 print(f"minicpm: {remote.describe()}", file=sys.stderr)
@@ -283,6 +286,7 @@ def say(
     --raw get audio chunk by chunk as soon as it is generated. A running `minicpm serve` does the
     work when one answers (the same bytes come out); --local loads the model here.
     """
+    trace.mark("parsed")
     from . import audio
 
     frames = _first_chunk(first_chunk)
@@ -317,12 +321,16 @@ def say(
     def chunks(t: str, decode: str):
         return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames)
 
-    def speak(t: str, sink, to_file: bool) -> None:
-        _play(chunks(t, "segment" if to_file else "stream"), sink, advance)
+    def speak(t: str, target: str, to_file: bool) -> None:
+        # (the chunks are asked for before the sink is opened: a server starts on them while opening
+        # it loads numpy and libsndfile)
+        stream = chunks(t, "segment" if to_file else "stream")
+        _play(stream, audio.open_sink(target, pcm, speaker.sample_rate, raw), advance)
 
     try:
         if whole is not None:
-            speak(whole, audio.open_sink(output, pcm, speaker.sample_rate, raw), output != "-" and not raw)
+            speak(whole, output, output != "-" and not raw)
+            trace.mark("written")
         elif directory is not None:
             texts = (line for line in _lines(file) if line.strip())
             decode = "stream" if raw else "segment"

@@ -8,13 +8,17 @@ asks the server for `pcm_f32`, the samples exactly as generated: `read` over the
 reply endpoint's server-sent events (text and audio deltas).
 
 Standard library and numpy only: no torch, no model code (the point of a server is that `say`
-starts in milliseconds). Each request is its own connection; closing it (the iterator closed,
-Ctrl-C) is how the server learns to stop that generation.
+starts in milliseconds). `find` asks the server one question, `GET /props` (503 while it loads, then
+what it serves). `read` and `reply` send their request at once, so that the server works while the
+caller gets ready to write (numpy is imported then, and the command opens its sink); the response
+is read as the chunks are asked for. Each request is its own connection; closing it (the iterator
+closed, Ctrl-C) is how the server learns to stop that generation.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -25,12 +29,14 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-import numpy as np
-
-from . import protocol
+from . import protocol, trace
 from .errors import MinicpmError, UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}  # the aliases --dtype takes
 
@@ -70,14 +76,16 @@ class Remote:
     @classmethod
     def find(cls, url: str | None, explicit: bool) -> "Remote | None":
         """The server at `url`, once it answers as ready (it is waited for while it loads); None when
-        nothing answers there and it was not asked for explicitly, else an error that says why."""
+        nothing answers there and it was not asked for explicitly, else an error that says why. One
+        request a try, `GET /props`: 503 while the model loads (as `/health`), then what is served."""
         if url is None:
             return None
         base = _base(url)
+        api_key = os.environ.get(protocol.API_KEY_ENV) or None
         said = False
         while True:
             try:
-                status, body = _request(base, "GET", "/health", timeout=5.0 if explicit else 1.0)
+                status, body = _request(base, "GET", "/props", api_key=api_key, timeout=5.0 if explicit else 1.0)
             except OSError as e:
                 if explicit:
                     raise UsageError(f"no server answers at {url}: {_reason(e)}") from None
@@ -89,19 +97,15 @@ class Remote:
                     said = True
                 time.sleep(0.5)
                 continue
-            if status == 200 and _json(body).get("status") == "ok":
-                break
+            props = _json(body) if status == 200 else {}
+            if "sample_rate" in props:
+                trace.mark("found")
+                return cls(base, props, api_key)
+            if error.get("code") in ("invalid_api_key", "internal_error"):
+                _raise(url, status, body)  # ours: the key missing or wrong, or a failure
             if explicit:
-                raise UsageError(f"no minicpm server at {url} (GET /health answered {status})")
+                raise UsageError(f"no minicpm server at {url} (GET /props answered {status})")
             return None  # something else listens on the default address: not ours
-        api_key = os.environ.get(protocol.API_KEY_ENV) or None
-        try:
-            status, body = _request(base, "GET", "/props", api_key=api_key)
-        except OSError as e:
-            raise ServerError(f"the server at {url} went away: {_reason(e)}") from None
-        if status != 200:
-            _raise(url, status, body)
-        return cls(base, _json(body), api_key)
 
     def check(self, *, model: str | None, backend: str, device: str, dtype: str, gguf: str | None) -> None:
         """Refuse what the server cannot honour: another model, backend, device, dtype or GGUF file
@@ -135,7 +139,14 @@ class Remote:
                 "response_format": "pcm_f32", "greedy": greedy, "seed": seed, "first_chunk": first_chunk}
         if decode == "stream":
             body["stream_format"] = "audio"
-        with self._post("/v1/audio/speech", body) as resp:
+        return _sent(self._samples(body))
+
+    def _samples(self, body: dict) -> Iterator[Chunk]:
+        with self._post("/v1/audio/speech", body) as conn:
+            yield None  # (sent: see _sent)
+            import numpy as np
+
+            resp = self._response(conn)
             pending = b""
             for data in _chunks(resp, self.url):
                 pending += data
@@ -170,8 +181,15 @@ class Remote:
         body = {"model": self.props["model"], "input": message, "voice": protocol.VOICES[0],
                 "response_format": "pcm_f32", "stream_format": "sse", "greedy": greedy, "seed": seed,
                 "temperature": temperature, "max_tokens": max_tokens, "first_chunk": first_chunk}
-        empty = np.zeros(0, dtype=np.float32)
-        with self._post("/v1/audio/reply", body) as resp:
+        return _sent(self._replies(body))
+
+    def _replies(self, body: dict) -> Iterator[Chunk]:
+        with self._post("/v1/audio/reply", body) as conn:
+            yield None  # (sent: see _sent)
+            import numpy as np
+
+            resp = self._response(conn)
+            empty = np.zeros(0, dtype=np.float32)
             for event in _events(resp, self.url):
                 kind = event.get("type")
                 if kind == "reply.audio.delta":
@@ -185,34 +203,40 @@ class Remote:
                     raise ServerError(f"the server at {self.url} failed: {event['error']['message']}")
             raise ServerError(f"the server at {self.url} ended the reply without its done event")
 
-    def _post(self, path: str, body: dict) -> "_Response":
+    @contextlib.contextmanager
+    def _post(self, path: str, body: dict) -> Iterator[http.client.HTTPConnection]:
+        """A connection with the request written to it; leaving the `with` closes it (the server stops there)."""
         conn = _connection(self.url, timeout=None)
         headers = {"Content-Type": "application/json", **_auth(self.api_key)}
         try:
             conn.request("POST", _path(self.url, path), body=json.dumps({k: v for k, v in body.items() if v is not None}),
                          headers=headers)
-            resp = conn.getresponse()
         except OSError as e:
             conn.close()
             raise ServerError(f"the server at {self.url} went away: {_reason(e)}") from None
-        if resp.status != 200:
-            data = resp.read()
+        trace.mark("sent")
+        try:
+            yield conn
+        finally:
             conn.close()
-            _raise(self.url, resp.status, data)
-        return _Response(conn, resp)
+
+    def _response(self, conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+        """The response's status and headers (an error status raised as ours)."""
+        try:
+            resp = conn.getresponse()
+        except OSError as e:
+            raise ServerError(f"the server at {self.url} went away: {_reason(e)}") from None
+        trace.mark("response", server_timing=resp.getheader("Server-Timing"))
+        if resp.status != 200:
+            _raise(self.url, resp.status, resp.read())
+        return resp
 
 
-class _Response:
-    """A response being read; leaving the `with` closes the connection (the server stops there)."""
-
-    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse):
-        self.conn, self.resp = conn, resp
-
-    def __enter__(self) -> http.client.HTTPResponse:
-        return self.resp
-
-    def __exit__(self, *exc) -> None:
-        self.conn.close()
+def _sent(chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    """Run a request's generator up to its first `yield`, where the request has been sent: the server
+    starts on it now, not when the first chunk is asked for."""
+    next(chunks)
+    return chunks
 
 
 def _chunks(resp: http.client.HTTPResponse, url: str) -> Iterator[bytes]:

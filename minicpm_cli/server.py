@@ -330,6 +330,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/audio/speech")
     async def speech(req: SpeechRequest, request: Request):
+        t0 = time.perf_counter()
         ld = loaded()
         fmt = _check_common(req, ld, service)
         if req.speed != 1.0:
@@ -352,6 +353,9 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
 
         job, end = await service.run(request, work)
         first = await _first(job, end)
+        # the server's own time to first audio (the worker's queue and hop included), for clients that
+        # measure theirs (tools/serve_latency.py)
+        timing = {"Server-Timing": f"first-chunk;dur={(time.perf_counter() - t0) * 1e3:.1f}"}
         rate = synth.sample_rate
         if req.stream_format is None and fmt not in protocol.RAW_FORMATS:  # a whole file
             try:
@@ -360,7 +364,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
                 end()
             samples = np.concatenate([c.samples for c in chunks]) if chunks else np.zeros(0, np.float32)
             data = await asyncio.to_thread(encode, samples, fmt, rate)
-            return Response(data, media_type=MEDIA_TYPES[fmt])
+            return Response(data, media_type=MEDIA_TYPES[fmt], headers=timing)
 
         def pieces(chunk) -> bytes:
             usage["output_tokens"] += len(chunk.codes)  # audio frames
@@ -382,7 +386,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
                 finally:
                     end()
 
-            return _event_stream(events())
+            return _event_stream(events(), timing)
 
         async def body():
             try:
@@ -397,7 +401,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
             finally:
                 end()
 
-        return StreamingResponse(body(), media_type=MEDIA_TYPES[fmt])
+        return StreamingResponse(body(), media_type=MEDIA_TYPES[fmt], headers=timing)
 
     @app.post("/v1/audio/reply")
     async def reply(req: ReplyRequest, request: Request):
@@ -524,9 +528,9 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _event_stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+def _event_stream(events: AsyncIterator[bytes], headers: dict | None = None) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
 
 
 def _internal_error(e: BaseException) -> ApiError:

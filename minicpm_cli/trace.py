@@ -1,6 +1,9 @@
-"""Startup phases as JSON lines in $MINICPM_STARTUP_LOG, for `minicpm bench --startup`.
+"""Startup phases as JSON lines in $MINICPM_STARTUP_LOG, for `minicpm bench --startup` and, through a
+server, the thin client's phases for `tools/serve_latency.py` (start, cli imported, options parsed,
+server found, request sent, response headers in, file written).
 
-`mark(event)` notes a moment (wall-clock seconds since the epoch, comparable with the parent's clock),
+`mark(event, **info)` notes a moment (wall-clock seconds since the epoch, comparable with the parent's
+clock; the response's mark carries the server's own time to first audio, its Server-Timing header),
 `span(name)` the duration of a piece of work (summed by name by the reader). Without the variable both
 cost a dictionary lookup; nothing here imports torch.
 """
@@ -22,8 +25,8 @@ def _write(record: dict) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def mark(event: str) -> None:
-    _write({"event": event, "t": time.time()})
+def mark(event: str, **info) -> None:
+    _write({"event": event, "t": time.time(), **info})
 
 
 @contextmanager

@@ -221,6 +221,15 @@ def test_version_and_backends_listing():
     assert "auto (default)" in help_ and "int4:" in help_
 
 
+@pytest.mark.parametrize("code, status, stderr", [("None", 0, ""), ("3", 3, ""), ("'bye'", 1, "bye\n")])
+def test_leaving_without_teardown_keeps_the_status_and_the_output(code, status, stderr):
+    """Without torch the CLI leaves by os._exit (entry._exit): sys.exit's status and everything written."""
+    script = ("import sys\nfrom minicpm_cli.entry import _exit\n"
+              f"sys.stdout.write('out')\nsys.stdout.buffer.write(b' raw')\n_exit({code})\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert (p.returncode, p.stdout, p.stderr.decode()) == (status, b"out raw", stderr)
+
+
 def test_auto_backend_is_eager_on_a_cpu_and_says_so_with_v(tiny_dir, tmp_path):
     out = tmp_path / "x.wav"
     p = run("say", "Hello.", "--model", str(tiny_dir), "--greedy", "--device", "cpu", "-v", "-o", str(out))

@@ -303,11 +303,14 @@ def test_cli_through_the_server_writes_what_local_writes(served, local, tmp_path
 
 def test_the_client_path_imports_no_torch(served, tmp_path):
     out = tmp_path / "x.wav"
-    code = ("import sys, atexit\n"
+    code = ("import os, sys, atexit\n"
             "def check():\n"
             "    bad = [m for m in ('torch', 'minicpm_cli.pipeline', 'minicpm_cli.models') if m in sys.modules]\n"
             "    sys.stderr.write(f'IMPORTED {bad}' if bad else 'CLEAN')\n"
+            "    sys.stderr.flush()\n"
             "atexit.register(check)\n"
+            "leave = os._exit\n"
+            "os._exit = lambda status: (check(), leave(status))  # (without torch the CLI skips the atexit handlers)\n"
             f"sys.argv = ['minicpm', 'say', 'Hi there.', '--model', {str(TINY)!r}, '--greedy', '-o', {str(out)!r}]\n"
             "from minicpm_cli.entry import main\nmain()\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=_env(MINICPM_SERVER=served.url), timeout=120)
@@ -646,7 +649,8 @@ def value(name: str, i: int) -> float:
 
 
 @contextlib.contextmanager
-def in_process(synth, **loaded):
+def in_process(synth, requests: list | None = None, **loaded):
+    """The server's application over `synth` on a free port; `requests` collects (method, path) of each."""
     import uvicorn
 
     from minicpm_cli import server
@@ -654,7 +658,15 @@ def in_process(synth, **loaded):
     service = server.Service(lambda: server.Loaded(synth, model="fake", backend="fake", device="cpu",
                                                    dtype="float32", **loaded), warm_up=False)
     sock = server.listen("127.0.0.1", 0)
-    srv = uvicorn.Server(uvicorn.Config(server.create_app(service), log_level="critical", lifespan="off"))
+    app = server.create_app(service)
+    if requests is not None:
+        inner = app
+
+        async def app(scope, receive, send):
+            requests.append((scope["method"], scope["path"]))
+            await inner(scope, receive, send)
+
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
     service.start(lambda ld: None, lambda e: None)
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -761,3 +773,89 @@ def test_random_weights_force_every_requests_lengths():
         assert json.loads(call(url, "GET", "/props")[2])["forced_lengths"] is None
         assert call(url, "POST", "/v1/audio/reply", {"input": "talk n=2", "max_tokens": 500})[0] == 200
     assert synth.forced == {"talk": None} and synth.max_tokens == {"talk": 500}
+
+
+def test_speech_says_the_servers_time_to_first_audio():
+    """`Server-Timing: first-chunk;dur=MS` on every speech response, streamed or whole."""
+    with in_process(FakeSynth()) as url:
+        for body in (f32("streamed n=2 delay=0.2"), {"input": "whole n=2 delay=0.2", "response_format": "wav"}):
+            status, headers, _ = call(url, "POST", "/v1/audio/speech", body)
+            name, dur = headers["server-timing"].split(";")
+            assert status == 200 and name == "first-chunk" and 200 <= float(dur.removeprefix("dur=")) < 5000, headers
+
+
+# -- the thin client against the in-process application ----------------------------------------------
+
+
+def test_say_asks_the_server_one_question_then_speaks(tmp_path):
+    """`say` through a server: one GET /props, then the speech request; the local sinks write its samples."""
+    from minicpm_cli.audio import to_pcm, wav_header
+
+    requests: list = []
+    expected = np.concatenate([np.full(240, value("hello", i), np.float32) for i in range(3)])
+    with in_process(FakeSynth(), requests) as url:
+        p = minicpm("say", "hello n=3", "--server", url, "-o", "-")
+        assert p.returncode == 0, p.stderr.decode()
+        assert p.stdout == wav_header(24000, "s16") + to_pcm(expected, "s16").astype("<i2").tobytes()
+        assert requests == [("GET", "/props"), ("POST", "/v1/audio/speech")]
+        requests.clear()
+        p = minicpm("say", "hello n=3", "--server", url, "--pcm", "f32", "-o", str(tmp_path / "x.wav"))
+        assert p.returncode == 0, p.stderr.decode()
+        assert np.array_equal(sf.read(tmp_path / "x.wav", dtype="float32")[0], expected)
+        assert requests == [("GET", "/props"), ("POST", "/v1/audio/speech")]
+
+
+def test_read_and_reply_send_their_request_before_a_chunk_is_asked_for():
+    """The server works on a request while the command opens its sink (which loads numpy, libsndfile)."""
+    from minicpm_cli.client import Remote
+
+    synth = FakeSynth()
+    with in_process(synth) as url:
+        remote = Remote.find(url, explicit=True)
+        for name, start in (("read", lambda: remote.read("read n=2", greedy=True, seed=None, decode="stream",
+                                                          first_chunk=25)),
+                            ("talk", lambda: remote.reply("talk n=2", greedy=True, seed=None, temperature=0.7,
+                                                          max_tokens=8, first_chunk=25))):
+            chunks = start()
+            end = time.monotonic() + 30
+            while name not in synth.started and time.monotonic() < end:
+                time.sleep(0.01)
+            assert name in synth.started  # (and not one chunk asked for)
+            samples = [c.samples for c in chunks if len(c.samples)]
+            assert np.array_equal(np.concatenate(samples), np.concatenate(
+                [np.full(240, value(name, i), np.float32) for i in range(2)]))
+
+
+@contextlib.contextmanager
+def not_minicpm():
+    """Another HTTP server (404 for everything, as a web server on the default port would answer)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"detail": "Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+
+
+def test_a_server_that_is_not_ours(tmp_path):
+    """--server URL of another server is an error that says so; found at MINICPM_SERVER, it is passed by
+    and the model loads here."""
+    out = tmp_path / "x.wav"
+    with not_minicpm() as url:
+        _one_line_error(minicpm("say", "Hi.", "-o", str(out), "--server", url),
+                        f"no minicpm server at {url} (GET /props answered 404)")
+        p = minicpm("say", "Hi.", "--model", str(TINY), "--device", "cpu", "--greedy", "-o", str(out),
+                    env=_env(MINICPM_SERVER=url))
+        assert p.returncode == 0 and sf.info(out).frames > 0, p.stderr.decode()
