@@ -417,9 +417,12 @@ def test_features_match_the_whisper_feature_extractor(seconds):
 
 
 def test_features_of_the_reference_are_the_goldens(goldens_voice):
+    """Within float32 rounding: the FFT's summation order depends on the CPU (on an AMD EPYC, 40% of
+    the values moved by up to 6.7e-6 against the goldens; the codes and waveforms downstream are the
+    goldens' all the same, tests above)."""
     ours = log_mel(torch.from_numpy(goldens_voice["ref_a_samples"].copy()), FeatureConfig.from_dir(TINY)).numpy()
-    np.testing.assert_array_equal(ours, goldens_voice["vread_a_slow_audio_features"])
-    np.testing.assert_array_equal(ours, _oracle(goldens_voice["ref_a_samples"]))
+    np.testing.assert_allclose(ours, goldens_voice["vread_a_slow_audio_features"], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ours, _oracle(goldens_voice["ref_a_samples"]), atol=1e-5, rtol=0)
 
 
 # --- gguf: audio embeddings through llama.cpp's embedding batches ---------------------------------
