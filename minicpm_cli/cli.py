@@ -5,6 +5,9 @@ line `minicpm: error: ...` with their exit status; usage mistakes caught by the 
 `MINICPM_DEBUG=1` re-raises for a traceback. Heavy modules (torch, the pipeline) are imported inside
 the commands so that `--help` stays fast.
 
+`--voice REF` is resolved here, before any model is looked for (`voice_store.resolve`: an existing
+file, `default`, else a saved voice); `minicpm voice add|list|rm` manage the saved voices.
+
 `say` and `reply` take their speech from a speaker: the model loaded in this process (`_Local`) or a
 running `minicpm serve` (`client.Remote`, found at MINICPM_SERVER, by default the address `serve`
 uses), both giving chunks of float32 samples that the same sinks write. Through a server nothing
@@ -51,7 +54,7 @@ RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
 ServerOpt = Annotated[Optional[str], typer.Option("--server", help=f"Speak through the minicpm server at URL (an error if none answers) [default: ${protocol.SERVER_ENV}, else {protocol.DEFAULT_URL} when a server answers there].", show_default=False)]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Load the model in this process even if a server is running.")]
-VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of this recording (wav, flac, ogg; 0.5-30 s): the model card's voice cloning. Needs a checkpoint with the audio encoder, and --local while a server runs (the server does not take voices yet). Clone only voices you have the right to use.", show_default=False)]
+VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of a recording (wav, flac, ogg; 0.5-30 s) or of a saved voice (minicpm voice add): an existing file path wins, then a saved name; 'default' is the model's own voice. The model card's voice cloning; needs a checkpoint with the audio encoder, and --local while a server runs (the server does not take voices yet). Clone only voices you have the right to use.", show_default=False)]
 
 
 def _version(value: bool) -> None:
@@ -119,22 +122,23 @@ class _Local:
                                 max_tokens=max_tokens, first_chunk=first_chunk, voice=self.voice)
 
 
-def _voice(path: Optional[str]):
-    """The reference of --voice, read and checked before any model is looked for (no torch)."""
-    if path is None:
-        return None
-    from .voice import Voice
-
-    return Voice.load(path)
-
-
-def _give_voice(ref, speaker) -> None:
-    """Make the speaker speak in `ref` (the model in this process only, for now)."""
+def _voice(ref: Optional[str]):
+    """The voice --voice names (a file or a saved voice), read and checked before any model is looked
+    for (no torch); None for the model's own."""
     if ref is None:
+        return None
+    from .voice_store import resolve
+
+    return resolve(ref)
+
+
+def _give_voice(voice, speaker) -> None:
+    """Make the speaker speak in `voice` (the model in this process only, for now)."""
+    if voice is None:
         return
     if not isinstance(speaker, _Local):
         raise UsageError("the server does not take --voice yet: add --local to clone the voice in this process")
-    speaker.voice = ref
+    speaker.voice = voice
 
 
 def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str], verbose: bool,
@@ -505,6 +509,61 @@ def bench(
     if json_out:
         b.write_json(result, json_out)
     sys.stdout.write(b.table(result))
+
+
+voice_app = typer.Typer(
+    help="Saved voices: recordings kept under a name, for --voice NAME.",
+    no_args_is_help=True,
+)
+app.add_typer(voice_app, name="voice")
+
+
+@voice_app.command("add")
+def voice_add(
+    name: Annotated[str, typer.Argument(help="The voice's name: letters, digits, - and _.", show_default=False)],
+    file: Annotated[str, typer.Argument(help="A recording of the voice (wav, flac, ogg; 0.5-30 s).", show_default=False)],
+    force: Annotated[bool, typer.Option("--force", help="Replace a saved voice of that name.")] = False,
+) -> None:
+    """Save a recording's voice as NAME (its 16 kHz samples, as --voice FILE reads them). Clone only
+    voices you have the right to use."""
+    from .voice_store import VoiceStore
+
+    store = VoiceStore()
+    saved = store.add(name, file, force=force)
+    print(f"minicpm: saved voice '{saved.name}' ({saved.seconds:.1f} s) in {store.root}", file=sys.stderr)
+
+
+@voice_app.command("list")
+def voice_list() -> None:
+    """List the saved voices: name, seconds, when added, what from (a table on stdout)."""
+    from .errors import VoiceError
+    from .voice_store import VoiceStore
+
+    store = VoiceStore()
+    rows = []
+    for name in store.names():
+        try:
+            v = store.get(name)
+        except VoiceError as e:  # (one unreadable file does not hide the others)
+            print(f"minicpm: warning: {e}", file=sys.stderr)
+            continue
+        added = v.added.astimezone().strftime("%Y-%m-%d %H:%M") if v.added else "-"
+        rows.append((v.name, f"{v.seconds:.1f}", added, v.source or "-"))
+    if not rows:
+        print(f"minicpm: no saved voices in {store.root} (minicpm voice add NAME FILE)", file=sys.stderr)
+        return
+    rows.insert(0, ("NAME", "SECONDS", "ADDED", "FROM"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        sys.stdout.write(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}\n")
+
+
+@voice_app.command("rm")
+def voice_rm(name: Annotated[str, typer.Argument(help="The saved voice to remove.", show_default=False)]) -> None:
+    """Remove a saved voice."""
+    from .voice_store import VoiceStore
+
+    VoiceStore().remove(name)
 
 
 @app.command("backends")

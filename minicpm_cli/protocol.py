@@ -12,6 +12,7 @@ SERVER_ENV = "MINICPM_SERVER"  # the server `say`/`reply` look for; empty: never
 API_KEY_ENV = "MINICPM_API_KEY"  # the key `serve` requires and the client sends
 
 VOICES = ("default",)
+DEFAULT_VOICE = VOICES[0]  # the model's own voice: a name no saved voice may take
 # OpenAI's own TTS model names, accepted as the served model so that drop-in clients work unchanged
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
