@@ -54,7 +54,7 @@ RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
 ServerOpt = Annotated[Optional[str], typer.Option("--server", help=f"Speak through the minicpm server at URL (an error if none answers) [default: ${protocol.SERVER_ENV}, else {protocol.DEFAULT_URL} when a server answers there].", show_default=False)]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Load the model in this process even if a server is running.")]
-VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of a recording (wav, flac, ogg; 0.5-30 s) or of a saved voice (minicpm voice add): an existing file path wins, then a saved name; 'default' is the model's own voice. The model card's voice cloning; needs a checkpoint with the audio encoder, and --local while a server runs (the server does not take voices yet). Clone only voices you have the right to use.", show_default=False)]
+VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of a recording (wav, flac, ogg; 0.5-30 s) or of a saved voice (minicpm voice add): an existing file path wins, then a saved name; 'default' is the model's own voice. The model card's voice cloning; needs a checkpoint with the audio encoder. Clone only voices you have the right to use.", show_default=False)]
 
 
 def _version(value: bool) -> None:
@@ -133,12 +133,14 @@ def _voice(ref: Optional[str]):
 
 
 def _give_voice(voice, speaker) -> None:
-    """Make the speaker speak in `voice` (the model in this process only, for now)."""
+    """Make the speaker speak in `voice`: the model here takes it; a server gets its samples with
+    every request."""
     if voice is None:
         return
-    if not isinstance(speaker, _Local):
-        raise UsageError("the server does not take --voice yet: add --local to clone the voice in this process")
-    speaker.voice = voice
+    if isinstance(speaker, _Local):
+        speaker.voice = voice
+    else:
+        speaker.take_voice(voice)
 
 
 def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str], verbose: bool,
@@ -407,8 +409,8 @@ def serve(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
 ) -> None:
     """Load the model once and serve it: an OpenAI-compatible speech API (POST /v1/audio/speech), spoken
-    replies (POST /v1/audio/reply), GET /health. Runs until SIGTERM or Ctrl-C, then finishes the
-    requests in flight and exits 0.
+    replies (POST /v1/audio/reply), saved voices (GET/POST /v1/voices), GET /health. Runs until SIGTERM
+    or Ctrl-C, then finishes the requests in flight and exits 0.
 
     One line on stderr says when it is ready. `say` and `reply` use it when it runs at their default
     address (else set MINICPM_SERVER or give --server URL).
@@ -512,7 +514,7 @@ def bench(
 
 
 voice_app = typer.Typer(
-    help="Saved voices: recordings kept under a name, for --voice NAME.",
+    help="Saved voices: recordings kept under a name, for --voice NAME and a server's voice field.",
     no_args_is_help=True,
 )
 app.add_typer(voice_app, name="voice")
