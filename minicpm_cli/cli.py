@@ -461,8 +461,16 @@ def bench(
     dtype: DtypeOpt = "auto",
     server: Annotated[Optional[str], typer.Option("--server", help="Measure the minicpm server at URL over HTTP (its own model) instead of loading backends here.", show_default=False)] = None,
     startup: Annotated[bool, typer.Option("--startup", help="Time one-shot `say` commands in fresh processes on the checkpoint directory --model DIR, phase by phase, with empty and with filled compilation caches.")] = False,
+    voice: Annotated[Optional[str], typer.Option("--voice", help="Also time voice cloning with this recording: its encoding, and TTFA with the voice cached and as a new file (needs a checkpoint with the audio encoder).", show_default=False)] = None,
 ) -> None:
     """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
+    if voice is not None:
+        if startup or server is not None or random_weights:
+            raise OptionError("--voice times voice cloning on a checkpoint loaded here: not with --startup, --server "
+                              "or --random-weights (random weights have no audio encoder)")
+        from .voice import Voice
+
+        Voice.load(voice)  # (a file that cannot be a voice is refused before anything loads)
     if startup:
         if model is None or random_weights or server is not None:
             raise OptionError("--startup needs --model DIR (a checkpoint directory), without --random-weights or --server")
@@ -506,7 +514,8 @@ def bench(
 
     opts = b.BenchOptions(backends=names, workloads=workloads, runs=runs, warmup=warmup,
                           random_weights=random_weights, model=model, device=device, dtype=dtype,
-                          max_tokens=max_tokens, first_chunk=_first_chunk(first_chunk), gguf=gguf, server=server)
+                          max_tokens=max_tokens, first_chunk=_first_chunk(first_chunk), gguf=gguf, server=server,
+                          voice=voice)
     result = b.run(opts)
     if json_out:
         b.write_json(result, json_out)
