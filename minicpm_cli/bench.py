@@ -8,6 +8,13 @@ the timed pass is not slowed by synchronisation. Load, and warm-up (compilation 
 reported apart from the steady state. With `random_weights` the full-size model is drawn on the
 device and lengths are forced (24 LLM tokens per reply, 10 audio frames per TTS text token).
 
+With `voice` (a recording), each workload is timed in a cloned voice too: the reference's encoding
+(log-mel features, then the audio encoder with its projection and pooling, synchronised, uncached),
+the audio encoder's loading (once, on the first voice), and TTFA with the voice's encoding cached (a
+saved voice used again: a server's steady state) and with a new file (the cache emptied before the
+request, the file's reading and encoding inside the time), beside the default voice's TTFA. A voice
+only changes how a request starts, so those requests are stopped at their first audio.
+
 With `server` (a URL) the same workloads go over HTTP to a running `minicpm serve`, as `say -o -` and
 `reply` send them: TTFA is the time from sending the request to receiving the first audio bytes, RTF
 the time to the response's end over the audio's duration. The server's model is measured whatever
@@ -71,6 +78,7 @@ class BenchOptions:
     server: str | None = None  # measure the minicpm server at this URL instead of loading backends
     concurrency: int | None = None  # streams started together (see `concurrent`)
     bulk_lines: int = BULK_LINES  # lines of the bulk workload
+    voice: str | None = None  # a reference recording: time voice cloning too
 
     def __post_init__(self):
         if self.runs < 1 or self.warmup < 0:
@@ -146,14 +154,15 @@ def _requests(workload: str):
     return READ_TEXTS if workload == "read" else REPLY_PROMPTS
 
 
-def _stream(synth, workload: str, item: str, seed: int, opts: BenchOptions, lane=None):
+def _stream(synth, workload: str, item: str, seed: int, opts: BenchOptions, lane=None, voice=None):
     forced = FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
     sampling = Sampling(seed=seed)
     if workload == "read":
-        return synth.synthesize(item, sampling, frames_per_token=forced, first_chunk=opts.first_chunk, lane=lane)
+        return synth.synthesize(item, sampling, frames_per_token=forced, first_chunk=opts.first_chunk, voice=voice,
+                                lane=lane)
     tokens = FORCED_REPLY_TOKENS if opts.random_weights else opts.max_tokens
     return synth.reply(item, sampling, llm=LLMSampling(temperature=REPLY_TEMPERATURE), max_tokens=tokens,
-                       frames_per_token=forced, first_chunk=opts.first_chunk, lane=lane)
+                       frames_per_token=forced, first_chunk=opts.first_chunk, voice=voice, lane=lane)
 
 
 def bulk_lines(n: int = BULK_LINES) -> list[str]:
@@ -268,10 +277,78 @@ def run(opts: BenchOptions) -> dict:
                 "peak_gpu_gib": (torch.cuda.max_memory_allocated(device) + getattr(synth.llm, "extra_gpu_bytes", 0))
                 / 2**30 if device.type == "cuda" else None,
             })
+            if opts.voice is not None:
+                entry["voice"] = _voice_entry(synth, workload, opts, clock, samples)
             result["results"].append(entry)
         del synth, st
         gc.collect()  # free this backend's model before the next one is measured
     return result
+
+
+def _first_audio(synth, workload: str, item: str, seed: int, opts: BenchOptions, clock: Clock, voice) -> float | None:
+    """TTFA (ms) of one request in `voice` (a Voice, or a file path read inside the time: a new voice);
+    the request is stopped at its first audio (only its start differs from the default voice's)."""
+    from .voice import Voice
+
+    clock.sync()
+    t0 = clock.now()
+    if isinstance(voice, str):
+        voice = Voice.load(voice)
+    chunks = _stream(synth, workload, item, seed, opts, voice=voice)
+    try:
+        for chunk in chunks:
+            if len(chunk.samples):
+                return (clock.now() - t0) * 1e3
+    finally:
+        chunks.close()
+    return None
+
+
+def _voice_entry(synth, workload: str, opts: BenchOptions, clock: Clock, default: list[dict]) -> dict:
+    """The voice's costs for one workload (see the module's docstring); `default`: the workload's
+    samples in the default voice, whose TTFA the voice's is set beside."""
+    from .voice import Voice
+
+    voice = Voice.load(opts.voice)
+    mode, chunked = ("read", True) if workload == "read" else ("reply", False)
+    t = clock.now()
+    loaded = synth._voices is not None
+    enc = synth.voices  # built at the first voice (counted once, with the first workload)
+    clock.sync()
+    load_s = None if loaded else clock.now() - t
+    enc.encode(voice, chunked)  # (first-use costs out of the times)
+    features, encode = [], []
+    for _ in range(opts.runs):
+        clock.sync()
+        t = clock.now()
+        enc.log_mel(voice)
+        clock.sync()
+        features.append((clock.now() - t) * 1e3)
+        t = clock.now()
+        enc.encode(voice, chunked)
+        clock.sync()
+        encode.append((clock.now() - t) * 1e3)
+    for i in range(opts.warmup):
+        for item in _requests(workload):
+            _first_audio(synth, workload, item, 10_000 + i, opts, clock, voice)
+    cached, new = [], []
+    for r in range(opts.runs):
+        for item in _requests(workload):
+            enc.turn(voice, mode)
+            cached.append(_first_audio(synth, workload, item, r, opts, clock, voice))
+            enc.clear()
+            new.append(_first_audio(synth, workload, item, r, opts, clock, opts.voice))
+        _log(f"voice {workload}: run {r + 1}/{opts.runs}")
+
+    def spread(xs):
+        xs = [x for x in xs if x is not None]
+        return {"p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9)}
+
+    return {"file": opts.voice, "seconds": voice.seconds, "prompt_tokens": len(enc.turn(voice, mode).ids),
+            "encoder_load_s": load_s, "features_ms": spread(features), "encode_ms": spread(encode),
+            "ttfa_default_ms": spread([s["ttfa_ms"] for s in default]),
+            "ttfa_cached_ms": spread(cached), "ttfa_new_ms": spread(new),
+            "ttfa_cached_samples_ms": cached, "ttfa_new_samples_ms": new}
 
 
 def _one_http(remote, workload: str, item: str, seed: int, opts: BenchOptions) -> dict:
@@ -520,6 +597,23 @@ def table(result: dict) -> str:
             f"| {e['warmup_s']:.1f} |")
     if result.get("forced_lengths_note"):
         lines += ["", f"Forced lengths: {result['forced_lengths_note']}."]
+    voiced = [e for e in result["results"] if e.get("voice")]
+    if voiced:
+        v = voiced[0]["voice"]
+        lines += ["", f"Voice {v['file']} ({v['seconds']:.2f} s): encode = log-mel features + audio encoder with "
+                      "projection and pooling, uncached; TTFA with the voice's encoding cached, and with a new file "
+                      "(read and encoded inside the time).", "",
+                  "| backend | workload | encoder load (s) | features (ms) | encode p50 / p90 (ms) | voice prompt tokens "
+                  "| TTFA default p50 (ms) | TTFA cached voice p50 / p90 (ms) | TTFA new voice p50 / p90 (ms) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for e in voiced:
+            v = e["voice"]
+            lines.append(
+                f"| {e['backend']} | {e['workload']} | {_f(v['encoder_load_s'], '.2f')} | {_f(v['features_ms']['p50'], '.1f')} "
+                f"| {_f(v['encode_ms']['p50'], '.1f')} / {_f(v['encode_ms']['p90'], '.1f')} | {v['prompt_tokens']} "
+                f"| {_f(v['ttfa_default_ms']['p50'], '.1f')} "
+                f"| {_f(v['ttfa_cached_ms']['p50'], '.1f')} / {_f(v['ttfa_cached_ms']['p90'], '.1f')} "
+                f"| {_f(v['ttfa_new_ms']['p50'], '.1f')} / {_f(v['ttfa_new_ms']['p90'], '.1f')} |")
     return "\n".join(lines) + "\n"
 
 

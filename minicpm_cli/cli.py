@@ -5,6 +5,9 @@ line `minicpm: error: ...` with their exit status; usage mistakes caught by the 
 `MINICPM_DEBUG=1` re-raises for a traceback. Heavy modules (torch, the pipeline) are imported inside
 the commands so that `--help` stays fast.
 
+`--voice REF` is resolved here, before any model is looked for (`voice_store.resolve`: an existing
+file, `default`, else a saved voice); `minicpm voice add|list|rm` manage the saved voices.
+
 `say` and `reply` take their speech from a speaker: the model loaded in this process (`_Local`) or a
 running `minicpm serve` (`client.Remote`, found at MINICPM_SERVER, by default the address `serve`
 uses), both giving chunks of float32 samples that the same sinks write. Through a server nothing
@@ -51,7 +54,7 @@ RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
 ServerOpt = Annotated[Optional[str], typer.Option("--server", help=f"Speak through the minicpm server at URL (an error if none answers) [default: ${protocol.SERVER_ENV}, else {protocol.DEFAULT_URL} when a server answers there].", show_default=False)]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Load the model in this process even if a server is running.")]
-VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of this recording (wav, flac, ogg; 0.5-30 s): the model card's voice cloning. Needs a checkpoint with the audio encoder, and --local while a server runs (the server does not take voices yet). Clone only voices you have the right to use.", show_default=False)]
+VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of a recording (wav, flac, ogg; 0.5-30 s) or of a saved voice (minicpm voice add): an existing file path wins, then a saved name; 'default' is the model's own voice. The model card's voice cloning; needs a checkpoint with the audio encoder. Clone only voices you have the right to use.", show_default=False)]
 
 
 def _version(value: bool) -> None:
@@ -129,22 +132,25 @@ class _Local:
                                 max_tokens=max_tokens, first_chunk=first_chunk, voice=self.voice)
 
 
-def _voice(path: Optional[str]):
-    """The reference of --voice, read and checked before any model is looked for (no torch)."""
-    if path is None:
-        return None
-    from .voice import Voice
-
-    return Voice.load(path)
-
-
-def _give_voice(ref, speaker) -> None:
-    """Make the speaker speak in `ref` (the model in this process only, for now)."""
+def _voice(ref: Optional[str]):
+    """The voice --voice names (a file or a saved voice), read and checked before any model is looked
+    for (no torch); None for the model's own."""
     if ref is None:
+        return None
+    from .voice_store import resolve
+
+    return resolve(ref)
+
+
+def _give_voice(voice, speaker) -> None:
+    """Make the speaker speak in `voice`: the model here takes it; a server gets its samples with
+    every request."""
+    if voice is None:
         return
-    if not isinstance(speaker, _Local):
-        raise UsageError("the server does not take --voice yet: add --local to clone the voice in this process")
-    speaker.voice = ref
+    if isinstance(speaker, _Local):
+        speaker.voice = voice
+    else:
+        speaker.take_voice(voice)
 
 
 def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str], verbose: bool,
@@ -431,8 +437,8 @@ def serve(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
 ) -> None:
     """Load the model once and serve it: an OpenAI-compatible speech API (POST /v1/audio/speech), spoken
-    replies (POST /v1/audio/reply), GET /health. Runs until SIGTERM or Ctrl-C, then finishes the
-    requests in flight and exits 0.
+    replies (POST /v1/audio/reply), saved voices (GET/POST /v1/voices), GET /health. Runs until SIGTERM
+    or Ctrl-C, then finishes the requests in flight and exits 0.
 
     One line on stderr says when it is ready. `say` and `reply` use it when it runs at their default
     address (else set MINICPM_SERVER or give --server URL).
@@ -486,10 +492,18 @@ def bench(
     server: Annotated[Optional[str], typer.Option("--server", help="Measure the minicpm server at URL over HTTP (its own model) instead of loading backends here.", show_default=False)] = None,
     startup: Annotated[bool, typer.Option("--startup", help="Time one-shot `say` commands in fresh processes on the checkpoint directory --model DIR, phase by phase, with empty and with filled compilation caches.")] = False,
     concurrency: Annotated[Optional[int], typer.Option("--concurrency", "-c", help="Start N requests together (one batch of streams, or N at once to --server): per-request TTFA, per-stream RTF and audio seconds per wall second; the bulk workload reads 256 lines with N in flight.", show_default=False)] = None,
+    voice: Annotated[Optional[str], typer.Option("--voice", help="Also time voice cloning with this recording: its encoding, and TTFA with the voice cached and as a new file (needs a checkpoint with the audio encoder).", show_default=False)] = None,
 ) -> None:
     """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
-    if concurrency is not None and (concurrency < 1 or startup):
-        raise OptionError("--concurrency takes a number of streams of at least 1, and not --startup")
+    if concurrency is not None and (concurrency < 1 or startup or voice is not None):
+        raise OptionError("--concurrency takes a number of streams of at least 1, and neither --startup nor --voice")
+    if voice is not None:
+        if startup or server is not None or random_weights:
+            raise OptionError("--voice times voice cloning on a checkpoint loaded here: not with --startup, --server "
+                              "or --random-weights (random weights have no audio encoder)")
+        from .voice import Voice
+
+        Voice.load(voice)  # (a file that cannot be a voice is refused before anything loads)
     if startup:
         if model is None or random_weights or server is not None:
             raise OptionError("--startup needs --model DIR (a checkpoint directory), without --random-weights or --server")
@@ -539,11 +553,66 @@ def bench(
     opts = b.BenchOptions(backends=names, workloads=workloads, runs=runs, warmup=warmup,
                           random_weights=random_weights, model=model, device=device, dtype=dtype,
                           max_tokens=max_tokens, first_chunk=_first_chunk(first_chunk), gguf=gguf, server=server,
-                          concurrency=concurrency)
+                          concurrency=concurrency, voice=voice)
     result = b.run(opts) if concurrency is None else b.concurrent(opts)
     if json_out:
         b.write_json(result, json_out)
     sys.stdout.write(b.table(result) if concurrency is None else b.concurrency_table(result))
+
+
+voice_app = typer.Typer(
+    help="Saved voices: recordings kept under a name, for --voice NAME and a server's voice field.",
+    no_args_is_help=True,
+)
+app.add_typer(voice_app, name="voice")
+
+
+@voice_app.command("add")
+def voice_add(
+    name: Annotated[str, typer.Argument(help="The voice's name: letters, digits, - and _.", show_default=False)],
+    file: Annotated[str, typer.Argument(help="A recording of the voice (wav, flac, ogg; 0.5-30 s).", show_default=False)],
+    force: Annotated[bool, typer.Option("--force", help="Replace a saved voice of that name.")] = False,
+) -> None:
+    """Save a recording's voice as NAME (its 16 kHz samples, as --voice FILE reads them). Clone only
+    voices you have the right to use."""
+    from .voice_store import VoiceStore
+
+    store = VoiceStore()
+    saved = store.add(name, file, force=force)
+    print(f"minicpm: saved voice '{saved.name}' ({saved.seconds:.1f} s) in {store.root}", file=sys.stderr)
+
+
+@voice_app.command("list")
+def voice_list() -> None:
+    """List the saved voices: name, seconds, when added, what from (a table on stdout)."""
+    from .errors import VoiceError
+    from .voice_store import VoiceStore
+
+    store = VoiceStore()
+    rows = []
+    for name in store.names():
+        try:
+            v = store.get(name)
+        except VoiceError as e:  # (one unreadable file does not hide the others)
+            print(f"minicpm: warning: {e}", file=sys.stderr)
+            continue
+        added = v.added.astimezone().strftime("%Y-%m-%d %H:%M") if v.added else "-"
+        rows.append((v.name, f"{v.seconds:.1f}", added, v.source or "-"))
+    if not rows:
+        print(f"minicpm: no saved voices in {store.root} (minicpm voice add NAME FILE)", file=sys.stderr)
+        return
+    rows.insert(0, ("NAME", "SECONDS", "ADDED", "FROM"))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        sys.stdout.write(f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}\n")
+
+
+@voice_app.command("rm")
+def voice_rm(name: Annotated[str, typer.Argument(help="The saved voice to remove.", show_default=False)]) -> None:
+    """Remove a saved voice."""
+    from .voice_store import VoiceStore
+
+    VoiceStore().remove(name)
 
 
 @app.command("backends")

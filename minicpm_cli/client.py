@@ -5,7 +5,10 @@
 write them with the same sinks as when the model runs in-process, and the bytes are the same. It
 asks the server for `pcm_f32`, the samples exactly as generated: `read` over the speech endpoint
 (`stream_format: "audio"` for a streamed decode, none for the per-segment one), `reply` over the
-reply endpoint's server-sent events (text and audio deltas).
+reply endpoint's server-sent events (text and audio deltas). A voice (`--voice FILE` or a saved
+NAME, resolved here) goes along with each request as its samples (`voice_samples`: base64 float32
+16 kHz, exactly what the local path would give the model), so the server needs no copy of it and the
+bytes are the local path's; the server encodes each voice once and keeps the encoding.
 
 Standard library and numpy only: no torch, no model code (the point of a server is that `say`
 starts in milliseconds). `find` asks the server one question, `GET /props` (503 while it loads, then
@@ -70,6 +73,8 @@ class Remote:
     def __init__(self, url: str, props: dict, api_key: str | None):
         self.url, self.props, self.api_key = url, props, api_key
         self.sample_rate = int(props["sample_rate"])
+        self.voice = None  # a voice.Voice: every request speaks in it (see `take_voice`)
+        self._voice_samples: str | None = None
 
     # -- finding one ---------------------------------------------------------------------------
 
@@ -126,6 +131,16 @@ class Remote:
             raise UsageError(f"the server at {self.url} serves {'; '.join(wrong)}: use --local to load "
                              "it in this process, or --server URL for a server that has it")
 
+    def take_voice(self, voice) -> None:
+        """Speak every request in `voice` (a voice.Voice, or None for the model's own), sent as its
+        samples; a server that does not take them is an error, never the default voice instead."""
+        if voice is not None and "voice_samples" not in self.props.get("extensions", ()):
+            raise UsageError(f"the server at {self.url} does not take voices (an older minicpm): add --local to "
+                             "clone the voice in this process")
+        self.voice = voice
+        self._voice_samples = None if voice is None else \
+            base64.b64encode(voice.samples.astype("<f4", copy=False).tobytes()).decode("ascii")
+
     def describe(self) -> str:
         p = self.props
         return f"server {self.url}: backend {p['backend']}, device {p['device']}, model {p['model']}"
@@ -135,8 +150,9 @@ class Remote:
     def read(self, text: str, *, greedy: bool, seed: int | None, decode: str,
              first_chunk: int) -> Iterator[Chunk]:
         """`Synthesizer.synthesize` on the server: decode "stream" (chunk by chunk) or "segment"."""
-        body = {"model": self.props["model"], "input": text, "voice": protocol.VOICES[0],
-                "response_format": "pcm_f32", "greedy": greedy, "seed": seed, "first_chunk": first_chunk}
+        body = {"model": self.props["model"], "input": text, "voice": protocol.DEFAULT_VOICE,
+                "voice_samples": self._voice_samples, "response_format": "pcm_f32", "greedy": greedy, "seed": seed,
+                "first_chunk": first_chunk}
         if decode == "stream":
             body["stream_format"] = "audio"
         return _sent(self._samples(body))
@@ -178,8 +194,9 @@ class Remote:
     def reply(self, message: str, *, greedy: bool, seed: int | None, temperature: float, max_tokens: int,
               first_chunk: int) -> Iterator[Chunk]:
         """`Synthesizer.reply` on the server: audio and the text it speaks, as they are generated."""
-        body = {"model": self.props["model"], "input": message, "voice": protocol.VOICES[0],
-                "response_format": "pcm_f32", "stream_format": "sse", "greedy": greedy, "seed": seed,
+        body = {"model": self.props["model"], "input": message, "voice": protocol.DEFAULT_VOICE,
+                "voice_samples": self._voice_samples, "response_format": "pcm_f32", "stream_format": "sse",
+                "greedy": greedy, "seed": seed,
                 "temperature": temperature, "max_tokens": max_tokens, "first_chunk": first_chunk}
         return _sent(self._replies(body))
 

@@ -10,6 +10,10 @@ recipe: "Clone the voice ...<audio>As an assistant, you will speak using this vo
 attention. The voice then reaches the TTS only through the LLM's hidden state at `<|spk|>`, like
 every speaker vector. The encoder is built by `load_voice_encoder` when a voice is first used.
 
+Turns are kept in a bounded least-recently-used cache keyed by the voice's content hash and the mode,
+so a voice used request after request (a server's saved voices, `--voice` over the lines of
+`say --lines`) is encoded once per mode; `clear()` forgets them (bench, to time a new voice).
+
 This module knows tokens, features and the encoder, not the backends: an LLM stage takes a turn
 through `forward(ids, embeds, embed_at)`.
 """
@@ -23,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .checkpoint import Checkpoint, load_module
-from .errors import CheckpointError
+from .errors import CheckpointError, UsageError
 from .features import FeatureConfig, log_mel, mel_filters
 from .models.audio_encoder import FRAMES_PER_SECOND, AudioEncoder, AudioEncoderConfig, chunk_mask
 from .text import Tokenizers, audio_placeholder, voice_assistant_turn, voice_clone_turn
@@ -31,7 +35,9 @@ from .voice import Voice
 
 AUDIO_PREFIXES = ("apm.", "audio_projection_layer.")
 MODES = ("read", "reply")
-CACHED_VOICES = 4  # encodings kept, so a voice used request after request is encoded once
+# Turns kept (a voice has one per mode). A turn holds (k, llm_dim) embeddings, k <= 750: at most
+# 5.4 MB each for the 7B in bfloat16, so 32 cost at most ~170 MB of device memory.
+CACHED_TURNS = 32
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ class VoiceEncoder:
         weight = model.apm.conv1.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.filters = mel_filters(features, self.device)
-        self._cache: OrderedDict[tuple[str, bool], Tensor] = OrderedDict()
+        self._turns: OrderedDict[tuple[str, str], VoiceTurn] = OrderedDict()
+        self.capacity = CACHED_TURNS
 
     @torch.inference_mode()
     def log_mel(self, voice: Voice) -> Tensor:
@@ -64,18 +71,11 @@ class VoiceEncoder:
 
     @torch.inference_mode()
     def encode(self, voice: Voice, chunked: bool) -> Tensor:
-        """(k, llm_dim) embeddings, one per `pool` encoder frames (1/25 s)."""
-        key = (voice.digest, chunked)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
+        """(k, llm_dim) embeddings, one per `pool` encoder frames (1/25 s): features, the encoder, the
+        projection and pooling, every time (`turn` is what caches)."""
         features = self.log_mel(voice)[None].to(self.dtype)  # (1, n_mels, T)
         frames = (features.shape[-1] - 1) // 2 + 1  # after conv2's stride
-        embeds = self.model(features, self.mask(frames, chunked))[0]
-        self._cache[key] = embeds
-        if len(self._cache) > CACHED_VOICES:
-            self._cache.popitem(last=False)
-        return embeds
+        return self.model(features, self.mask(frames, chunked))[0]
 
     def groups(self, k: int) -> list[int]:
         """Placeholders per 1-s group: the reference's processor writes 25 <unk> a second."""
@@ -83,8 +83,26 @@ class VoiceEncoder:
         return [min(per_second, k - i) for i in range(0, k, per_second)]
 
     def turn(self, voice: Voice, mode: str) -> VoiceTurn:
+        """The turn carrying `voice` in `mode` ("read" or "reply"), from the cache when it holds it."""
         if mode not in MODES:
             raise ValueError(f"unknown voice mode {mode!r} ({', '.join(MODES)})")
+        key = (voice.digest, mode)
+        if key in self._turns:
+            self._turns.move_to_end(key)
+            return self._turns[key]
+        turn = self._make_turn(voice, mode)
+        self._turns[key] = turn
+        while len(self._turns) > self.capacity:
+            self._turns.popitem(last=False)
+        return turn
+
+    def cached(self, voice: Voice, mode: str) -> bool:
+        return (voice.digest, mode) in self._turns
+
+    def clear(self) -> None:
+        self._turns.clear()
+
+    def _make_turn(self, voice: Voice, mode: str) -> VoiceTurn:
         embeds = self.encode(voice, chunked=mode == "read")
         placeholder = audio_placeholder(self.groups(len(embeds)))
         text = voice_clone_turn(placeholder) if mode == "read" else voice_assistant_turn(placeholder)
@@ -100,7 +118,7 @@ def load_voice_encoder(ckpt: Checkpoint, config: dict, tok: Tokenizers, *, devic
                        features: FeatureConfig = FeatureConfig()) -> VoiceEncoder:
     """The audio encoder from the checkpoint's `apm.*` and `audio_projection_layer.*` tensors."""
     if not ckpt.keys("apm."):
-        raise CheckpointError(f"{ckpt.root} has no audio encoder (apm.* tensors): voice cloning needs a "
+        raise UsageError(f"{ckpt.root} has no audio encoder (apm.* tensors): voice cloning needs a "
                               "MiniCPM-o checkpoint that has one, such as openbmb/MiniCPM-o-2_6")
     with torch.device("meta"):
         model = AudioEncoder(AudioEncoderConfig.from_hf(config))

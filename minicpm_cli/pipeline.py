@@ -201,6 +201,11 @@ class Synthesizer:
             self._voices = self._load_voices()
         return self._voices
 
+    @property
+    def rows(self) -> int:
+        """How many streams can be generated at once (the rows of the TTS and LLM caches)."""
+        return min(self.tts.rows, getattr(self.llm, "rows", 1))
+
     def batch(self, rows: int | None = None):
         """An engine that generates up to `rows` streams at once (default: as many as loaded)."""
         from .batching import Engine

@@ -11,7 +11,10 @@ DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 SERVER_ENV = "MINICPM_SERVER"  # the server `say`/`reply` look for; empty: never look
 API_KEY_ENV = "MINICPM_API_KEY"  # the key `serve` requires and the client sends
 
-VOICES = ("default",)
+DEFAULT_VOICE = "default"
+# OpenAI's built-in voice names: a drop-in client sends one of them, and hears the default voice (unless
+# a saved voice has that name)
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
 # OpenAI's own TTS model names, accepted as the served model so that drop-in clients work unchanged
 MODEL_ALIASES = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
@@ -28,8 +31,15 @@ STREAM_FORMATS = ("audio", "sse")
 FRAMES_PER_CALL = 25
 
 # A request's `input` is at most this many characters (about two hours of speech; OpenAI's limit is
-# 4096), its body at most this many bytes (room for the input JSON-escaped): beyond, 413.
+# 4096), its body at most this many bytes (room for the input JSON-escaped) besides `voice_samples`
+# (our extension, the thin client's reference voice: base64 float32 16 kHz samples, at most 30 s =
+# voice.MAX_SECONDS, which a test checks); a voice upload (POST /v1/voices) at most MAX_UPLOAD_BYTES
+# (a 30 s recording in any format: 96 kHz 32-bit stereo WAV is 23 MB). Beyond, 413.
 MAX_INPUT_CHARS = 100_000
 MAX_BODY_BYTES = 2 << 20
+MAX_VOICE_SECONDS = 30
+MAX_VOICE_SAMPLES_CHARS = 4 * -(-MAX_VOICE_SECONDS * 16000 * 4 // 3)  # base64 of the float32 samples
+MAX_VOICE_BODY_BYTES = MAX_BODY_BYTES + MAX_VOICE_SAMPLES_CHARS
+MAX_UPLOAD_BYTES = 32 << 20
 
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (and so `--seed`)

@@ -7,14 +7,22 @@ optional API key. Out, over HTTP:
   file `minicpm say -o FILE` writes (each segment decoded in one call); with `stream_format: "audio"`
   it is what `say -o -` streams (decoded chunk by chunk, sent as generated); `"sse"` carries the same
   bytes in `speech.audio.delta` events, then `speech.audio.done`. Extensions: `seed`, `greedy`,
-  `first_chunk`, and the `pcm_f32` format (the samples as generated, what the thin client asks for).
+  `first_chunk`, the `pcm_f32` format (the samples as generated, what the thin client asks for) and
+  `voice_samples` (a reference voice's 16 kHz float32 samples, base64: what the thin client sends).
 - `POST /v1/audio/reply`: a spoken answer, as `minicpm reply`: server-sent events `reply.text.delta`,
   `reply.audio.delta`, then `reply.done`.
 - `GET /health` (200 once the model is loaded and warm, 503 before), `GET /v1/models`,
-  `GET /v1/audio/voices`, `GET /props` (what is served: model, backend, device, formats, limits).
+  `GET /props` (what is served: model, backend, device, formats, limits), `GET /v1/voices` and
+  `GET /v1/audio/voices` (the voices), `POST /v1/voices` (save one: multipart `name` and `file`).
 
-Errors are OpenAI's error object with their status (400 bad value, 401 key, 404 model or path, 413 too
-large, 422 malformed, 503 loading, 500 our fault, in one line); the server stays up after any of them.
+`voice` names a saved voice (`voice_store`: the same directory `minicpm voice add` writes, read at
+each request); `default` is the model's own voice, and OpenAI's names speak it too unless a saved voice
+has the name. The voices' encodings are kept by the model's voice encoder (an LRU keyed by the
+samples' hash, per read/reply kind), so a saved voice is encoded once.
+
+Errors are OpenAI's error object with their status (400 bad value, 401 key, 403 voice uploads refused,
+404 model or path, 409 voice name taken, 413 too large, 422 malformed, 503 loading, 500 our fault, in
+one line); the server stays up after any of them.
 
 The model is touched by one thread only (`worker.Worker`): requests queue in arrival order and each
 runs its generator there, chunk by chunk, handing chunks to the event loop, which keeps answering
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
 import hmac
 import io
@@ -44,7 +53,7 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -52,7 +61,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import __version__, protocol
 from .audio import to_pcm, wav_header
-from .errors import MinicpmError, UsageError
+from .errors import MinicpmError, UsageError, VoiceError
+from .voice import Voice
+from .voice_store import VoiceExists, VoiceStore, check_name
 from .worker import Job, Worker
 
 # -- what is served ------------------------------------------------------------------------------
@@ -105,13 +116,14 @@ class _AudioRequest(BaseModel):
 
     model: str | None = None
     input: str
-    voice: str | VoiceRef = protocol.VOICES[0]
+    voice: str | VoiceRef = protocol.DEFAULT_VOICE
     response_format: str = "wav"
     stream_format: str | None = None
     # extensions
     seed: int | None = Field(default=None, strict=True)
     greedy: bool = Field(default=False, strict=True)
     first_chunk: int | None = Field(default=None, strict=True)
+    voice_samples: str | None = None  # base64 of float32 little-endian 16 kHz mono samples
 
 
 class SpeechRequest(_AudioRequest):
@@ -188,8 +200,9 @@ def sse(event: dict) -> bytes:
 class Service:
     """The model and its state: loading, then ready (after a warm-up) or failed."""
 
-    def __init__(self, load: Callable[[], Loaded], warm_up: bool = True):
+    def __init__(self, load: Callable[[], Loaded], warm_up: bool = True, store: VoiceStore | None = None):
         self.loaded: Loaded | None = None
+        self.store = store or VoiceStore()
         self.failure: BaseException | None = None
         self.formats = writable_formats()
         self.worker = Worker()
@@ -204,7 +217,7 @@ class Service:
         def start() -> None:
             try:
                 loaded = self._load()
-                engine = loaded.synth.batch() if loaded.synth.tts.rows > 1 else None
+                engine = loaded.synth.batch() if getattr(loaded.synth, "rows", 1) > 1 else None
                 if self._warm_up:
                     warm_up(loaded, engine)
             except BaseException as e:
@@ -221,12 +234,37 @@ class Service:
         ld = self.loaded
         return {"model": ld.model, "path": ld.path, "backend": ld.backend, "device": ld.device,
                 "dtype": ld.dtype, "gguf": ld.gguf, "sample_rate": ld.synth.sample_rate,
-                "voices": list(protocol.VOICES), "version": __version__,
+                "voices": self.voice_names(), "version": __version__,
                 "response_formats": [f for f, why in self.formats.items() if why is None],
-                "limits": {"max_input_chars": protocol.MAX_INPUT_CHARS, "max_body_bytes": protocol.MAX_BODY_BYTES},
+                "limits": {"max_input_chars": protocol.MAX_INPUT_CHARS, "max_body_bytes": protocol.MAX_BODY_BYTES,
+                           "max_voice_body_bytes": protocol.MAX_VOICE_BODY_BYTES,
+                           "max_upload_bytes": protocol.MAX_UPLOAD_BYTES},
+                "extensions": ["voice_samples"],
                 "forced_lengths": None if ld.frames_per_token is None else
                 {"frames_per_token": ld.frames_per_token, "reply_tokens": ld.reply_tokens},
                 "environment": ld.environment}
+
+    def voice_names(self) -> list[str]:
+        return [protocol.DEFAULT_VOICE, *self.store.names()]
+
+    async def voice(self, req: "_AudioRequest") -> Voice | None:
+        """The voice a request asks for (None: the model's own), or a 400 that lists the voices."""
+        name = req.voice if isinstance(req.voice, str) else req.voice.id
+        if req.voice_samples is not None:
+            if name != protocol.DEFAULT_VOICE:
+                raise ApiError(400, f"give voice '{name}' or voice_samples, not both", param="voice_samples")
+            return await asyncio.to_thread(_decode_samples, req.voice_samples)
+        if name == protocol.DEFAULT_VOICE:
+            return None
+        try:
+            if self.store.has(name):
+                return await asyncio.to_thread(self.store.load, name)
+        except VoiceError as e:
+            raise ApiError(400, " ".join(str(e).split()), param="voice") from None
+        if name in protocol.OPENAI_VOICES:
+            return None
+        raise ApiError(400, f"unknown voice '{name}' (voices: {', '.join(self.voice_names())}; OpenAI's names "
+                            "speak the default voice unless a saved voice has the name)", param="voice")
 
     async def run(self, request: Request, work: Callable[[], Iterable]) -> tuple[Job, Callable[[], None]]:
         """Queue `work` (a function returning the request's chunks); returns the job and a function
@@ -278,7 +316,9 @@ def warm_up(ld: Loaded, engine=None) -> None:
 # -- the application -----------------------------------------------------------------------------
 
 
-def create_app(service: Service, api_key: str | None = None) -> FastAPI:
+def create_app(service: Service, api_key: str | None = None, voice_uploads: bool = True) -> FastAPI:
+    """The application. `voice_uploads`: whether POST /v1/voices may save voices (`run` allows it with
+    an API key or on a loopback address only)."""
     app = FastAPI(title="minicpm", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     started = time.time()
 
@@ -324,15 +364,44 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
                                             "owned_by": "minicpm"}]}
 
     @app.get("/v1/audio/voices")
+    async def audio_voices():
+        loaded()
+        return {"voices": service.voice_names()}
+
+    @app.get("/v1/voices")
     async def voices():
         loaded()
-        return {"voices": list(protocol.VOICES)}
+        saved = await asyncio.to_thread(_saved_voices, service.store)
+        shadowed = {v["id"] for v in saved}
+        default = {"id": protocol.DEFAULT_VOICE, "object": "voice", "kind": "builtin",
+                   "aliases": [n for n in protocol.OPENAI_VOICES if n not in shadowed]}
+        return {"object": "list", "data": [default, *saved]}
+
+    @app.post("/v1/voices")
+    async def add_voice(name: str = Form(...), file: UploadFile = File(...), force: bool = Form(False)):
+        loaded()
+        if not voice_uploads:
+            raise ApiError(403, "this server takes no voices over HTTP: one reachable from other machines needs "
+                                "--api-key to accept them", code="voice_uploads_disabled")
+        try:
+            check_name(name)
+        except UsageError as e:
+            raise ApiError(400, " ".join(str(e).split()), param="name") from None
+        data, source = await file.read(), file.filename or "upload"
+        try:
+            saved = await asyncio.to_thread(service.store.add, name, io.BytesIO(data), force=force, source_name=source)
+        except VoiceExists:
+            raise ApiError(409, f"a voice named '{name}' is saved already (force=true replaces it)", param="name",
+                           code="voice_exists") from None
+        except VoiceError as e:
+            raise ApiError(400, " ".join(str(e).split()), param="file") from None
+        return _voice_object(saved)
 
     @app.post("/v1/audio/speech")
     async def speech(req: SpeechRequest, request: Request):
         t0 = time.perf_counter()
         ld = loaded()
-        fmt = _check_common(req, ld, service)
+        fmt = _check_common(req, ld, service, request)
         if req.speed != 1.0:
             raise ApiError(400, f"speed {req.speed} is not supported: only 1.0", param="speed")
         if req.instructions:
@@ -342,6 +411,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         if req.stream_format is not None and fmt not in protocol.STREAMABLE:
             raise ApiError(400, f"{fmt} comes as a whole file: leave stream_format out, or stream "
                                 f"{', '.join(protocol.STREAMABLE)}", param="stream_format")
+        voice = await service.voice(req)
         synth, sampling, frames = ld.synth, _sampling(req), _first_chunk(req)
         decode = "segment" if req.stream_format is None else "stream"
         usage = {"input_tokens": 0, "output_tokens": 0}
@@ -349,7 +419,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         def work(lane):
             usage["input_tokens"] = len(synth.tokenizers.encode_bert(req.input.strip()))
             return synth.synthesize(req.input, sampling, decode=decode, first_chunk=frames,
-                                    frames_per_token=ld.frames_per_token, lane=lane)
+                                    frames_per_token=ld.frames_per_token, voice=voice, lane=lane)
 
         job, end = await service.run(request, work)
         first = await _first(job, end)
@@ -406,7 +476,7 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
     @app.post("/v1/audio/reply")
     async def reply(req: ReplyRequest, request: Request):
         ld = loaded()
-        fmt = _check_common(req, ld, service)
+        fmt = _check_common(req, ld, service, request)
         if req.stream_format not in (None, "sse"):
             raise ApiError(400, "the reply endpoint streams server-sent events: stream_format is sse",
                            param="stream_format")
@@ -420,12 +490,13 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
             raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
         from .llm import LLMSampling
 
+        voice = await service.voice(req)
         synth, sampling, frames = ld.synth, _sampling(req), _first_chunk(req)
         llm = LLMSampling(temperature=req.temperature)
 
         def work(lane):
             return synth.reply(req.input, sampling, llm=llm, max_tokens=ld.reply_tokens or req.max_tokens,
-                               first_chunk=frames, frames_per_token=ld.frames_per_token, lane=lane)
+                               first_chunk=frames, frames_per_token=ld.frames_per_token, voice=voice, lane=lane)
 
         job, end = await service.run(request, work)
         first = await _first(job, end)
@@ -452,20 +523,21 @@ def create_app(service: Service, api_key: str | None = None) -> FastAPI:
         return _event_stream(events())
 
     # (the last added runs first: errors guarded, then the key checked, then the body read)
-    app.add_middleware(_BodyLimit, limit=protocol.MAX_BODY_BYTES)
+    app.add_middleware(_BodyLimit, limit=protocol.MAX_BODY_BYTES, larger=BODY_LIMITS)
     app.add_middleware(_Auth, api_key=api_key)
     app.add_middleware(_Guard)
     return app
 
 
-def _check_common(req: _AudioRequest, ld: Loaded, service: Service) -> str:
-    """Checks shared by speech and reply; returns the response format."""
+def _check_common(req: _AudioRequest, ld: Loaded, service: Service, request: Request) -> str:
+    """Checks shared by speech and reply (the voice apart); returns the response format."""
+    size = request.scope.get(BODY_SIZE, 0) - len(req.voice_samples or "")
+    if size > protocol.MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {protocol.MAX_BODY_BYTES} bytes (voice_samples apart)",
+                       code="request_too_large")
     if req.model is not None and req.model not in (ld.model, *protocol.MODEL_ALIASES):
         raise ApiError(404, f"the model '{req.model}' is not served here (this server serves '{ld.model}')",
                        param="model", code="model_not_found")
-    voice = req.voice if isinstance(req.voice, str) else req.voice.id
-    if voice not in protocol.VOICES:
-        raise ApiError(400, f"unknown voice '{voice}' (voices: {', '.join(protocol.VOICES)})", param="voice")
     if len(req.input) > protocol.MAX_INPUT_CHARS:
         raise ApiError(413, f"the input has {len(req.input)} characters, more than the "
                             f"{protocol.MAX_INPUT_CHARS} a request takes", param="input", code="input_too_long")
@@ -485,6 +557,36 @@ def _check_common(req: _AudioRequest, ld: Loaded, service: Service) -> str:
         raise ApiError(400, f"first_chunk must be between 1 and {protocol.FRAMES_PER_CALL} frames",
                        param="first_chunk")
     return fmt
+
+
+def _decode_samples(text: str) -> Voice:
+    """`voice_samples`: base64 of float32 little-endian 16 kHz mono samples, checked as any reference."""
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "voice_samples is not base64", param="voice_samples") from None
+    if len(data) % 4:
+        raise ApiError(400, "voice_samples is not whole float32 samples (4 bytes each)", param="voice_samples")
+    try:
+        return Voice(np.frombuffer(data, dtype="<f4"), name="voice_samples")
+    except VoiceError as e:
+        raise ApiError(400, " ".join(str(e).split()), param="voice_samples") from None
+
+
+def _voice_object(v) -> dict:
+    """A saved voice (voice_store.SavedVoice) as the voice endpoints show it."""
+    return {"id": v.name, "object": "voice", "kind": "saved", "seconds": round(v.seconds, 3),
+            "created": int(v.added.timestamp()) if v.added else None, "source": v.source or None}
+
+
+def _saved_voices(store: VoiceStore) -> list[dict]:
+    out = []
+    for name in store.names():
+        try:
+            out.append(_voice_object(store.get(name)))
+        except VoiceError:  # (removed meanwhile, or unreadable: not a voice to offer)
+            pass
+    return out
 
 
 def _sampling(req: _AudioRequest):
@@ -587,18 +689,27 @@ class _Guard:
                 await _send_error(send, error)
 
 
-class _BodyLimit:
-    """Reads the whole request body first, answering 413 as soon as it passes `limit` bytes."""
+# Paths whose bodies may be larger than MAX_BODY_BYTES: requests that may carry voice_samples (whose
+# other fields `_check_common` holds to MAX_BODY_BYTES, knowing the size from BODY_SIZE) and uploads.
+BODY_LIMITS = {"/v1/audio/speech": protocol.MAX_VOICE_BODY_BYTES, "/v1/audio/reply": protocol.MAX_VOICE_BODY_BYTES,
+               "/v1/voices": protocol.MAX_UPLOAD_BYTES}
+BODY_SIZE = "minicpm.body_bytes"  # the request's scope key for its body's size
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+
+class _BodyLimit:
+    """Reads the whole request body first, answering 413 as soon as it passes `limit` bytes (the
+    path's own limit in `larger`); the size is left in the scope under BODY_SIZE."""
+
+    def __init__(self, app, limit: int, larger: dict[str, int] | None = None):
+        self.app, self.limit, self.larger = app, limit, larger or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = ApiError(413, f"the request body is larger than {self.limit} bytes", code="request_too_large")
+        limit = self.larger.get(scope["path"], self.limit)
+        too_large = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
+        if length is not None and length.isdigit() and int(length) > limit:
             return await _send_error(send, too_large)
         body = bytearray()
         while True:
@@ -606,10 +717,11 @@ class _BodyLimit:
             if message["type"] != "http.request":
                 return  # the client left before sending its request
             body += message.get("body", b"")
-            if len(body) > self.limit:
+            if len(body) > limit:
                 return await _send_error(send, too_large)
             if not message.get("more_body"):
                 break
+        scope[BODY_SIZE] = len(body)
         replayed = False
 
         async def replay():
@@ -684,7 +796,8 @@ def run(options: ServeOptions, load: Callable[[], Loaded]) -> None:
     sock = listen(options.host, options.port)
     url = url_of(options.host, sock)
     service = Service(load)
-    config = uvicorn.Config(create_app(service, options.api_key), log_level="info" if options.verbose else "warning",
+    uploads = options.api_key is not None or is_loopback(options.host)
+    config = uvicorn.Config(create_app(service, options.api_key, uploads), log_level="info" if options.verbose else "warning",
                             access_log=options.verbose, lifespan="off", timeout_graceful_shutdown=None)
     server = _Server(config)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +19,10 @@ if not torch.cuda.is_available():
 # `say` and `reply` use a server running at the default address: a developer's own `minicpm serve`
 # must not answer the tests (the server tests name theirs explicitly).
 os.environ["MINICPM_SERVER"] = ""
+# Saved voices (`minicpm voice`, a server's voices): never the developer's own; tests that save voices
+# give their commands and servers a directory of their own.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="minicpm-tests-data-")
+atexit.register(shutil.rmtree, os.environ["XDG_DATA_HOME"], ignore_errors=True)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "tiny-minicpmo"

@@ -99,3 +99,52 @@ def test_startup_needs_a_checkpoint_directory():
     p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--startup", "--random-weights"],
                        capture_output=True, timeout=60)
     assert p.returncode == 2 and b"--startup needs --model DIR" in p.stderr
+
+
+def test_bench_voice(voice_dir, tmp_path, monkeypatch):
+    """`bench --voice FILE` on the tiny voice checkpoint (in-process, one short request per workload):
+    the reference's encoding, the encoder's load, TTFA with the voice cached and as a new file beside
+    the default voice's, for read and reply."""
+    from typer.testing import CliRunner
+
+    from minicpm_cli import bench
+    from minicpm_cli.cli import app
+
+    from conftest import FIXTURES
+
+    monkeypatch.setattr(bench, "READ_TEXTS", ("How are you today?",))
+    monkeypatch.setattr(bench, "REPLY_PROMPTS", ("What's your name?",))
+    monkeypatch.setattr(bench, "REPLY_WARMUP", "Hi.")
+    out = tmp_path / "bench.json"
+    ref = str(FIXTURES / "voice_ref_a.wav")
+    r = CliRunner().invoke(app, ["bench", "--model", str(voice_dir), "--device", "cpu", "--runs", "1", "--warmup", "0",
+                                 "--max-tokens", "8", "--backend", "eager", "--voice", ref, "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    table = r.stdout
+    assert f"Voice {ref} (2.37 s)" in table and "| encoder load (s) |" in table
+    voiced = [line for line in table.splitlines() if line.startswith("| eager |") and line.count("|") == 10]
+    assert [line.split("|")[2].strip() for line in voiced] == ["read", "reply"]
+    entries = {e["workload"]: e for e in json.loads(out.read_text())["results"]}
+    read, reply = entries["read"]["voice"], entries["reply"]["voice"]
+    assert read["encoder_load_s"] > 0 and reply["encoder_load_s"] is None  # (loaded once, at the first voice)
+    for v, workload in ((read, "read"), (reply, "reply")):
+        assert v["seconds"] == 2.37 and v["prompt_tokens"] > 59  # (59 audio placeholders, and the turn's words)
+        assert v["features_ms"]["p50"] > 0 and v["encode_ms"]["p50"] > 0
+        n = 1  # (one request, one run: seed 0, a short one on this checkpoint)
+        assert len(v["ttfa_cached_samples_ms"]) == len(v["ttfa_new_samples_ms"]) == n
+        for key in ("ttfa_default_ms", "ttfa_cached_ms", "ttfa_new_ms"):
+            assert 0 < v[key]["p50"] <= v[key]["p90"]
+        assert v["ttfa_default_ms"] == entries[workload]["ttfa_ms"]
+
+
+def test_bench_voice_usage_errors(voice_dir, tmp_path):
+    from conftest import FIXTURES
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    for extra in (["--random-weights"], ["--server", "http://127.0.0.1:1"], ["--startup", "--model", str(voice_dir)]):
+        p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", *extra, "--voice",
+                            str(FIXTURES / "voice_ref_a.wav")], capture_output=True, env=env, timeout=120)
+        assert p.returncode == 2 and b"--voice times voice cloning" in p.stderr, p.stderr.decode()
+    p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--model", str(voice_dir), "--voice",
+                        str(tmp_path / "none.wav")], capture_output=True, env=env, timeout=120)
+    assert p.returncode == 1 and b"none.wav: no such file" in p.stderr and p.stdout == b""

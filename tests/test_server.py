@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -62,9 +63,9 @@ def free_port() -> int:
 class Served:
     """A `minicpm serve` process of the tiny checkpoint; its stderr lines collected as they come."""
 
-    def __init__(self, *args: str, port: int = 0, env: dict | None = None):
+    def __init__(self, *args: str, port: int = 0, env: dict | None = None, model: Path = TINY):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "minicpm_cli", "serve", "--model", str(TINY), "--device", "cpu",
+            [sys.executable, "-m", "minicpm_cli", "serve", "--model", str(model), "--device", "cpu",
              "--dtype", "float32", "--port", str(port), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env or _env())
         self.lines: list[str] = []
@@ -401,8 +402,18 @@ def test_a_client_that_leaves_stops_its_generation(served):
 
 BAD = [
     # (path, body, status, words in the message)
-    ("/v1/audio/speech", {"input": "Hi.", "voice": "alloy"}, 400, ["alloy", "default"]),
+    ("/v1/audio/speech", {"input": "Hi.", "voice": "nobody"}, 400, ["nobody", "voices: default;", "OpenAI"]),
     ("/v1/audio/speech", {"input": "Hi.", "voice": {"id": "voice_1234"}}, 400, ["voice_1234"]),
+    ("/v1/audio/speech", {"input": "Hi.", "voice": "../../etc/passwd"}, 400, ["unknown voice"]),
+    ("/v1/audio/speech", {"input": "Hi.", "voice_samples": "not base64!"}, 400, ["voice_samples", "base64"]),
+    ("/v1/audio/speech", {"input": "Hi.", "voice_samples": "AAAA"}, 400, ["float32"]),
+    ("/v1/audio/speech", {"input": "Hi.", "voice_samples": base64.b64encode(bytes(64000)).decode()}, 400, ["silent"]),
+    ("/v1/audio/speech", {"input": "Hi.", "voice": "echo", "voice_samples": "AAAAAA=="}, 400, ["not both"]),
+    ("/v1/audio/reply", {"input": "Hi.", "voice_samples": base64.b64encode(bytes(4000)).decode()}, 400,
+     ["0.06 s of audio", "at least 0.5 s"]),
+    # (a model without the audio encoder: a voice is a request it cannot serve, not a failure)
+    ("/v1/audio/speech", {"input": "Hi.", "voice_samples": base64.b64encode(
+        (0.5 * np.sin(np.arange(16000) / 5)).astype("<f4").tobytes()).decode()}, 400, ["no audio encoder"]),
     ("/v1/audio/speech", {"input": "Hi.", "response_format": "aac"}, 400, ["aac"]),
     ("/v1/audio/speech", {"input": "Hi.", "speed": 1.5}, 400, ["speed"]),
     ("/v1/audio/speech", {"input": "Hi.", "instructions": "Whisper."}, 400, ["instructions"]),
@@ -441,21 +452,25 @@ def test_bad_requests_get_their_status_and_the_server_stays_up(served):
     conn = http.client.HTTPConnection(host, port, timeout=30)
     conn.putrequest("POST", "/v1/audio/speech")
     conn.putheader("Content-Type", "application/json")
-    conn.putheader("Content-Length", str(protocol.MAX_BODY_BYTES + 1))
+    conn.putheader("Content-Length", str(protocol.MAX_VOICE_BODY_BYTES + 1))
     conn.endheaders()
     resp = conn.getresponse()
     error_of(resp.status, resp.read(), 413)
     conn.close()
     conn = http.client.HTTPConnection(host, port, timeout=30)
     pad = b" " * (64 << 10)
-    conn.request("POST", "/v1/audio/speech", body=iter([pad] * (protocol.MAX_BODY_BYTES // len(pad) + 1)),
+    conn.request("POST", "/v1/audio/speech", body=iter([pad] * (protocol.MAX_VOICE_BODY_BYTES // len(pad) + 1)),
                  headers={"Content-Type": "application/json"}, encode_chunked=True)
     resp = conn.getresponse()
     error_of(resp.status, resp.read(), 413)
     conn.close()
+    # a body over the limit apart from voice_samples (which raise the limit for themselves)
+    status, _, data = call(served.url, "POST", "/v1/audio/speech",
+                           {"input": "Hi.", "pad": "x" * protocol.MAX_BODY_BYTES})
+    assert "voice_samples apart" in error_of(status, data, 413)["message"]
     # the official client sees the same errors
     with pytest.raises(openai.BadRequestError) as e:
-        client(served.url).audio.speech.create(model="tts-1", voice="alloy", input="Hi.")
+        client(served.url).audio.speech.create(model="tts-1", voice="nobody", input="Hi.")
     assert e.value.status_code == 400 and "default" in str(e.value)
     # mp3 and opus: where this libsndfile writes them, else a 400 that says so
     formats = json.loads(call(served.url, "GET", "/props")[2])["response_formats"]
@@ -540,11 +555,12 @@ def test_health_is_503_while_loading(secured):
 
 def test_api_key(secured, local, tmp_path):
     url = secured.url
-    for path in ("/v1/models", "/props", "/v1/audio/voices"):
+    for path in ("/v1/models", "/props", "/v1/audio/voices", "/v1/voices"):
         error_of(*call(url, "GET", path)[::2], 401)
         error_of(*call(url, "GET", path, headers={"Authorization": "Bearer nope"})[::2], 401)
         assert call(url, "GET", path, headers={"Authorization": f"Bearer {KEY}"})[0] == 200
     error_of(*call(url, "POST", "/v1/audio/speech", {"input": "Hi."})[::2], 401)
+    assert upload(url, {"name": "k"}, ("k.wav", REF.read_bytes()))[0] == 401
     assert call(url, "GET", "/health")[0] == 200  # (probes carry no key)
     with pytest.raises(openai.AuthenticationError):
         client(url).audio.speech.create(model="tts-1", voice="default", input="Hi.")
@@ -612,7 +628,7 @@ class FakeChunk:
 
 class FakeSynth:
     """Chunks whose samples say which request and which chunk they are. Text: 'NAME n=N delay=S
-    fail=K' (fail: raise before chunk K)."""
+    fail=K' (fail: raise before chunk K). One stream at a time (no `rows`: the server runs no batch)."""
 
     sample_rate = 24000
     tokenizers = SimpleNamespace(encode_bert=lambda text: text.split())
@@ -622,14 +638,16 @@ class FakeSynth:
         self.produced: dict[str, int] = {}
         self.forced: dict[str, int | None] = {}
         self.max_tokens: dict[str, int] = {}
+        self.voices: dict[str, object] = {}  # the voice each request was given
 
-    def synthesize(self, text, sampling, *, decode, first_chunk, frames_per_token=None):
+    def synthesize(self, text, sampling, *, decode, first_chunk, frames_per_token=None, voice=None, lane=None):
         name, *opts = text.split()
         o = dict(x.split("=") for x in opts)
         n, delay, fail = int(o.get("n", 3)), float(o.get("delay", 0)), int(o.get("fail", -1))
         self.started.append(name)
         self.produced[name] = 0
         self.forced[name] = frames_per_token
+        self.voices[name] = voice
         for i in range(n):
             if i == fail:
                 raise RuntimeError(f"boom in {name}")
@@ -637,10 +655,10 @@ class FakeSynth:
             self.produced[name] += 1
             yield FakeChunk(np.full(240, value(name, i), np.float32), np.zeros((1, 4)))
 
-    def reply(self, message, sampling, *, llm, max_tokens, first_chunk, frames_per_token=None):
+    def reply(self, message, sampling, *, llm, max_tokens, first_chunk, frames_per_token=None, voice=None, lane=None):
         self.max_tokens[message.split()[0]] = max_tokens
         for chunk in self.synthesize(message, sampling, decode="stream", first_chunk=first_chunk,
-                                     frames_per_token=frames_per_token):
+                                     frames_per_token=frames_per_token, voice=voice):
             yield FakeChunk(chunk.samples, chunk.codes, "word ")
 
 
@@ -649,16 +667,16 @@ def value(name: str, i: int) -> float:
 
 
 @contextlib.contextmanager
-def in_process(synth, requests: list | None = None, **loaded):
+def in_process(synth, requests: list | None = None, store=None, voice_uploads: bool = True, **loaded):
     """The server's application over `synth` on a free port; `requests` collects (method, path) of each."""
     import uvicorn
 
     from minicpm_cli import server
 
     service = server.Service(lambda: server.Loaded(synth, model="fake", backend="fake", device="cpu",
-                                                   dtype="float32", **loaded), warm_up=False)
+                                                   dtype="float32", **loaded), warm_up=False, store=store)
     sock = server.listen("127.0.0.1", 0)
-    app = server.create_app(service)
+    app = server.create_app(service, voice_uploads=voice_uploads)
     if requests is not None:
         inner = app
 
@@ -859,3 +877,246 @@ def test_a_server_that_is_not_ours(tmp_path):
         p = minicpm("say", "Hi.", "--model", str(TINY), "--device", "cpu", "--greedy", "-o", str(out),
                     env=_env(MINICPM_SERVER=url))
         assert p.returncode == 0 and sf.info(out).frames > 0, p.stderr.decode()
+
+
+# -- voices ---------------------------------------------------------------------------------------------
+
+REF = ROOT / "tests" / "fixtures" / "voice_ref_a.wav"
+
+
+def _samples_b64(samples: np.ndarray) -> str:
+    return base64.b64encode(np.asarray(samples, "<f4").tobytes()).decode()
+
+
+def _ref_samples() -> np.ndarray:
+    from minicpm_cli.voice import load_reference
+
+    return load_reference(REF)
+
+
+def test_voice_requests_in_process_resolve_names_samples_and_limits(tmp_path):
+    """What reaches the model for each `voice`: a saved voice's samples, the default voice (None) for
+    `default` and OpenAI's names unless one is saved, the thin client's samples; unknown names are a
+    400 that lists the voices. voice_samples of 30 s pass the body limit, other fields do not get to
+    use it."""
+    from minicpm_cli.voice import Voice
+    from minicpm_cli.voice_store import VoiceStore
+
+    store = VoiceStore(tmp_path)
+    store.add("alice", REF)
+    store.save("alloy", Voice(_ref_samples() * 0.5))
+    ref = Voice(_ref_samples())
+    synth = FakeSynth()
+    with in_process(synth, store=store) as url:
+        for text, voice in (("a", "alice"), ("b", "echo"), ("c", "alloy"), ("d", "default"), ("e", {"id": "alice"})):
+            assert call(url, "POST", "/v1/audio/speech", f32(text, voice=voice))[0] == 200
+        assert call(url, "POST", "/v1/audio/speech", f32("f", voice_samples=_samples_b64(ref.samples)))[0] == 200
+        assert call(url, "POST", "/v1/audio/reply", {"input": "g n=1", "voice": "alice"})[0] == 200
+        error = error_of(*call(url, "POST", "/v1/audio/speech", f32("h", voice="bob"))[::2], 400)
+        assert "voices: default, alice, alloy;" in error["message"] and error["param"] == "voice"
+        assert "h" not in synth.started
+        store.add("bob", REF)  # (the directory is read at each request: a voice saved meanwhile is there)
+        assert call(url, "POST", "/v1/audio/speech", f32("h", voice="bob"))[0] == 200
+
+        long = (0.5 * np.sin(np.arange(30 * 16000) / 7)).astype(np.float32)
+        assert call(url, "POST", "/v1/audio/speech", f32("i", voice_samples=_samples_b64(long)))[0] == 200
+        status, _, data = call(url, "POST", "/v1/audio/speech",
+                               f32("j", voice_samples=_samples_b64(long), pad="x" * (protocol.MAX_BODY_BYTES - 100)))
+        error_of(status, data, 413)
+        too_long = np.concatenate([long, long[:16000]])
+        error = error_of(*call(url, "POST", "/v1/audio/speech", f32("k", voice_samples=_samples_b64(too_long)))[::2], 400)
+        assert "31.0 s of audio" in error["message"] and error["param"] == "voice_samples"
+
+        listed = json.loads(call(url, "GET", "/v1/voices")[2])
+        assert [v["id"] for v in listed["data"]] == ["default", "alice", "alloy", "bob"]
+        default, alice = listed["data"][:2]
+        assert default["kind"] == "builtin" and "echo" in default["aliases"] and "alloy" not in default["aliases"]
+        assert alice["kind"] == "saved" and alice["seconds"] == 2.37 and alice["source"] == "voice_ref_a.wav"
+        assert abs(alice["created"] - time.time()) < 600
+        assert json.loads(call(url, "GET", "/v1/audio/voices")[2]) == {"voices": ["default", "alice", "alloy", "bob"]}
+        assert json.loads(call(url, "GET", "/props")[2])["voices"] == ["default", "alice", "alloy", "bob"]
+    v = synth.voices
+    assert v["a"].digest == v["e"].digest == v["f"].digest == v["g"].digest == v["h"].digest == ref.digest
+    assert v["b"] is None and v["d"] is None
+    assert v["c"].digest == Voice(ref.samples * 0.5).digest
+    assert np.array_equal(v["i"].samples, long)
+    assert "j" not in synth.started and "k" not in synth.started
+
+
+def upload(url: str, fields: dict, file: tuple[str, bytes] | None, headers: dict | None = None):
+    """POST /v1/voices as multipart/form-data: (status, the JSON answer)."""
+    boundary = "minicpm-test-boundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    if file is not None:
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{file[0]}"\r\n'
+                     f"Content-Type: application/octet-stream\r\n\r\n".encode() + file[1] + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    status, _, data = call(url, "POST", "/v1/voices", body,
+                           {"Content-Type": f"multipart/form-data; boundary={boundary}", **(headers or {})})
+    return status, json.loads(data)
+
+
+def test_voice_uploads_in_process(tmp_path):
+    """POST /v1/voices: the checks of `minicpm voice add`, 409 for a taken name unless force, and none
+    at all where the server refuses uploads (reachable from other machines without a key)."""
+    from minicpm_cli.voice_store import VoiceStore
+
+    store = VoiceStore(tmp_path / "voices")
+    wav = REF.read_bytes()
+    with in_process(FakeSynth(), store=store) as url:
+        def post(name, data=wav, filename="me.wav", **form):
+            return upload(url, {"name": name, **form}, (filename, data))
+
+        status, body = post("me")
+        assert status == 200 and body == {"id": "me", "object": "voice", "kind": "saved", "seconds": 2.37,
+                                          "created": body["created"], "source": "me.wav"}
+        np.testing.assert_array_equal(store.load("me").samples, _ref_samples())
+        status, body = post("me")
+        assert status == 409 and body["error"]["code"] == "voice_exists" and "force=true" in body["error"]["message"]
+        short = io.BytesIO()
+        sf.write(short, np.full(8000, 0.3, np.float32), 16000, format="WAV", subtype="FLOAT")
+        status, body = post("me", short.getvalue(), force="true", filename="short.wav")
+        assert status == 200 and body["seconds"] == 0.5 and body["source"] == "short.wav"
+        assert len(store.load("me").samples) == 8000
+        for name, data, words in (("x", b"not audio", ["not audio"]), ("x", bytes(200), ["not audio"]),
+                                  ("a/b", wav, ["cannot name"]), ("default", wav, ["model's own voice"])):
+            status, body = post(name, data)
+            assert status == 400 and all(w in body["error"]["message"] for w in words), body
+        assert store.names() == ["me"]
+        status, body = upload(url, {"name": "y"}, None)
+        assert status == 422 and "file" in body["error"]["message"]
+        assert sorted(p.name for p in store.root.iterdir()) == ["me.wav"]  # (nothing else written, no temporary)
+    with in_process(FakeSynth(), store=store, voice_uploads=False) as url:
+        status, body = upload(url, {"name": "z"}, ("z.wav", wav))
+        assert status == 403 and "--api-key" in body["error"]["message"]
+    assert store.names() == ["me"]
+
+
+def test_an_older_server_without_voices_is_an_error_not_the_default_voice():
+    from minicpm_cli.client import Remote
+    from minicpm_cli.errors import UsageError
+    from minicpm_cli.voice import Voice
+
+    remote = Remote("http://127.0.0.1:1", {"sample_rate": 24000, "model": "m"}, None)
+    with pytest.raises(UsageError, match="does not take voices"):
+        remote.take_voice(Voice(_ref_samples()))
+    remote.take_voice(None)  # (no voice asked for: nothing to refuse)
+
+
+# The tiny voice checkpoint served, with saved voices of its own; the commands' results compared with
+# the same commands run with the model in-process.
+VTEXT = "Hello world."
+
+
+@pytest.fixture(scope="module")
+def voice_data(tmp_path_factory):
+    """(the server's XDG_DATA_HOME: alice = REF, alloy = REF at half level; the client's: carol = REF)"""
+    from minicpm_cli.voice import Voice
+    from minicpm_cli.voice_store import VoiceStore
+
+    server_data, client_data = tmp_path_factory.mktemp("server-data"), tmp_path_factory.mktemp("client-data")
+    store = VoiceStore(server_data / "minicpm" / "voices")
+    store.add("alice", REF)
+    store.save("alloy", Voice(_ref_samples() * 0.5))
+    VoiceStore(client_data / "minicpm" / "voices").add("carol", REF)
+    return server_data, client_data
+
+
+@pytest.fixture(scope="module")
+def voiced(voice_dir, voice_data):
+    s = Served(model=voice_dir, env=_env(XDG_DATA_HOME=str(voice_data[0])))
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+VOICE_CASES = {  # (arguments, stdin); each test adds --voice and where to run
+    "file": (["say", VTEXT, "--greedy", "-o", "{dir}/a.wav"], b""),
+    "stdout": (["say", VTEXT, "--seed", "1", "-o", "-"], b""),
+    "reply": (["reply", "What's your name?", "--greedy", "--max-tokens", "12", "-o", "-"], b""),
+}
+
+
+def voice_outcome(case: str, where: list[str], tmp: Path, client_data: Path) -> Outcome:
+    args, stdin = VOICE_CASES[case]
+    d = Path(tempfile.mkdtemp(dir=tmp))
+    p = minicpm(*[a.replace("{dir}", str(d)) for a in args], *where, stdin=stdin,
+                env=_env(XDG_DATA_HOME=str(client_data)))
+    return Outcome(p.returncode, p.stdout, p.stderr.decode().replace(str(d), "{dir}"),
+                   {f.name: f.read_bytes() for f in sorted(d.iterdir())})
+
+
+@pytest.fixture(scope="module")
+def voice_local(voice_dir, voice_data, tmp_path_factory):
+    """What each case writes with the model in-process (--local), for a --voice REF, run once each."""
+    tmp, cache = tmp_path_factory.mktemp("voice-local"), {}
+
+    def get(case: str, ref: str = str(REF)) -> Outcome:
+        if (case, ref) not in cache:
+            where = ["--local", "--model", str(voice_dir), "--device", "cpu", "--voice", ref]
+            cache[case, ref] = voice_outcome(case, where, tmp, voice_data[1])
+            assert cache[case, ref].returncode == 0, cache[case, ref].stderr
+        return cache[case, ref]
+
+    return get
+
+
+def test_say_voice_name_writes_what_voice_file_writes(voice_local):
+    """A saved voice is the samples --voice FILE reads: the same bytes."""
+    by_name, by_file = voice_local("file", "carol"), voice_local("file")
+    assert by_name.files == by_file.files and by_file.files["a.wav"][:4] == b"RIFF"
+
+
+@pytest.mark.parametrize("case", list(VOICE_CASES))
+@pytest.mark.parametrize("ref", ["file", "saved"])
+def test_cli_voice_through_the_server_writes_what_local_writes(voiced, voice_local, voice_data, tmp_path, case, ref):
+    """--voice FILE, and a voice saved on the client's side only (the server has no `carol`): the
+    samples go with the request, and the bytes are the local path's."""
+    remote = voice_outcome(case, ["--server", voiced.url, "--voice", str(REF) if ref == "file" else "carol"],
+                           tmp_path, voice_data[1])
+    here = voice_local(case)
+    assert remote.returncode == 0, remote.stderr
+    assert (remote.stdout, remote.files, remote.stderr) == (here.stdout, here.files, here.stderr)
+
+
+def test_the_voice_field_speaks_saved_voices(voiced, voice_local, local):
+    """voice=alice (saved on the server) is --voice FILE's audio; OpenAI's names speak the default voice
+    (the voice checkpoint without a voice is the base checkpoint: `local`'s bytes), unless saved."""
+    c = client(voiced.url)
+
+    def wav(voice, text=VTEXT, **extra) -> bytes:
+        return c.audio.speech.create(model="tts-1", voice=voice, input=text, response_format="wav",
+                                     extra_body={"greedy": True, **extra}).content
+
+    alice = wav("alice")
+    assert alice == voice_local("file").files["a.wav"]
+    assert wav("echo", TEXT) == wav("default", TEXT) == local("file").files["a.wav"]
+    alloy = wav("alloy")
+    assert alloy != alice and alloy != wav("shimmer")
+    assert alloy == wav("default", voice_samples=_samples_b64(_ref_samples() * 0.5))
+    listed = json.loads(call(voiced.url, "GET", "/v1/voices")[2])
+    assert [v["id"] for v in listed["data"]] == ["default", "alice", "alloy"]
+    with pytest.raises(openai.BadRequestError) as e:
+        wav("carol")
+    assert "voices: default, alice, alloy" in str(e.value)
+
+
+def test_voice_upload_then_speak(voiced, voice_local, voice_data):
+    status, body = upload(voiced.url, {"name": "dave"}, ("dave.wav", REF.read_bytes()))
+    assert status == 200 and body["id"] == "dave", body
+    assert (voice_data[0] / "minicpm" / "voices" / "dave.wav").is_file()
+    status, _, data = call(voiced.url, "POST", "/v1/audio/speech", {"input": VTEXT, "voice": "dave", "greedy": True})
+    assert status == 200 and data == voice_local("file").files["a.wav"]
+    assert json.loads(call(voiced.url, "GET", "/v1/audio/voices")[2])["voices"] == ["default", "alice", "alloy",
+                                                                                     "dave"]
+
+
+def test_protocol_voice_limits_are_the_voice_modules():
+    from minicpm_cli import voice
+
+    assert protocol.MAX_VOICE_SECONDS == voice.MAX_SECONDS
+    longest = base64.b64encode(np.zeros(int(voice.MAX_SECONDS * voice.SAMPLE_RATE), "<f4").tobytes())
+    assert len(longest) == protocol.MAX_VOICE_SAMPLES_CHARS

@@ -13,7 +13,7 @@ import soundfile as sf
 import torch
 
 from minicpm_cli.cloning import AUDIO_PREFIXES
-from minicpm_cli.errors import CheckpointError, UsageError, VoiceError
+from minicpm_cli.errors import UsageError, VoiceError
 from minicpm_cli.features import FeatureConfig, log_mel, mel_filters
 from minicpm_cli.llm import LLMSampling, later_user_turn, reply_pieces
 from minicpm_cli.pipeline import Synthesizer
@@ -232,9 +232,37 @@ def test_a_voice_is_encoded_once_per_mode(voice_ckpt_eager):
     assert calls == [1, 1]
 
 
+def test_turns_are_kept_in_a_bounded_lru(voice_ckpt_eager):
+    """The least recently used turn goes first when the cache is full; `clear` forgets them all."""
+    enc = voice_ckpt_eager.voices
+    calls = []
+    forward, capacity = enc.model.forward, enc.capacity
+    enc.model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        enc.clear()
+        enc.capacity = 2
+        base = Voice.load(REF).samples
+        a, b, c = (Voice(base * f) for f in (0.9, 0.8, 0.7))
+        first = enc.turn(a, "read")
+        enc.turn(b, "read")
+        assert enc.turn(a, "read") is first and len(calls) == 2  # (a is now the most recent)
+        enc.turn(c, "read")  # full: b goes
+        assert len(calls) == 3 and [enc.cached(v, "read") for v in (a, b, c)] == [True, False, True]
+        enc.turn(b, "read")  # encoded again; a goes
+        assert len(calls) == 4 and [enc.cached(v, "read") for v in (a, b, c)] == [False, True, True]
+        enc.clear()
+        assert not enc.cached(c, "read")
+        enc.turn(c, "read")
+        assert len(calls) == 5
+    finally:
+        del enc.model.forward
+        enc.capacity = capacity
+        enc.clear()
+
+
 def test_a_checkpoint_without_an_audio_encoder_refuses_voices(tiny_dir):
     synth = Synthesizer.load(str(tiny_dir), device="cpu", dtype="float32")
-    with pytest.raises(CheckpointError, match="no audio encoder"):
+    with pytest.raises(UsageError, match="no audio encoder"):
         synth.say("Hello world.", Sampling(greedy=True), voice=Voice.load(REF))
 
 
