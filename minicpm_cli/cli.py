@@ -9,10 +9,14 @@ the commands so that `--help` stays fast.
 running `minicpm serve` (`client.Remote`, found at MINICPM_SERVER, by default the address `serve`
 uses), both giving chunks of float32 samples that the same sinks write. Through a server nothing
 imports torch.
+
+`bulk` speaks a file of items, one audio file each (`bulk.py`), in this process or, with --ray, on a
+Ray cluster (`cluster.py`), Ray being imported only then.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -51,6 +55,9 @@ RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
 ServerOpt = Annotated[Optional[str], typer.Option("--server", help=f"Speak through the minicpm server at URL (an error if none answers) [default: ${protocol.SERVER_ENV}, else {protocol.DEFAULT_URL} when a server answers there].", show_default=False)]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Load the model in this process even if a server is running.")]
+RayOpt = Annotated[Optional[str], typer.Option("--ray", help="Run on a Ray cluster: auto (the cluster at $RAY_ADDRESS, else one started on this machine with `ray start --head`, else a local Ray for this command only) or a cluster's ADDRESS (HOST:6379 from one of its nodes, ray://HOST:10001 through Ray Client). Needs pip install 'minicpm-cli[ray]'.", show_default=False)]
+ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", help="With --ray: N model replicas, or MIN-MAX to scale between MIN and MAX with the load [default: as many as the cluster's GPUs hold, 1 without GPUs].", show_default=False)]
+GpusOpt = Annotated[Optional[float], typer.Option("--gpus-per-replica", help="With --ray: GPUs each replica holds (a fraction shares a GPU) [default: 1 where the cluster has GPUs and --device is not cpu, else 0].", show_default=False)]
 VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of this recording (wav, flac, ogg; 0.5-30 s): the model card's voice cloning. Needs a checkpoint with the audio encoder, and --local while a server runs (the server does not take voices yet). Clone only voices you have the right to use.", show_default=False)]
 
 
@@ -386,6 +393,116 @@ def reply(
         sys.stderr.write("\n")
     else:
         Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")
+
+
+def _here(path: Optional[str]) -> Optional[str]:
+    """A path that exists here, made absolute (Ray's workers do not run in this directory); anything
+    else (a hub repo id) as given."""
+    if path is None or not Path(path).expanduser().exists():
+        return path
+    return str(Path(path).expanduser().resolve())
+
+
+def _check_ray(ray_address: Optional[str], replicas: Optional[str], gpus: Optional[float]):
+    """The --ray address checked, --replicas parsed; both replica options need --ray."""
+    if ray_address is None:
+        given = [flag for flag, v in (("--replicas", replicas), ("--gpus-per-replica", gpus)) if v is not None]
+        if given:
+            raise OptionError(f"{' and '.join(given)} need --ray (without it the model runs once, in this process)")
+        return None, None
+    if gpus is not None and gpus < 0:
+        raise OptionError("--gpus-per-replica must be at least 0")
+    from .cluster import check_address, parse_replicas
+
+    try:
+        bounds = None if replicas is None else parse_replicas(replicas)
+    except ValueError:
+        raise OptionError(f"--replicas takes N or MIN-MAX (1 <= MIN <= MAX), not '{replicas}'") from None
+    return check_address(ray_address), bounds
+
+
+@app.command()
+def bulk(
+    input: Annotated[str, typer.Argument(help="The items: a text file (an item each non-empty line), .jsonl or .parquet (a text column; optional id, voice, seed).", show_default=False)],
+    out: Annotated[str, typer.Option("--out", help="Directory for the audio files and manifest.jsonl (made if missing).", show_default=False)],
+    ray_address: RayOpt = None,
+    replicas: ReplicasOpt = None,
+    gpus_per_replica: GpusOpt = None,
+    batch: Annotated[int, typer.Option("--batch", help="Items per batch given to a model.")] = 8,
+    fmt: Annotated[str, typer.Option("--format", help="Audio files: wav or flac (16-bit).")] = "wav",
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    gguf: GgufOpt = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Give each item the seed derived from this one and its id (docs/scale-out.md): its audio is then `say --seed <derived>`'s, wherever it runs [default: a seed drawn for the run].", show_default=False)] = None,
+    greedy: GreedyOpt = False,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    verbose: VerboseOpt = False,
+) -> None:
+    """Speak many texts, one audio file each: DIR/<id>.wav and DIR/manifest.jsonl.
+
+    Items without an id are named line-0001, line-0002, ... as `say --lines --dir` names them. A run
+    skips the items the manifest lists as complete, so running it again after a crash finishes the
+    job. Without --ray the model runs in this process; with --ray, Ray Data runs batches on a pool of
+    model replicas across the cluster (the files are written here).
+    """
+    from . import bulk as b
+
+    if fmt not in b.FORMATS:
+        raise OptionError(f"--format must be wav or flac, not '{fmt}'")
+    if batch < 1:
+        raise OptionError("--batch must be at least 1")
+    _check_sampling(greedy, seed)
+    _check_gguf(backend, gguf)
+    if backend != registry.AUTO:
+        registry.get(backend)
+    address, bounds = _check_ray(ray_address, replicas, gpus_per_replica)
+    if address is not None:
+        from .cluster import require_ray
+
+        require_ray("data")
+    path = Path(input).expanduser()
+    if not path.is_file():
+        raise UsageError(f"no such file: {input}")
+    items = b.plan(b.read_rows(path), fmt=fmt, greedy=greedy, seed=seed, base=path.resolve().parent)
+    if not items:
+        raise UsageError(f"no items in {input}")
+    b.check_voices(items)
+    directory = Path(out).expanduser()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot make the directory {out}: {e.strerror or e}") from None
+    if address is not None:
+        model, gguf = _here(model), _here(gguf)
+    load = functools.partial(_load, model, backend, device, dtype, gguf, verbose)
+    if address is None:
+        def results(pending):
+            return b.in_process(pending, load, batch)
+    else:
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if verbose else (lambda line: None)
+        opts = b.RayOptions(address, bounds, gpus_per_replica)
+
+        def results(pending):
+            return b.on_ray(pending, load, batch, opts, device, say)
+    try:
+        summary = b.run(items, directory, results, progress=sys.stderr.isatty())
+    finally:
+        if address is not None:
+            from .cluster import disconnect
+
+            disconnect()
+    for item_id, error in summary.failed:
+        print(f"minicpm: {item_id}: {error}", file=sys.stderr)
+    if summary.skipped == summary.items:
+        print(f"minicpm: {summary.items} items in {directory}: all {summary.items} already there", file=sys.stderr)
+    else:
+        print(f"minicpm: {summary.items} items in {directory}: {summary.spoken} spoken ({summary.seconds:.1f} s of "
+              f"audio in {summary.elapsed:.1f} s), {summary.skipped} already there"
+              + (f", {len(summary.failed)} failed" if summary.failed else ""), file=sys.stderr)
+    if summary.failed:
+        raise MinicpmError(f"{len(summary.failed)} of {summary.items} items failed (named above); "
+                           f"run the same command again to retry them")
 
 
 @app.command()
