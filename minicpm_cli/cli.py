@@ -10,8 +10,8 @@ running `minicpm serve` (`client.Remote`, found at MINICPM_SERVER, by default th
 uses), both giving chunks of float32 samples that the same sinks write. Through a server nothing
 imports torch.
 
-`bulk` speaks a file of items, one audio file each (`bulk.py`), in this process or, with --ray, on a
-Ray cluster (`cluster.py`), Ray being imported only then.
+`bulk` speaks a file of items, one audio file each (`bulk.py`); `bulk --ray` and `serve --ray` run on a
+Ray cluster (`cluster.py`, `ray_serve.py`), Ray being imported only then.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend g
 ServerOpt = Annotated[Optional[str], typer.Option("--server", help=f"Speak through the minicpm server at URL (an error if none answers) [default: ${protocol.SERVER_ENV}, else {protocol.DEFAULT_URL} when a server answers there].", show_default=False)]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Load the model in this process even if a server is running.")]
 RayOpt = Annotated[Optional[str], typer.Option("--ray", help="Run on a Ray cluster: auto (the cluster at $RAY_ADDRESS, else one started on this machine with `ray start --head`, else a local Ray for this command only) or a cluster's ADDRESS (HOST:6379 from one of its nodes, ray://HOST:10001 through Ray Client). Needs pip install 'minicpm-cli[ray]'.", show_default=False)]
-ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", help="With --ray: N model replicas, or MIN-MAX to scale between MIN and MAX with the load [default: as many as the cluster's GPUs hold, 1 without GPUs].", show_default=False)]
+ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", help="With --ray: N model replicas, or MIN-MAX to scale between MIN and MAX with the load [default: bulk: as many as the cluster's GPUs hold, 1 without GPUs; serve: 1].", show_default=False)]
 GpusOpt = Annotated[Optional[float], typer.Option("--gpus-per-replica", help="With --ray: GPUs each replica holds (a fraction shares a GPU) [default: 1 where the cluster has GPUs and --device is not cpu, else 0].", show_default=False)]
 VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of this recording (wav, flac, ogg; 0.5-30 s): the model card's voice cloning. Needs a checkpoint with the audio encoder, and --local while a server runs (the server does not take voices yet). Clone only voices you have the right to use.", show_default=False)]
 
@@ -505,6 +505,26 @@ def bulk(
                            f"run the same command again to retry them")
 
 
+def _serving(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str],
+             random_weights: bool):
+    """Load what `serve` serves (here, or in a Ray Serve replica): a server.Loaded."""
+    from . import server as srv
+
+    name, model_id = _pick(model, backend, device, gguf)
+    from .bench import FORCED_FRAMES_PER_TOKEN, FORCED_REPLY_TOKENS, environment
+    from .pipeline import Synthesizer
+
+    synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
+                             gguf=gguf, random_weights=random_weights)
+    path = Path(model_id).expanduser()
+    return srv.Loaded(synth, model="random-weights" if random_weights else model_id, backend=name,
+                      device=str(synth.device), dtype=str(synth.tts.dtype).removeprefix("torch."),
+                      path=str(path.resolve()) if path.is_dir() and not random_weights else None, gguf=gguf,
+                      environment=environment(synth.device),
+                      frames_per_token=FORCED_FRAMES_PER_TOKEN if random_weights else None,
+                      reply_tokens=FORCED_REPLY_TOKENS if random_weights else None)
+
+
 @app.command()
 def serve(
     model: ModelOpt = None,
@@ -518,16 +538,21 @@ def serve(
     insecure: Annotated[bool, typer.Option("--insecure", help="Serve a non-loopback --host without an API key.")] = False,
     random_weights: Annotated[bool, typer.Option("--random-weights", help="For speed work (`bench --server`): the full-size model with random weights drawn on the device, no checkpoint; lengths forced as `bench --random-weights` forces them. Its audio is noise.")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
+    ray_address: RayOpt = None,
+    replicas: ReplicasOpt = None,
+    gpus_per_replica: GpusOpt = None,
 ) -> None:
     """Load the model once and serve it: an OpenAI-compatible speech API (POST /v1/audio/speech), spoken
     replies (POST /v1/audio/reply), GET /health. Runs until SIGTERM or Ctrl-C, then finishes the
     requests in flight and exits 0.
 
     One line on stderr says when it is ready. `say` and `reply` use it when it runs at their default
-    address (else set MINICPM_SERVER or give --server URL).
+    address (else set MINICPM_SERVER or give --server URL). With --ray the same application runs on
+    Ray Serve: --replicas model replicas behind Serve's HTTP proxy at --host/--port.
     """
     if not 0 <= port <= 65535:
         raise OptionError("--port must be between 0 and 65535")
+    address, bounds = _check_ray(ray_address, replicas, gpus_per_replica)
     api_key = api_key or None
     from . import server as srv
 
@@ -536,24 +561,23 @@ def serve(
                           f"{protocol.API_KEY_ENV}), or --insecure to serve it without a key")
     _check_gguf(backend, gguf)
     if backend != registry.AUTO:
-        registry.get(backend).check()
+        be = registry.get(backend)
+        if address is None:  # (with --ray, what counts is what the replicas have installed)
+            be.check()
 
-    def load() -> srv.Loaded:
-        name, model_id = _pick(model, backend, device, gguf)
-        from .bench import FORCED_FRAMES_PER_TOKEN, FORCED_REPLY_TOKENS, environment
-        from .pipeline import Synthesizer
+    if address is not None:
+        from . import cluster
 
-        synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
-                                 gguf=gguf, random_weights=random_weights)
-        path = Path(model_id).expanduser()
-        return srv.Loaded(synth, model="random-weights" if random_weights else model_id, backend=name,
-                          device=str(synth.device), dtype=str(synth.tts.dtype).removeprefix("torch."),
-                          path=str(path.resolve()) if path.is_dir() and not random_weights else None, gguf=gguf,
-                          environment=environment(synth.device),
-                          frames_per_token=FORCED_FRAMES_PER_TOKEN if random_weights else None,
-                          reply_tokens=FORCED_REPLY_TOKENS if random_weights else None)
+        cluster.require_ray("serve")
+        from . import ray_serve
 
-    srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose), load)
+        args = ray_serve.ServeArgs(model=_here(model), backend=backend, gguf=_here(gguf), device=device, dtype=dtype,
+                                   random_weights=random_weights, api_key=api_key, replicas=bounds or (1, 1),
+                                   gpus=gpus_per_replica)
+        ray_serve.deploy(args, address=address, host=host, port=port)
+        return
+    srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose),
+            functools.partial(_serving, model, backend, device, dtype, gguf, random_weights))
 
 
 @app.command()

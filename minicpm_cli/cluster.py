@@ -1,8 +1,9 @@
 """Ray, imported only when a command asks for it, and the cluster a command runs on.
 
 `require_ray()` imports Ray (and the parts of it a command names) or raises one error that says which
-extra installs it; nothing else in minicpm imports Ray at module level, so `bulk` without `--ray`,
-`serve` without `--ray` and every other command work without the extra. `connect(address)` joins a
+extra installs it. Nothing imports Ray at module level but `ray_serve`, which only `serve --ray` (and
+Ray Serve itself) imports, so `bulk` and `serve` without `--ray` and every other command work without
+the extra. `connect(address)` joins a
 cluster: `auto` finds one as `ray.init()` does (RAY_ADDRESS, else a cluster started on this machine
 with `ray start --head`, else a new local Ray that ends with the command), any other value is the
 address of a running cluster (`HOST:6379` from one of its nodes, `ray://HOST:10001` through Ray

@@ -1,12 +1,15 @@
-"""Scale-out: `minicpm bulk`, in this process and on Ray Data.
+"""Scale-out: `minicpm bulk` (in this process and on Ray Data) and `minicpm serve --ray` (Ray Serve).
 
 One local Ray cluster (2 CPUs, no GPU) is started here and shared by the module; the commands run as
 users run them, in subprocesses that join it with `--ray ADDRESS`. What must hold: a bulk job on two
 actors writes the files `say --lines --dir` writes, byte for byte; an actor killed mid-job is
 replaced, its batches run again, and every item still has exactly one complete file and one manifest
 line; a second run changes nothing; a run after a crash redoes what the crash lost and only that;
-per-item seeds are `say --seed <derived>`'s. Then the pieces without a cluster: reading items, seeds,
-the batch function over a fake model.
+per-item seeds are `say --seed <derived>`'s. Serve's replicas answer the official `openai` client with
+`minicpm say`'s bytes, concurrently, streamed and whole, behind the API key; a replica killed under
+load fails its requests with an error (never a response cut short that looks whole), and later
+requests succeed. Then the pieces without a cluster: reading items, seeds, the batch function over a
+fake model, Serve's options.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 import soundfile as sf
 
@@ -31,6 +35,8 @@ from minicpm_cli import bulk
 from minicpm_cli.errors import OptionError, UsageError
 
 from conftest import FIXTURES, TINY
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")  # (Ray's own pydantic usage)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--model", str(TINY), "--device", "cpu", "--dtype", "float32"]
@@ -40,6 +46,8 @@ TEXTS = ["Bad again.", "One.", "Left.", "Rock.", "Say tree.", "Say snow.", "Rain
          "Stop again.", "Cold.", "Tree.", "Say salt.", "Fine.", "Moon.", "Say now.", "Rice.", "Say two.",
          "Right again.", "Sand again.", "Go.", "Say moon.", "Left again.", "Say fire.", "Milk.", "Say rain.",
          "Gold.", "Up.", "Two.", "Hot.", "Good again.", "Say ok."]
+LONG = "Red again."  # about 9 s of audio: long enough to be in flight when a replica dies
+KEY = "ray-key"
 BLOCK_RAY = "import sys; sys.modules['ray'] = None\n"  # `import ray` fails: as if the extra were not installed
 
 
@@ -95,9 +103,12 @@ def check_manifest(d: Path, expected: dict[str, str]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster for this module (its address, for `--ray`)."""
+    """A local Ray cluster for this module (its address, for `--ray`). Serve's proxy gets more time to
+    start than its default 5 s: a loaded CI machine takes longer to import it."""
     import ray
 
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     try:
         yield ray.get_runtime_context().gcs_address
@@ -260,8 +271,9 @@ def test_usage_errors_are_one_line_and_write_nothing(tmp_path):
     voiced = tmp_path / "voiced.jsonl"
     voiced.write_text('{"text": "One.", "voice": "missing.wav"}\n')
     one_line_error(minicpm("bulk", str(voiced), "--out", str(out)), "missing.wav")
-    # without the ray extra: one line that says what to install
+    # without the ray extra: one line that says what to install, for bulk and serve alike
     one_line_error(minicpm(*base, "--ray", "auto", prelude=BLOCK_RAY), "pip install 'minicpm-cli[ray]'")
+    one_line_error(minicpm("serve", "--ray", "auto", prelude=BLOCK_RAY), "pip install 'minicpm-cli[ray]'")
     assert not out.exists()
 
 
@@ -362,3 +374,175 @@ def test_the_speaker_maps_a_batch_through_one_function_and_fails_only_the_bad_it
     assert batches == [3, 1, 1, 1]  # the batch failed: each item alone, to find which
     assert list(out["error"]) == ["", "the text has nothing the TTS tokenizer can read", ""]
     assert out["audio"][1] == b"" and len(out["audio"][0]) and len(out["audio"][2])
+
+
+def test_serve_args_and_deployment_options(monkeypatch):
+    from minicpm_cli import ray_serve
+
+    monkeypatch.setenv("MINICPM_API_KEY", "from-env")  # (read by each replica, not put into Serve's config)
+    args = ray_serve.ServeArgs.from_args({"model": "/m", "replicas": "2-6", "device": "cuda"})
+    assert (args.model, args.api_key, args.num_gpus) == ("/m", None, 1)
+    opts = ray_serve.deployment_options(args)
+    assert opts["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
+                                          "target_ongoing_requests": ray_serve.TARGET_ONGOING_REQUESTS}
+    assert "num_replicas" not in opts and opts["ray_actor_options"] == {"num_gpus": 1}
+    fixed = ray_serve.deployment_options(ray_serve.ServeArgs.from_args(
+        {"replicas": 3, "device": "cpu", "api_key": "k", "max_ongoing_requests": "2"}))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_gpus": 0} and fixed["max_ongoing_requests"] == 2
+    assert ray_serve.ServeArgs.from_args({"gpus": "0.5"}).num_gpus == 0.5
+    with pytest.raises(OptionError, match="unknown option.*modle"):
+        ray_serve.ServeArgs.from_args({"modle": "x"})
+    with pytest.raises(OptionError, match="replicas"):
+        ray_serve.ServeArgs.from_args({"replicas": "4-2"})
+
+
+# -- Ray Serve --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def streams(lines, tmp_path_factory):
+    """What `say -o -` streams for each text the Serve tests ask for (one `say --lines -o -` over them,
+    cut where each text's audio ends: a streamed and a whole-file read have the same length)."""
+    _, ref = lines
+    texts = TEXTS[:4] + [LONG]
+    src = tmp_path_factory.mktemp("streams") / "texts.txt"
+    src.write_text("\n".join(texts) + "\n")
+    p = minicpm("say", "--lines", "--greedy", "-o", "-", "-f", str(src), *MODEL)
+    assert p.returncode == 0, p.stderr.decode()
+    head, body = p.stdout[:44], p.stdout[44:]
+    out, at = {}, 0
+    for n, text in enumerate(texts[:4], 1):
+        size = len(ref[f"line-{n:04d}.wav"]) - 44
+        out[text], at = head + body[at : at + size], at + size
+    out[LONG] = head + body[at:]
+    assert len(out[LONG]) > 44 + 24000 * 2 * 5  # (more than 5 s of audio)
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_serve(cluster):
+    """`minicpm serve --ray` with 2 replicas and an API key; its stderr lines as they come."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "serve", "--ray", cluster, "--replicas", "2",
+                             "--port", str(port), "--api-key", KEY, *MODEL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(line.decode() for line in proc.stderr), daemon=True).start()
+    end = time.monotonic() + 300
+    while not any(line.startswith("minicpm: serving ") for line in lines):
+        assert proc.poll() is None and time.monotonic() < end, "".join(lines)
+        time.sleep(0.1)
+    proc.lines, proc.url = lines, f"http://127.0.0.1:{port}"
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def client(url: str, key: str = KEY):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def speak(url: str, text: str, stream: bool) -> bytes:
+    c = client(url)
+    if not stream:
+        return c.audio.speech.create(model="tts-1", voice="default", input=text, response_format="wav",
+                                     extra_body={"greedy": True}).content
+    with c.audio.speech.with_streaming_response.create(model="tts-1", voice="default", input=text,
+                                                       response_format="wav", stream_format="audio",
+                                                       extra_body={"greedy": True}) as r:
+        assert r.status_code == 200
+        return b"".join(r.iter_bytes())
+
+
+def test_serve_on_ray_answers_eight_concurrent_openai_requests_with_says_bytes(on_serve, lines, streams, tmp_path):
+    _, ref = lines
+    ready = [line for line in on_serve.lines if line.startswith("minicpm: serving ")]
+    assert ready == [f"minicpm: serving {TINY} (eager, cpu) at {on_serve.url} on Ray Serve (2 replicas, 0 GPUs each)\n"]
+    jobs = [(n, stream) for n in range(1, 5) for stream in (False, True)]
+    results: dict = {}
+    barrier = threading.Barrier(len(jobs))
+
+    def ask(job):
+        n, stream = job
+        barrier.wait()
+        results[job] = speak(on_serve.url, TEXTS[n - 1], stream)
+
+    threads = [threading.Thread(target=ask, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(results) == sorted(jobs)
+    for (n, stream), data in results.items():
+        assert data == (streams[TEXTS[n - 1]] if stream else ref[f"line-{n:04d}.wav"]), (n, stream)
+    # the key holds behind Serve's proxy; `say --server` (the thin client) works through it too
+    with pytest.raises(openai.AuthenticationError):
+        client(on_serve.url, "wrong").audio.speech.create(model="tts-1", voice="default", input="Hi.")
+    out = tmp_path / "x.wav"
+    p = minicpm("say", TEXTS[0], "--greedy", "-o", str(out), "--server", on_serve.url, env=_env(MINICPM_API_KEY=KEY))
+    assert p.returncode == 0, p.stderr.decode()
+    assert out.read_bytes() == ref["line-0001.wav"]
+
+
+def test_a_replica_killed_under_load_fails_its_requests_loudly_and_later_ones_succeed(on_serve, lines, streams):
+    """Six long streams over two replicas; once audio flows, one replica is killed. Each stream either
+    ends whole, with `say`'s bytes, or fails with an error: none ends early as if it were complete.
+    Then new requests, streamed and whole, get their bytes."""
+    import ray
+
+    _, ref = lines
+    results: dict[int, object] = {}
+    started = threading.Semaphore(0)
+
+    def ask(i: int):
+        try:
+            c = client(on_serve.url)
+            with c.audio.speech.with_streaming_response.create(model="tts-1", voice="default", input=LONG,
+                                                               response_format="wav", stream_format="audio",
+                                                               extra_body={"greedy": True}) as r:
+                parts = []
+                for part in r.iter_bytes():
+                    if not parts:
+                        started.release()
+                    parts.append(part)
+            results[i] = b"".join(parts)
+        except Exception as e:  # (what the client raises is the point: kept and checked below)
+            started.release()
+            results[i] = e
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for _ in range(2):  # (two streams flowing: both replicas are generating)
+        assert started.acquire(timeout=300)
+    replicas = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith("SERVE_REPLICA::minicpm#"))
+    assert len(replicas) == 2, replicas
+    ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(timeout=300)
+    failed = [r for r in results.values() if isinstance(r, Exception)]
+    whole = [r for r in results.values() if not isinstance(r, Exception)]
+    assert len(results) == 6 and failed, results
+    assert all(r == streams[LONG] for r in whole), [len(r) for r in whole]
+    # queued on the replica that died: Serve's 500 (the openai client's default retries resend it);
+    # streaming from it: the chunked body breaks off, which the client's HTTP library raises
+    for e in failed:
+        assert (isinstance(e, openai.APIStatusError) and e.status_code >= 500) \
+            or isinstance(e, openai.APIConnectionError) or "incomplete chunked read" in str(e), repr(e)
+    assert speak(on_serve.url, TEXTS[1], stream=True) == streams[TEXTS[1]]
+    assert speak(on_serve.url, TEXTS[2], stream=False) == ref["line-0003.wav"]
+
+
+def test_sigterm_deletes_the_application(on_serve, cluster):
+    from ray import serve
+
+    on_serve.send_signal(signal.SIGTERM)
+    assert on_serve.wait(timeout=180) == 0, "".join(on_serve.lines)
+    assert "minicpm" not in serve.status().applications
