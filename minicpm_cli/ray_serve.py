@@ -187,7 +187,9 @@ def deploy(args: ServeArgs, *, address: str, host: str, port: int) -> None:
         try:
             handle = serve.run(application(args), name=APP_NAME, route_prefix="/")
         except RuntimeError as e:
-            raise _failure(e) from None
+            report = "\n".join([str(e), *_status_messages()])
+            serve.delete(APP_NAME)  # (a failed application would stay on a cluster we leave)
+            raise _failure(report) from None
         props = handle.props.remote().result()
         low, high = args.replicas
         count = f"{low} replica{'s' * (low > 1)}" if low == high else f"{low}-{high} replicas"
@@ -210,12 +212,19 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _failure(e: RuntimeError) -> MinicpmError:
+def _status_messages() -> list[str]:
+    """What Serve says of the application and its deployments (a replica's traceback, when one failed)."""
+    app = serve.status().applications.get(APP_NAME)
+    if app is None:
+        return []
+    return [app.message, *(d.message for d in app.deployments.values())]
+
+
+def _failure(text: str) -> MinicpmError:
     """A deployment whose replicas could not start, as one line: our own error where a replica raised
-    one (the last such line of Serve's report), else Serve's last line."""
-    text = str(e)
+    one (the last such line of Serve's report), else the report's first line."""
     ours = re.findall(r"minicpm_cli\.errors\.\w+: (.+)", text)
     if ours:
         return MinicpmError(ours[-1].strip())
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return UsageError(f"the replicas did not start: {lines[-1] if lines else 'no reason given'}")
+    return UsageError(f"the replicas did not start: {lines[0] if lines else 'no reason given'}")

@@ -376,6 +376,41 @@ def test_the_speaker_maps_a_batch_through_one_function_and_fails_only_the_bad_it
     assert out["audio"][1] == b"" and len(out["audio"][0]) and len(out["audio"][2])
 
 
+def test_run_writes_what_arrives_shows_progress_and_leaves_failed_items_for_the_next_run(tmp_path, capsys):
+    """bulk.run over results that arrive out of order, one item failing: the others get their files and
+    lines as they arrive, a tqdm bar counts items and audio seconds per second; the failed item gets
+    neither, and the next run asks for it alone."""
+    items = [bulk.Item(f"i{n}", f"Text {n}.", f"i{n}.wav", n) for n in range(5)]
+
+    def results(fail: set[str]):
+        def produce(pending):
+            asked.append([i.id for i in pending])
+            for group in (pending[3:], pending[:3]):  # (a later batch first, as a pool may finish them)
+                cols = bulk._columns(group)
+                audio = np.empty(len(group), dtype=object)
+                audio[:] = [b"" if i.id in fail else fake_audio(i.text, i.seed).tobytes() for i in group]
+                yield {"id": cols["id"], "audio": audio,
+                       "seconds": np.array([0.0 if i.id in fail else len(fake_audio(i.text, i.seed)) / 24000 for i in group]),
+                       "error": np.array(["nothing readable" if i.id in fail else "" for i in group], dtype=object)}
+        return produce
+
+    asked: list[list[str]] = []
+    summary = bulk.run(items, tmp_path, results({"i1"}), progress=True)
+    assert (summary.spoken, summary.skipped, summary.failed) == (4, 0, [("i1", "nothing readable")])
+    assert summary.seconds == pytest.approx(sum(len(fake_audio(i.text, i.seed)) for i in items if i.id != "i1") / 24000)
+    err = capsys.readouterr().err
+    assert "speaking" in err and "5/5" in err and "s audio/s" in err, err
+    assert [e["id"] for e in entries(tmp_path)] == ["i3", "i4", "i0", "i2"]  # (in the order they arrived)
+    assert not (tmp_path / "i1.wav").exists()
+    for e in entries(tmp_path):
+        got, rate = sf.read(tmp_path / e["file"], dtype="int16")
+        item = next(i for i in items if i.id == e["id"])
+        assert rate == 24000 and np.array_equal(got, np.round(fake_audio(item.text, item.seed) * 32767).astype(np.int16))
+    summary = bulk.run(items, tmp_path, results(set()), progress=False)
+    assert asked[-1] == ["i1"] and (summary.spoken, summary.skipped, summary.failed) == (1, 4, [])
+    check_manifest(tmp_path, {i.id: i.text for i in items})
+
+
 def test_serve_args_and_deployment_options(monkeypatch):
     from minicpm_cli import ray_serve
 
@@ -395,6 +430,22 @@ def test_serve_args_and_deployment_options(monkeypatch):
         ray_serve.ServeArgs.from_args({"modle": "x"})
     with pytest.raises(OptionError, match="replicas"):
         ray_serve.ServeArgs.from_args({"replicas": "4-2"})
+
+
+def test_replicas_that_cannot_start_are_one_line():
+    """What Serve reports of a failed deployment becomes our error's one line (the replica's own error
+    where it raised one of ours: `serve --ray --model /no/such/dir` says the directory is not found)."""
+    from minicpm_cli import ray_serve
+    from minicpm_cli.errors import MinicpmError
+
+    report = ("Deploying application minicpm failed: Failed to update the deployments ['Speech'].\n"
+              "The deployment failed to start 3 times in a row.\nTraceback (most recent call last):\n"
+              "  File \"/x/checkpoint.py\", line 40, in resolve\n"
+              "minicpm_cli.errors.ModelNotFound: model directory not found: /no/such/dir\n")
+    e = ray_serve._failure(report)
+    assert isinstance(e, MinicpmError) and str(e) == "model directory not found: /no/such/dir"
+    e = ray_serve._failure("Deploying application minicpm failed: out of resources\nmore detail\n")
+    assert str(e) == "the replicas did not start: Deploying application minicpm failed: out of resources"
 
 
 # -- Ray Serve --------------------------------------------------------------------------------------
