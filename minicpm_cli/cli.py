@@ -12,10 +12,14 @@ file, `default`, else a saved voice); `minicpm voice add|list|rm` manage the sav
 running `minicpm serve` (`client.Remote`, found at MINICPM_SERVER, by default the address `serve`
 uses), both giving chunks of float32 samples that the same sinks write. Through a server nothing
 imports torch.
+
+`bulk` speaks a file of items, one audio file each (`bulk.py`); `bulk --ray` and `serve --ray` run on a
+Ray cluster (`cluster.py`, `ray_serve.py`), Ray being imported only then.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -55,6 +59,9 @@ GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend g
 ServerOpt = Annotated[Optional[str], typer.Option("--server", help=f"Speak through the minicpm server at URL (an error if none answers) [default: ${protocol.SERVER_ENV}, else {protocol.DEFAULT_URL} when a server answers there].", show_default=False)]
 LocalOpt = Annotated[bool, typer.Option("--local", help="Load the model in this process even if a server is running.")]
 VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the voice of a recording (wav, flac, ogg; 0.5-30 s) or of a saved voice (minicpm voice add): an existing file path wins, then a saved name; 'default' is the model's own voice. The model card's voice cloning; needs a checkpoint with the audio encoder. Clone only voices you have the right to use.", show_default=False)]
+RayOpt = Annotated[Optional[str], typer.Option("--ray", help="Run on a Ray cluster: auto (the cluster at $RAY_ADDRESS, else one started on this machine with `ray start --head`, else a local Ray for this command only) or a cluster's ADDRESS (HOST:6379 from one of its nodes, ray://HOST:10001 through Ray Client). Needs pip install 'minicpm-cli[ray]'.", show_default=False)]
+ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", help="With --ray: N model replicas, or MIN-MAX to scale between MIN and MAX with the load [default: bulk: as many as the cluster's GPUs hold, 1 without GPUs; serve: 1].", show_default=False)]
+GpusOpt = Annotated[Optional[float], typer.Option("--gpus-per-replica", help="With --ray: GPUs each replica holds (a fraction shares a GPU) [default: 1 where the cluster has GPUs and --device is not cpu, else 0].", show_default=False)]
 
 
 def _version(value: bool) -> None:
@@ -421,6 +428,136 @@ def reply(
         Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")
 
 
+def _here(path: Optional[str]) -> Optional[str]:
+    """A path that exists here, made absolute (Ray's workers do not run in this directory); anything
+    else (a hub repo id) as given."""
+    if path is None or not Path(path).expanduser().exists():
+        return path
+    return str(Path(path).expanduser().resolve())
+
+
+def _check_ray(ray_address: Optional[str], replicas: Optional[str], gpus: Optional[float]):
+    """The --ray address checked, --replicas parsed; both replica options need --ray."""
+    if ray_address is None:
+        given = [flag for flag, v in (("--replicas", replicas), ("--gpus-per-replica", gpus)) if v is not None]
+        if given:
+            raise OptionError(f"{' and '.join(given)} need --ray (without it the model runs once, in this process)")
+        return None, None
+    if gpus is not None and gpus < 0:
+        raise OptionError("--gpus-per-replica must be at least 0")
+    from .cluster import check_address, parse_replicas
+
+    try:
+        bounds = None if replicas is None else parse_replicas(replicas)
+    except ValueError:
+        raise OptionError(f"--replicas takes N or MIN-MAX (1 <= MIN <= MAX), not '{replicas}'") from None
+    return check_address(ray_address), bounds
+
+
+@app.command()
+def bulk(
+    input: Annotated[str, typer.Argument(help="The items: a text file (an item each non-empty line), .jsonl or .parquet (a text column; optional id, voice, seed).", show_default=False)],
+    out: Annotated[str, typer.Option("--out", help="Directory for the audio files and manifest.jsonl (made if missing).", show_default=False)],
+    ray_address: RayOpt = None,
+    replicas: ReplicasOpt = None,
+    gpus_per_replica: GpusOpt = None,
+    batch: Annotated[int, typer.Option("--batch", help="Items per batch given to a model.")] = 8,
+    fmt: Annotated[str, typer.Option("--format", help="Audio files: wav or flac (16-bit).")] = "wav",
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    gguf: GgufOpt = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Give each item the seed derived from this one and its id (docs/scale-out.md): its audio is then `say --seed <derived>`'s, wherever it runs [default: a seed drawn for the run].", show_default=False)] = None,
+    greedy: GreedyOpt = False,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    verbose: VerboseOpt = False,
+) -> None:
+    """Speak many texts, one audio file each: DIR/<id>.wav and DIR/manifest.jsonl.
+
+    Items without an id are named line-0001, line-0002, ... as `say --lines --dir` names them. A run
+    skips the items the manifest lists as complete, so running it again after a crash finishes the
+    job. Without --ray the model runs in this process; with --ray, Ray Data runs batches on a pool of
+    model replicas across the cluster (the files are written here).
+    """
+    from . import bulk as b
+
+    if fmt not in b.FORMATS:
+        raise OptionError(f"--format must be wav or flac, not '{fmt}'")
+    if batch < 1:
+        raise OptionError("--batch must be at least 1")
+    _check_sampling(greedy, seed)
+    _check_gguf(backend, gguf)
+    if backend != registry.AUTO:
+        registry.get(backend)
+    address, bounds = _check_ray(ray_address, replicas, gpus_per_replica)
+    if address is not None:
+        from .cluster import require_ray
+
+        require_ray("data")
+    path = Path(input).expanduser()
+    if not path.is_file():
+        raise UsageError(f"no such file: {input}")
+    items = b.plan(b.read_rows(path), fmt=fmt, greedy=greedy, seed=seed, base=path.resolve().parent)
+    if not items:
+        raise UsageError(f"no items in {input}")
+    b.check_voices(items)
+    directory = Path(out).expanduser()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot make the directory {out}: {e.strerror or e}") from None
+    if address is not None:
+        model, gguf = _here(model), _here(gguf)
+    load = functools.partial(_load, model, backend, device, dtype, gguf, verbose)
+    if address is None:
+        def results(pending):
+            return b.in_process(pending, load, batch)
+    else:
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if verbose else (lambda line: None)
+        opts = b.RayOptions(address, bounds, gpus_per_replica)
+
+        def results(pending):
+            return b.on_ray(pending, load, batch, opts, device, say)
+    try:
+        summary = b.run(items, directory, results, progress=sys.stderr.isatty())
+    finally:
+        if address is not None:
+            from .cluster import disconnect
+
+            disconnect()
+    for item_id, error in summary.failed:
+        print(f"minicpm: {item_id}: {error}", file=sys.stderr)
+    if summary.skipped == summary.items:
+        print(f"minicpm: {summary.items} items in {directory}: all {summary.items} already there", file=sys.stderr)
+    else:
+        print(f"minicpm: {summary.items} items in {directory}: {summary.spoken} spoken ({summary.seconds:.1f} s of "
+              f"audio in {summary.elapsed:.1f} s), {summary.skipped} already there"
+              + (f", {len(summary.failed)} failed" if summary.failed else ""), file=sys.stderr)
+    if summary.failed:
+        raise MinicpmError(f"{len(summary.failed)} of {summary.items} items failed (named above); "
+                           f"run the same command again to retry them")
+
+
+def _serving(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str],
+             random_weights: bool, rows: int = 1):
+    """Load what `serve` serves (here, or in a Ray Serve replica), `rows` requests at once: a server.Loaded."""
+    from . import server as srv
+
+    name, model_id = _pick(model, backend, device, gguf)
+    from .bench import FORCED_FRAMES_PER_TOKEN, FORCED_REPLY_TOKENS, environment
+    from .pipeline import Synthesizer
+
+    synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
+                             gguf=gguf, random_weights=random_weights, rows=rows)
+    path = Path(model_id).expanduser()
+    return srv.Loaded(synth, model="random-weights" if random_weights else model_id, backend=name,
+                      device=str(synth.device), dtype=str(synth.tts.dtype).removeprefix("torch."),
+                      path=str(path.resolve()) if path.is_dir() and not random_weights else None, gguf=gguf,
+                      environment=environment(synth.device),
+                      frames_per_token=FORCED_FRAMES_PER_TOKEN if random_weights else None,
+                      reply_tokens=FORCED_REPLY_TOKENS if random_weights else None)
+
+
 @app.command()
 def serve(
     model: ModelOpt = None,
@@ -435,18 +572,23 @@ def serve(
     random_weights: Annotated[bool, typer.Option("--random-weights", help="For speed work (`bench --server`): the full-size model with random weights drawn on the device, no checkpoint; lengths forced as `bench --random-weights` forces them. Its audio is noise.")] = False,
     batch: Annotated[int, typer.Option("--batch", help="Requests generated at once (continuous batching); more queue. Each holds its own KV caches: ~0.24 GB of GPU memory a request in bfloat16. The gguf backend runs one at a time.")] = 8,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
+    ray_address: RayOpt = None,
+    replicas: ReplicasOpt = None,
+    gpus_per_replica: GpusOpt = None,
 ) -> None:
     """Load the model once and serve it: an OpenAI-compatible speech API (POST /v1/audio/speech), spoken
     replies (POST /v1/audio/reply), saved voices (GET/POST /v1/voices), GET /health. Runs until SIGTERM
     or Ctrl-C, then finishes the requests in flight and exits 0.
 
     One line on stderr says when it is ready. `say` and `reply` use it when it runs at their default
-    address (else set MINICPM_SERVER or give --server URL).
+    address (else set MINICPM_SERVER or give --server URL). With --ray the same application runs on
+    Ray Serve: --replicas model replicas behind Serve's HTTP proxy at --host/--port.
     """
     if not 0 <= port <= 65535:
         raise OptionError("--port must be between 0 and 65535")
     if batch < 1:
         raise OptionError("--batch must be at least 1")
+    address, bounds = _check_ray(ray_address, replicas, gpus_per_replica)
     api_key = api_key or None
     from . import server as srv
 
@@ -455,24 +597,23 @@ def serve(
                           f"{protocol.API_KEY_ENV}), or --insecure to serve it without a key")
     _check_gguf(backend, gguf)
     if backend != registry.AUTO:
-        registry.get(backend).check()
+        be = registry.get(backend)
+        if address is None:  # (with --ray, what counts is what the replicas have installed)
+            be.check()
 
-    def load() -> srv.Loaded:
-        name, model_id = _pick(model, backend, device, gguf)
-        from .bench import FORCED_FRAMES_PER_TOKEN, FORCED_REPLY_TOKENS, environment
-        from .pipeline import Synthesizer
+    if address is not None:
+        from . import cluster
 
-        synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
-                                 gguf=gguf, random_weights=random_weights, rows=batch)
-        path = Path(model_id).expanduser()
-        return srv.Loaded(synth, model="random-weights" if random_weights else model_id, backend=name,
-                          device=str(synth.device), dtype=str(synth.tts.dtype).removeprefix("torch."),
-                          path=str(path.resolve()) if path.is_dir() and not random_weights else None, gguf=gguf,
-                          environment=environment(synth.device),
-                          frames_per_token=FORCED_FRAMES_PER_TOKEN if random_weights else None,
-                          reply_tokens=FORCED_REPLY_TOKENS if random_weights else None)
+        cluster.require_ray("serve")
+        from . import ray_serve
 
-    srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose), load)
+        args = ray_serve.ServeArgs(model=_here(model), backend=backend, gguf=_here(gguf), device=device, dtype=dtype,
+                                   random_weights=random_weights, batch=batch, api_key=api_key, replicas=bounds or (1, 1),
+                                   gpus=gpus_per_replica)
+        ray_serve.deploy(args, address=address, host=host, port=port)
+        return
+    srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose),
+            functools.partial(_serving, model, backend, device, dtype, gguf, random_weights, batch))
 
 
 @app.command()

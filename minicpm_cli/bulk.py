@@ -1,0 +1,484 @@
+"""`minicpm bulk`: many texts, one audio file each, in this process or on a Ray cluster.
+
+In: INPUT, read here (`read_items`): a text file (an item each non-empty line), JSONL or Parquet (a
+`text` column; optional `id`, `voice`: a reference recording as `say --voice` takes it, `seed`).
+Out, in DIR: a file per item, `<id>.wav` (or `.flac`), written to a temporary name and renamed when
+complete by the writer of `say -o FILE` (`audio.FileSink`), and `manifest.jsonl`: one JSON line per
+completed item (id, text, file, seconds, seed, voice, bytes), appended and flushed to disk once its
+file is in place. Items without an id are named as `say --lines --dir` names its lines, by their
+position among the items: `line-0001`, `line-0002`, ...
+
+Where an item runs changes nothing. Its audio depends only on the model, its text, its voice and its
+seed: `--greedy` draws nothing; `--seed S` gives each item the seed `derive_seed(S, id)` (an item's own
+`seed` wins); with neither, S is drawn once per run. The manifest records the seed each item got, and
+its file is the one `minicpm say TEXT --seed SEED -o FILE` writes, whichever process, batch or run
+made it (each utterance has its own generator; the pipeline resets the model per utterance).
+
+Resume: a run skips the items that the manifest lists with their file in place (same text, voice,
+seed, file name and size) and speaks the rest. A crash loses at most the items in flight: no file is
+ever half-written, and no line names a file that is not complete.
+
+The synthesis: `Speaker` loads the model once (in `__init__`) and maps a batch of items to their
+audio; the one function that speaks a batch is `synthesize_batch`. Without Ray the batches go through
+one `Speaker` in this process. With Ray, Ray Data streams them through a pool of `Speaker` actors
+(`map_batches`: one model per actor, a dead actor restarted and its batches retried) and the audio
+comes back here, where every file and the manifest are written: the actors need no access to DIR and
+only one process ever writes the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import protocol
+from .errors import MinicpmError, OptionError, UsageError
+
+MANIFEST = "manifest.jsonl"
+FORMATS = ("wav", "flac")
+MAX_BLOCKS = 2000  # blocks the items are cut into on Ray
+SAMPLE_RATE = 24000  # (pipeline.SAMPLE_RATE; this module imports no torch)
+_ID = re.compile(r"\w[\w.\-]{0,199}")  # an id names a file: no separators, no leading dot
+
+
+def derive_seed(seed: int, item_id: str) -> int:
+    """The seed of item `item_id` in a run with `--seed seed`: the first 8 bytes of SHA-256 of the
+    UTF-8 text "SEED:ID", big-endian, top bit cleared (0 <= result < 2**63)."""
+    digest = hashlib.sha256(f"{seed}:{item_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@dataclass(frozen=True)
+class Item:
+    """One text to speak and where its audio goes."""
+
+    id: str
+    text: str  # stripped, as spoken
+    file: str  # the file name in DIR
+    seed: int | None  # None: greedy
+    voice: str | None = None  # absolute path of a reference recording
+    seed_given: bool = True  # False: drawn for this run (a finished item's recorded seed is as good)
+
+
+# -- reading INPUT ---------------------------------------------------------------------------------
+
+
+def read_rows(path: Path) -> list[dict]:
+    """INPUT's items as dicts (text, and id, voice, seed where given), in order. A text file gives
+    one per non-empty line, JSONL one per non-empty line (an object), Parquet one per row."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".jsonl", ".ndjson"):
+            rows = []
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise UsageError(f"{path}, line {n}: not JSON ({e.msg})") from None
+                    if not isinstance(row, dict):
+                        raise UsageError(f"{path}, line {n}: not a JSON object")
+                    rows.append(row)
+            return rows
+        if suffix in (".parquet", ".pq"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError:
+                raise UsageError("reading Parquet needs pyarrow: pip install pyarrow (the ray extra has it: "
+                                 "pip install 'minicpm-cli[ray]')") from None
+            try:
+                return pq.read_table(path).to_pylist()
+            except Exception as e:  # (pyarrow's own error types)
+                raise UsageError(f"cannot read {path} as Parquet: {e}") from None
+        with open(path, encoding="utf-8") as f:
+            return [{"text": line} for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {path}: {e}") from None
+
+
+def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base: Path) -> list[Item]:
+    """The items of `rows`, checked: text present, ids unique and usable as file names, seeds in
+    range and not with --greedy; relative voice paths are taken from `base` (INPUT's folder)."""
+    if seed is None and not greedy:
+        run_seed, drawn = random.SystemRandom().randrange(2**63), True
+    else:
+        run_seed, drawn = seed, False
+    items, seen = [], {}
+    for n, row in enumerate(rows, 1):
+        where = f"item {n}"
+        text = row.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise UsageError(f"{where} has no text")
+        raw_id = row.get("id")
+        if raw_id is None or raw_id == "":
+            item_id = f"line-{n:04d}"
+        elif isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and _ID.fullmatch(str(raw_id)):
+            item_id = str(raw_id)
+        else:
+            raise UsageError(f"{where}: the id {raw_id!r} cannot name a file (letters, digits, '_', '.', '-'; "
+                             f"not starting with '.' or '-'; at most 200)")
+        if item_id in seen:
+            raise UsageError(f"{where}: the id '{item_id}' is also item {seen[item_id]}'s")
+        seen[item_id] = n
+        own = row.get("seed")
+        if own is not None:
+            if isinstance(own, bool) or not isinstance(own, int):
+                raise UsageError(f"{where}: seed {own!r} is not an integer")
+            if not protocol.SEED_RANGE[0] <= own <= protocol.SEED_RANGE[1]:
+                raise UsageError(f"{where}: seed must be between {protocol.SEED_RANGE[0]} and {protocol.SEED_RANGE[1]}")
+            if greedy:
+                raise OptionError(f"{where} has a seed, but --greedy draws nothing (drop one or the other)")
+        voice = row.get("voice")
+        if voice is not None and voice != "":
+            if not isinstance(voice, str):
+                raise UsageError(f"{where}: voice {voice!r} is not a file name")
+            voice = str((base / Path(voice).expanduser()).resolve())
+        else:
+            voice = None
+        if greedy:
+            item_seed, given = None, True
+        elif own is not None:
+            item_seed, given = own, True
+        else:
+            item_seed, given = derive_seed(run_seed, item_id), not drawn
+        items.append(Item(item_id, text.strip(), f"{item_id}.{fmt}", item_seed, voice, given))
+    return items
+
+
+def check_voices(items: Iterable[Item]) -> None:
+    """Read every distinct reference once here, so that a bad one is an error before anything runs."""
+    from .voice import Voice
+
+    for path in sorted({i.voice for i in items if i.voice is not None}):
+        Voice.load(path)
+
+
+# -- the manifest ----------------------------------------------------------------------------------
+
+
+class Manifest:
+    """DIR/manifest.jsonl: a line per completed item, the last line of an id the one that counts.
+    A line cut short by a crash (the last, without its newline) and lines that are not entries are
+    dropped when the file is next opened (rewritten whole under a temporary name, then renamed)."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / MANIFEST
+        self.entries: dict[str, dict] = {}
+        self._dirty = False
+        self._read()
+
+    def _read(self) -> None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        lines = data.split(b"\n")
+        if lines[-1]:  # (no trailing newline: a line cut short)
+            self._dirty = True
+        for line in lines[:-1]:
+            try:
+                entry = json.loads(line)
+                if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+                    raise ValueError
+            except ValueError:
+                self._dirty = True
+                continue
+            if entry["id"] in self.entries:
+                self._dirty = True
+                del self.entries[entry["id"]]  # (the later line counts, in its place)
+            self.entries[entry["id"]] = entry
+
+    def complete(self, item: Item, directory: Path) -> bool:
+        """Whether `item` is done: its entry says what it is now, and its file is there, whole."""
+        e = self.entries.get(item.id)
+        if e is None or (e.get("text"), e.get("voice"), e.get("file")) != (item.text, item.voice, item.file):
+            return False
+        if item.seed_given and e.get("seed") != item.seed:
+            return False
+        if not item.seed_given and e.get("seed") is None:  # (a greedy file, now a sampled run)
+            return False
+        try:
+            return (directory / item.file).stat().st_size == e.get("bytes")
+        except OSError:
+            return False
+
+    def tidy(self) -> None:
+        """Rewrite the file as its entries, once, if a crash or a redone item left anything else."""
+        if not self._dirty:
+            return
+        fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".partial", dir=self.path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for entry in self.entries.values():
+                f.write(_line(entry))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, self.path)
+        self._dirty = False
+
+    def append(self, entry: dict) -> None:
+        if entry["id"] in self.entries:
+            self._dirty = True
+            del self.entries[entry["id"]]
+        self.entries[entry["id"]] = entry
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(_line(entry))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _line(entry: dict) -> str:
+    return json.dumps(entry, ensure_ascii=False) + "\n"
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def _lock(directory: Path):
+    """One run at a time in a directory (two would speak the same items and race on the manifest)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UsageError(f"another minicpm bulk is writing to {directory}") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+# -- speaking a batch ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one utterance needs: its text, how to sample it, the voice (a voice.Voice) or None."""
+
+    text: str
+    sampling: Any  # a sampling.Sampling
+    voice: Any = None
+
+
+def synthesize_batch(synth, requests: Sequence[Request]) -> list:
+    """A batch of requests -> their utterances (`pipeline.Utterance`), in order: the one place where
+    `bulk` speaks. Each utterance is the one `synth.say` gives for its request alone."""
+    return [synth.say(r.text, r.sampling, voice=r.voice) for r in requests]
+
+
+class Speaker:
+    """One model, loaded once; a batch of items in, their audio out. The batch is a dict of columns
+    (numpy arrays), Ray Data's "numpy" batch format: `id`, `text`, `seed` (the seed in decimal, ""
+    for greedy), `voice` (a path, "" for none). Out: `id`, `audio` (float32 samples, little-endian
+    bytes), `seconds`, `error` ("" or the item's one-line error: the batch goes on without it)."""
+
+    loader: Callable[[], Any] | None = None  # (set by `speaker_class`)
+
+    def __init__(self, load: Callable[[], Any] | None = None):
+        self.synth = (load or self.loader)()
+        self.voices: dict[str, Any] = {}
+
+    def _voice(self, path: str):
+        if not path:
+            return None
+        if path not in self.voices:
+            from .voice import Voice
+
+            self.voices[path] = Voice.load(path)
+        return self.voices[path]
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from .sampling import Sampling
+
+        requests, errors = [], []
+        for text, seed, voice in zip(batch["text"], batch["seed"], batch["voice"]):
+            seed = str(seed)
+            try:
+                requests.append(Request(str(text), Sampling(greedy=not seed, seed=int(seed) if seed else None),
+                                        self._voice(str(voice))))
+                errors.append("")
+            except MinicpmError as e:  # (a voice that this machine cannot read)
+                requests.append(None)
+                errors.append(_one_line(e))
+        utterances = self._speak(requests, errors)
+        audio = np.empty(len(requests), dtype=object)
+        audio[:] = [b"" if u is None else np.asarray(u.audio, "<f4").tobytes() for u in utterances]
+        return {"id": np.asarray(batch["id"], dtype=object), "audio": audio,
+                "seconds": np.array([0.0 if u is None else len(u.audio) / u.sample_rate for u in utterances]),
+                "error": np.array(errors, dtype=object)}
+
+    def _speak(self, requests: list, errors: list[str]) -> list:
+        """The batch's utterances; when it fails with an item's error (text the tokenizer cannot read),
+        each item alone, so that only the items at fault fail."""
+        good = [i for i, r in enumerate(requests) if r is not None]
+        out: list = [None] * len(requests)
+        try:
+            for i, u in zip(good, synthesize_batch(self.synth, [requests[i] for i in good])):
+                out[i] = u
+            return out
+        except MinicpmError:
+            pass
+        for i in good:
+            try:
+                out[i] = synthesize_batch(self.synth, [requests[i]])[0]
+            except MinicpmError as e:
+                errors[i] = _one_line(e)
+        return out
+
+
+def speaker_class(load: Callable[[], Any]) -> type[Speaker]:
+    """A Speaker whose loader is part of the class. Ray keeps a class with the actor's definition,
+    while constructor arguments of a restartable actor stay in the object store, where a restart
+    cannot find them once they are lost (ray-project/ray#53727)."""
+    return type("Speaker", (Speaker,), {"loader": staticmethod(load)})
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _columns(items: Sequence[Item]) -> dict[str, np.ndarray]:
+    def col(values):
+        a = np.empty(len(values), dtype=object)
+        a[:] = values
+        return a
+
+    return {"id": col([i.id for i in items]), "text": col([i.text for i in items]),
+            "seed": col(["" if i.seed is None else str(i.seed) for i in items]),
+            "voice": col([i.voice or "" for i in items])}
+
+
+# -- where the batches run -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str  # "auto" or a cluster address (cluster.connect)
+    replicas: tuple[int, int] | None = None  # actors (min, max); None: as many as the GPUs hold (1 without)
+    gpus: float | None = None  # per actor; None: 1 where the cluster has GPUs and the device is not cpu
+
+
+def in_process(items: Sequence[Item], load: Callable[[], Any], batch: int) -> Iterator[dict]:
+    """The batches through one Speaker in this process, one after the other."""
+    speaker = Speaker(load)
+    for start in range(0, len(items), batch):
+        yield speaker(_columns(items[start : start + batch]))
+
+
+def on_ray(items: Sequence[Item], load: Callable[[], Any], batch: int, opts: RayOptions, device: str,
+           say: Callable[[str], None]) -> Iterator[dict]:
+    """The batches through a pool of Speaker actors on a Ray cluster (Ray Data), results as they come."""
+    from . import cluster
+
+    ray = cluster.connect(opts.address, "data")
+    total_gpus = ray.cluster_resources().get("GPU", 0)
+    gpus = opts.gpus
+    if gpus is None:
+        gpus = 1 if total_gpus and device != "cpu" else 0
+    if gpus and gpus > total_gpus:
+        raise UsageError(f"--gpus-per-replica {gpus:g}: the Ray cluster has {total_gpus:g} GPUs")
+    low, high = opts.replicas or ((max(1, int(total_gpus // gpus)),) * 2 if gpus else (1, 1))
+    say(f"minicpm: {len(items)} items on Ray: {low if low == high else f'{low}-{high}'} replicas, "
+        f"{gpus:g} GPUs each, batches of {batch}")
+    rows = [{k: str(v[0]) for k, v in _columns([i]).items()} for i in items]
+    # a block per batch (up to MAX_BLOCKS, each an object in Ray's store): the batches spread over the
+    # pool to the end, and an actor that dies takes little finished work with it
+    ds = ray.data.from_items(rows, override_num_blocks=min(MAX_BLOCKS, math.ceil(len(items) / batch)))
+    # (an actor that dies is restarted and the batches it held are run again: Ray Data's defaults,
+    # max_restarts=-1 and max_task_retries=-1)
+    pool = ray.data.ActorPoolStrategy(size=low) if low == high else ray.data.ActorPoolStrategy(min_size=low, max_size=high)
+    ds = ds.map_batches(speaker_class(load), batch_size=batch, batch_format="numpy", compute=pool, num_gpus=gpus)
+    yield from ds.iter_batches(batch_size=None, batch_format="numpy")
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    items: int  # in INPUT
+    skipped: int  # already complete
+    spoken: int
+    seconds: float  # of audio spoken in this run
+    elapsed: float
+    failed: list[tuple[str, str]]  # (id, error)
+
+
+def run(items: Sequence[Item], out: Path, results: Callable[[Sequence[Item]], Iterable[dict]],
+        progress: bool) -> Summary:
+    """Speak the items of `items` that are not complete in `out` (resume), writing each file and its
+    manifest line as its audio arrives from `results(pending)`."""
+    from . import audio
+
+    t0 = time.monotonic()
+    with _lock(out):
+        manifest = Manifest(out)
+        manifest.tidy()
+        for name in [MANIFEST] + [i.file for i in items]:  # (temporary files of a run that was killed:
+            for tmp in out.glob(f".{glob_escape(name)}.*.partial"):  # nothing else writes here, we hold the lock)
+                tmp.unlink(missing_ok=True)
+        pending = [i for i in items if not manifest.complete(i, out)]
+        summary = Summary(len(items), len(items) - len(pending), 0, 0.0, 0.0, [])
+        if not pending:
+            return summary
+        by_id = {i.id: i for i in pending}
+        bar = _bar(len(pending)) if progress else None
+        try:
+            for result in results(pending):
+                for rid, data, seconds, error in zip(result["id"], result["audio"], result["seconds"], result["error"]):
+                    item = by_id[str(rid)]
+                    if error:
+                        summary.failed.append((item.id, str(error)))
+                    else:
+                        sink = audio.FileSink(str(out / item.file), "s16", SAMPLE_RATE)
+                        try:
+                            sink.write(np.frombuffer(data, "<f4"))
+                            sink.close()
+                        except BaseException:
+                            sink.abort()
+                            raise
+                        manifest.append({"id": item.id, "text": item.text, "file": item.file,
+                                         "seconds": round(float(seconds), 4), "seed": item.seed,
+                                         "voice": item.voice, "bytes": (out / item.file).stat().st_size})
+                        summary.spoken += 1
+                        summary.seconds += float(seconds)
+                    if bar is not None:
+                        bar.update(1)
+                        elapsed = time.monotonic() - t0
+                        bar.set_postfix_str(f"{summary.seconds / elapsed:.2f} s audio/s", refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+            manifest.tidy()
+    summary.elapsed = time.monotonic() - t0
+    return summary
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="speaking", unit=" item", file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,599 @@
+"""Scale-out: `minicpm bulk` (in this process and on Ray Data) and `minicpm serve --ray` (Ray Serve).
+
+One local Ray cluster (2 CPUs, no GPU) is started here and shared by the module; the commands run as
+users run them, in subprocesses that join it with `--ray ADDRESS`. What must hold: a bulk job on two
+actors writes the files `say --lines --dir` writes, byte for byte; an actor killed mid-job is
+replaced, its batches run again, and every item still has exactly one complete file and one manifest
+line; a second run changes nothing; a run after a crash redoes what the crash lost and only that;
+per-item seeds are `say --seed <derived>`'s. Serve's replicas answer the official `openai` client with
+`minicpm say`'s bytes, concurrently, streamed and whole, behind the API key; a replica killed under
+load fails its requests with an error (never a response cut short that looks whole), and later
+requests succeed. Then the pieces without a cluster: reading items, seeds, the batch function over a
+fake model, Serve's options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from minicpm_cli import bulk
+from minicpm_cli.errors import OptionError, UsageError
+
+from conftest import FIXTURES, TINY
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")  # (Ray's own pydantic usage)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["--model", str(TINY), "--device", "cpu", "--dtype", "float32"]
+# 40 texts the tiny model reads in well under a second each (greedy): the job, not the model, is tested
+TEXTS = ["Bad again.", "One.", "Left.", "Rock.", "Say tree.", "Say snow.", "Rain.", "Say up.", "Tree again.",
+         "Say sun.", "Say fine.", "Cold again.", "Say cat.", "Say gold.", "Say milk.", "Now again.", "Say one.",
+         "Stop again.", "Cold.", "Tree.", "Say salt.", "Fine.", "Moon.", "Say now.", "Rice.", "Say two.",
+         "Right again.", "Sand again.", "Go.", "Say moon.", "Left again.", "Say fire.", "Milk.", "Say rain.",
+         "Gold.", "Up.", "Two.", "Hot.", "Good again.", "Say ok."]
+LONG = "Red again."  # about 9 s of audio: long enough to be in flight when a replica dies
+KEY = "ray-key"
+BLOCK_RAY = "import sys; sys.modules['ray'] = None\n"  # `import ray` fails: as if the extra were not installed
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MINICPM_DEBUG", "MINICPM_API_KEY", "RAY_ADDRESS")}
+    # (RAY_DEDUP_LOGS=0: each actor's lines reach the driver's stderr with its pid, even when alike)
+    return {**env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": "", "RAY_DEDUP_LOGS": "0",
+            **extra}
+
+
+def minicpm(*args: str, stdin: bytes = b"", env: dict | None = None, prelude: str = "", timeout: float = 300):
+    """The command as a user runs it (`prelude`: Python run first, in the same process)."""
+    code = f"{prelude}import sys\nsys.argv = ['minicpm', *sys.argv[1:]]\nfrom minicpm_cli.entry import main\nmain()\n"
+    return subprocess.run([sys.executable, "-c", code, *args], input=stdin, capture_output=True,
+                          env=env or _env(), timeout=timeout, cwd=ROOT)
+
+
+def one_line_error(p, *needles: str, status: int = 1) -> str:
+    err = p.stderr.decode()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert p.returncode == status and lines and lines[-1].startswith("minicpm: error: "), err
+    assert "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[-1], err
+    return lines[-1]
+
+
+def snapshot(d: Path) -> dict[str, tuple[bytes, int]]:
+    return {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in sorted(d.iterdir())}
+
+
+def entries(d: Path) -> list[dict]:
+    text = (d / bulk.MANIFEST).read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def check_manifest(d: Path, expected: dict[str, str]) -> list[dict]:
+    """Exactly one line per item (id -> text), each naming its complete file; no file that is not an
+    item's, no temporary file left."""
+    es = entries(d)
+    assert sorted(e["id"] for e in es) == sorted(expected)
+    for e in es:
+        f = d / e["file"]
+        assert e["text"] == expected[e["id"]] and f.stat().st_size == e["bytes"], e
+        assert e["seconds"] == pytest.approx(sf.info(f).frames / 24000, abs=1e-4), e
+    assert sorted(f.name for f in d.iterdir()) == sorted([e["file"] for e in es] + [bulk.MANIFEST])
+    return es
+
+
+# -- the cluster and the references ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster for this module (its address, for `--ray`). Serve's proxy gets more time to
+    start than its default 5 s: a loaded CI machine takes longer to import it."""
+    import ray
+
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lines(tmp_path_factory):
+    """TEXTS as a text file (with blank lines, which are not items), and what `say --lines --dir`
+    writes for it: line-0001.wav ... line-0040.wav."""
+    d = tmp_path_factory.mktemp("lines")
+    items = d / "items.txt"
+    items.write_text("\n".join(TEXTS[:10]) + "\n\n  \n" + "\n".join(TEXTS[10:]) + "\n")
+    ref = d / "ref"
+    ref.mkdir()
+    p = minicpm("say", "--lines", "--greedy", "--dir", str(ref), "-f", str(items), *MODEL)
+    assert p.returncode == 0, p.stderr.decode()
+    files = {f.name: f.read_bytes() for f in ref.iterdir()}
+    assert sorted(files) == [f"line-{n:04d}.wav" for n in range(1, 41)]
+    return items, files
+
+
+def texts_by_id() -> dict[str, str]:
+    return {f"line-{n:04d}": t for n, t in enumerate(TEXTS, 1)}
+
+
+# -- bulk on Ray ------------------------------------------------------------------------------------
+
+
+def test_bulk_on_two_actors_writes_what_say_lines_dir_writes_and_a_second_run_changes_nothing(cluster, lines, tmp_path):
+    items, ref = lines
+    out = tmp_path / "out"
+    args = ["bulk", str(items), "--out", str(out), "--ray", cluster, "--replicas", "2", "--batch", "4", "--greedy",
+            *MODEL]
+    p = minicpm(*args, "-v")
+    err = p.stderr.decode()
+    assert p.returncode == 0, err
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.suffix == ".wav"} == ref
+    es = check_manifest(out, texts_by_id())
+    assert all(e["seed"] is None and e["voice"] is None for e in es)
+    assert len(set(re.findall(r"pid=(\d+)\).*minicpm: backend eager", err))) == 2, err  # two models, one per actor
+    assert "minicpm: 40 items in" in err and "40 spoken" in err
+
+    before = snapshot(out)
+    t0 = time.monotonic()
+    again = minicpm(*args)
+    assert again.returncode == 0, again.stderr.decode()
+    assert snapshot(out) == before  # every file, the manifest included: same bytes, not even rewritten
+    assert again.stderr.decode().strip().splitlines()[-1] == f"minicpm: 40 items in {out}: all 40 already there"
+    assert time.monotonic() - t0 < 30  # (nothing loaded, no cluster joined)
+
+
+def test_a_killed_actor_is_replaced_and_every_item_gets_exactly_one_file(cluster, lines, tmp_path):
+    """SIGKILL to one actor's process in the middle of the job: Ray restarts the actor, the batches
+    it held run again, and the job ends with the 40 files and 40 manifest lines it would have had."""
+    items, ref = lines
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minicpm_cli", "bulk", str(items), "--out", str(out), "--ray", cluster,
+         "--replicas", "2", "--batch", "2", "--greedy", "-v", *MODEL],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT)
+    err: list[str] = []
+    threading.Thread(target=lambda: err.extend(line.decode() for line in proc.stderr), daemon=True).start()
+
+    def actors() -> list[int]:
+        return list(dict.fromkeys(int(m) for line in err for m in re.findall(r"pid=(\d+)\).*minicpm: backend", line)))
+
+    def done() -> int:
+        try:
+            return (out / bulk.MANIFEST).read_text().count("\n")
+        except FileNotFoundError:
+            return 0
+
+    end = time.monotonic() + 240
+    while (len(actors()) < 2 or done() < 6) and proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.05)
+    assert proc.poll() is None and 6 <= done() < 30, ("".join(err), done())
+    victim = actors()[0]
+    os.kill(victim, signal.SIGKILL)
+    assert proc.wait(timeout=240) == 0, "".join(err)
+    assert len(actors()) == 3 and victim in actors(), "".join(err)  # the killed one, its replacement, the other
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.suffix == ".wav"} == ref
+    check_manifest(out, texts_by_id())
+
+
+def test_seeds_are_derived_from_the_run_seed_and_the_id_wherever_items_run(cluster, tmp_path):
+    """--seed 7: each item's seed is derive_seed(7, id) (an item's own seed wins), recorded in the
+    manifest; its file is what `say --seed <that seed>` writes, here as FLAC, on two replicas."""
+    src = tmp_path / "items.jsonl"
+    rows = [{"id": "greeting", "text": "Say cat."}, {"text": "One."}, {"id": "own", "text": "Rock.", "seed": 5}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    p = minicpm("bulk", str(src), "--out", str(out), "--ray", cluster, "--replicas", "2", "--batch", "1",
+                "--seed", "7", "--format", "flac", *MODEL)
+    assert p.returncode == 0, p.stderr.decode()
+    # the documented derivation, computed here independently of bulk.derive_seed
+    derived = {i: int.from_bytes(hashlib.sha256(f"7:{i}".encode()).digest()[:8], "big") >> 1
+               for i in ("greeting", "line-0002")}
+    es = {e["id"]: e for e in check_manifest(out, {"greeting": "Say cat.", "line-0002": "One.", "own": "Rock."})}
+    assert {i: e["seed"] for i, e in es.items()} == {**derived, "own": 5}
+    assert {e["file"] for e in es.values()} == {"greeting.flac", "line-0002.flac", "own.flac"}
+    for item_id, text, seed in (("greeting", "Say cat.", derived["greeting"]), ("own", "Rock.", 5)):
+        alone = tmp_path / f"{item_id}-say.flac"
+        p = minicpm("say", text, "--seed", str(seed), "-o", str(alone), *MODEL)
+        assert p.returncode == 0, p.stderr.decode()
+        assert (out / f"{item_id}.flac").read_bytes() == alone.read_bytes(), item_id
+
+
+# -- bulk in this process, without Ray ------------------------------------------------------------------
+
+
+def test_a_run_after_a_crash_redoes_what_was_lost_and_only_that(tmp_path):
+    """Without --ray (and without Ray installed): a manifest line cut short, a file gone, a temporary
+    file left by a killed run, an item whose text changed: those items are spoken again, the others
+    are left alone, and the manifest ends as one whole line per item."""
+    src = tmp_path / "items.txt"
+    src.write_text("\n".join(TEXTS[:5]) + "\n")
+    out = tmp_path / "out"
+    run = ["bulk", str(src), "--out", str(out), "--greedy", *MODEL]
+    p = minicpm(*run, prelude=BLOCK_RAY)
+    assert p.returncode == 0, p.stderr.decode()
+    first = {f.name: f.read_bytes() for f in out.iterdir()}
+    manifest = out / bulk.MANIFEST
+    lines = manifest.read_text().splitlines(keepends=True)
+    by_id = {json.loads(line)["id"]: line for line in lines}
+    # the crash: line-0005's line half written, line-0002's file gone, a temporary file of line-0003's
+    manifest.write_text("".join(by_id[i] for i in ("line-0001", "line-0002", "line-0003", "line-0004"))
+                        + by_id["line-0005"][:30])
+    (out / "line-0002.wav").unlink()
+    (out / ".line-0003.wav.x1y2z3.partial").write_bytes(b"RIFF")
+    # and line 4 now says something else
+    src.write_text("\n".join(TEXTS[:3] + ["Say salt.", TEXTS[4]]) + "\n")
+    untouched = {n: (out / n).stat().st_mtime_ns for n in ("line-0001.wav", "line-0003.wav")}
+
+    p = minicpm(*run, prelude=BLOCK_RAY)
+    assert p.returncode == 0, p.stderr.decode()
+    assert "3 spoken" in p.stderr.decode() and "2 already there" in p.stderr.decode(), p.stderr.decode()
+    assert {n: (out / n).stat().st_mtime_ns for n in untouched} == untouched
+    now = {f.name: f.read_bytes() for f in out.iterdir()}
+    for name in ("line-0001.wav", "line-0002.wav", "line-0003.wav", "line-0005.wav"):
+        assert now[name] == first[name], name
+    assert now["line-0004.wav"] != first["line-0004.wav"]
+    check_manifest(out, {**{f"line-{n:04d}": t for n, t in enumerate(TEXTS[:5], 1)}, "line-0004": "Say salt."})
+
+
+def test_usage_errors_are_one_line_and_write_nothing(tmp_path):
+    src = tmp_path / "items.txt"
+    src.write_text("Hello.\n")
+    out = tmp_path / "out"
+    base = ["bulk", str(src), "--out", str(out)]
+    one_line_error(minicpm(*base, "--replicas", "2"), "--replicas", "--ray", status=2)
+    one_line_error(minicpm(*base, "--ray", str(src)), "--ray takes", status=2)
+    one_line_error(minicpm(*base, "--ray", "auto", "--replicas", "3-1"), "--replicas takes N or MIN-MAX", status=2)
+    one_line_error(minicpm(*base, "--greedy", "--seed", "1"), "--greedy takes no --seed", status=2)
+    one_line_error(minicpm(*base, "--format", "mp3"), "--format", status=2)
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "a", "text": "One."}\n{"id": "a", "text": "Two."}\n')
+    one_line_error(minicpm("bulk", str(dup), "--out", str(out)), "item 2", "'a'", "item 1")
+    voiced = tmp_path / "voiced.jsonl"
+    voiced.write_text('{"text": "One.", "voice": "missing.wav"}\n')
+    one_line_error(minicpm("bulk", str(voiced), "--out", str(out)), "missing.wav")
+    # without the ray extra: one line that says what to install, for bulk and serve alike
+    one_line_error(minicpm(*base, "--ray", "auto", prelude=BLOCK_RAY), "pip install 'minicpm-cli[ray]'")
+    one_line_error(minicpm("serve", "--ray", "auto", prelude=BLOCK_RAY), "pip install 'minicpm-cli[ray]'")
+    assert not out.exists()
+
+
+# -- reading items, seeds, the batch function --------------------------------------------------------
+
+
+def test_items_from_text_jsonl_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    txt = tmp_path / "a.txt"
+    txt.write_text("First.\n\n   \nSecond.\n")
+    items = bulk.plan(bulk.read_rows(txt), fmt="wav", greedy=True, seed=None, base=tmp_path)
+    assert [(i.id, i.text, i.file, i.seed) for i in items] == [("line-0001", "First.", "line-0001.wav", None),
+                                                               ("line-0002", "Second.", "line-0002.wav", None)]
+    rows = [{"id": "x", "text": " Hi. ", "voice": "v/ref.wav", "seed": None},
+            {"id": None, "text": "Two.", "voice": None, "seed": 3}, {"id": "7", "text": "Three.", "voice": "", "seed": None}]
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    parquet = tmp_path / "a.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    for path in (jsonl, parquet):
+        got = bulk.plan(bulk.read_rows(path), fmt="flac", greedy=False, seed=11, base=tmp_path)
+        assert [(i.id, i.text, i.file, i.seed, i.voice) for i in got] == [
+            ("x", "Hi.", "x.flac", bulk.derive_seed(11, "x"), str(tmp_path / "v" / "ref.wav")),
+            ("line-0002", "Two.", "line-0002.flac", 3, None),
+            ("7", "Three.", "7.flac", bulk.derive_seed(11, "7"), None)], path
+    assert bulk.plan([{"id": 7, "text": "Hi."}], fmt="wav", greedy=True, seed=None, base=tmp_path)[0].id == "7"
+    # no --seed: one seed drawn for the run, each item's derived from it (and not pinned on resume)
+    a, b = (bulk.plan(bulk.read_rows(txt), fmt="wav", greedy=False, seed=None, base=tmp_path) for _ in range(2))
+    assert a[0].seed != b[0].seed and not a[0].seed_given and 0 <= a[0].seed < 2**63
+    assert bulk.derive_seed(7, "line-0001") == int.from_bytes(hashlib.sha256(b"7:line-0001").digest()[:8], "big") >> 1
+
+
+@pytest.mark.parametrize("row, error, message", [
+    ({"text": ""}, UsageError, "item 1 has no text"),
+    ({"id": "../x", "text": "Hi."}, UsageError, "cannot name a file"),
+    ({"id": ".hidden", "text": "Hi."}, UsageError, "cannot name a file"),
+    ({"text": "Hi.", "seed": "3"}, UsageError, "not an integer"),
+    ({"text": "Hi.", "seed": 2**64}, UsageError, "seed must be between"),
+])
+def test_bad_items_are_refused_naming_the_item(row, error, message, tmp_path):
+    with pytest.raises(error, match=re.escape(message)):
+        bulk.plan([row], fmt="wav", greedy=False, seed=1, base=tmp_path)
+
+
+def test_an_items_seed_with_greedy_is_a_conflict(tmp_path):
+    with pytest.raises(OptionError, match="--greedy draws nothing"):
+        bulk.plan([{"text": "Hi.", "seed": 3}], fmt="wav", greedy=True, seed=None, base=tmp_path)
+
+
+def fake_audio(text: str, seed: int | None) -> np.ndarray:
+    return np.full(240 * len(text), (sum(map(ord, text)) % 100) / 1000 + (seed or 0) % 7 / 10000, np.float32)
+
+
+class FakeSynth:
+    """say() returns samples that name the text and the seed; the text 'unreadable' fails as the
+    tokenizer would. Records its calls."""
+
+    sample_rate = 24000
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def say(self, text, sampling, *, voice=None):
+        from types import SimpleNamespace
+
+        self.calls.append((text, sampling, voice))
+        if text == "unreadable":
+            raise UsageError("the text has nothing the TTS tokenizer can read")
+        return SimpleNamespace(audio=fake_audio(text, sampling.seed), sample_rate=24000)
+
+
+def test_the_speaker_maps_a_batch_through_one_function_and_fails_only_the_bad_item(monkeypatch):
+    from minicpm_cli.sampling import Sampling
+
+    synth = FakeSynth()
+    speaker = bulk.Speaker(lambda: synth)
+    batches = []
+    real = bulk.synthesize_batch
+    monkeypatch.setattr(bulk, "synthesize_batch", lambda s, reqs: batches.append(len(reqs)) or real(s, reqs))
+    ref = str(FIXTURES / "voice_ref_a.wav")
+    items = [bulk.Item("a", "Hi.", "a.wav", 5, ref), bulk.Item("b", "Yo.", "b.wav", None)]
+    out = speaker(bulk._columns(items))
+    assert batches == [2]  # the batch in one call
+    assert [c[:2] for c in synth.calls] == [("Hi.", Sampling(seed=5)), ("Yo.", Sampling(greedy=True))]
+    assert synth.calls[0][2].name == ref and len(synth.calls[0][2].samples) and synth.calls[1][2] is None
+    assert list(out["id"]) == ["a", "b"] and list(out["error"]) == ["", ""]
+    for data, seconds, (text, seed) in zip(out["audio"], out["seconds"], [("Hi.", 5), ("Yo.", None)]):
+        assert np.array_equal(np.frombuffer(data, "<f4"), fake_audio(text, seed))
+        assert seconds == len(fake_audio(text, seed)) / 24000
+
+    synth.calls.clear()
+    batches.clear()
+    items = [bulk.Item("a", "Hi.", "a.wav", None), bulk.Item("bad", "unreadable", "bad.wav", None),
+             bulk.Item("c", "See.", "c.wav", None)]
+    out = speaker(bulk._columns(items))
+    assert batches == [3, 1, 1, 1]  # the batch failed: each item alone, to find which
+    assert list(out["error"]) == ["", "the text has nothing the TTS tokenizer can read", ""]
+    assert out["audio"][1] == b"" and len(out["audio"][0]) and len(out["audio"][2])
+
+
+def test_run_writes_what_arrives_shows_progress_and_leaves_failed_items_for_the_next_run(tmp_path, capsys):
+    """bulk.run over results that arrive out of order, one item failing: the others get their files and
+    lines as they arrive, a tqdm bar counts items and audio seconds per second; the failed item gets
+    neither, and the next run asks for it alone."""
+    items = [bulk.Item(f"i{n}", f"Text {n}.", f"i{n}.wav", n) for n in range(5)]
+
+    def results(fail: set[str]):
+        def produce(pending):
+            asked.append([i.id for i in pending])
+            for group in (pending[3:], pending[:3]):  # (a later batch first, as a pool may finish them)
+                cols = bulk._columns(group)
+                audio = np.empty(len(group), dtype=object)
+                audio[:] = [b"" if i.id in fail else fake_audio(i.text, i.seed).tobytes() for i in group]
+                yield {"id": cols["id"], "audio": audio,
+                       "seconds": np.array([0.0 if i.id in fail else len(fake_audio(i.text, i.seed)) / 24000 for i in group]),
+                       "error": np.array(["nothing readable" if i.id in fail else "" for i in group], dtype=object)}
+        return produce
+
+    asked: list[list[str]] = []
+    summary = bulk.run(items, tmp_path, results({"i1"}), progress=True)
+    assert (summary.spoken, summary.skipped, summary.failed) == (4, 0, [("i1", "nothing readable")])
+    assert summary.seconds == pytest.approx(sum(len(fake_audio(i.text, i.seed)) for i in items if i.id != "i1") / 24000)
+    err = capsys.readouterr().err
+    assert "speaking" in err and "5/5" in err and "s audio/s" in err, err
+    assert [e["id"] for e in entries(tmp_path)] == ["i3", "i4", "i0", "i2"]  # (in the order they arrived)
+    assert not (tmp_path / "i1.wav").exists()
+    for e in entries(tmp_path):
+        got, rate = sf.read(tmp_path / e["file"], dtype="int16")
+        item = next(i for i in items if i.id == e["id"])
+        assert rate == 24000 and np.array_equal(got, np.round(fake_audio(item.text, item.seed) * 32767).astype(np.int16))
+    summary = bulk.run(items, tmp_path, results(set()), progress=False)
+    assert asked[-1] == ["i1"] and (summary.spoken, summary.skipped, summary.failed) == (1, 4, [])
+    check_manifest(tmp_path, {i.id: i.text for i in items})
+
+
+def test_serve_args_and_deployment_options(monkeypatch):
+    from minicpm_cli import ray_serve
+
+    monkeypatch.setenv("MINICPM_API_KEY", "from-env")  # (read by each replica, not put into Serve's config)
+    args = ray_serve.ServeArgs.from_args({"model": "/m", "replicas": "2-6", "device": "cuda"})
+    assert (args.model, args.api_key, args.num_gpus) == ("/m", None, 1)
+    opts = ray_serve.deployment_options(args)
+    assert opts["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
+                                          "target_ongoing_requests": ray_serve.TARGET_ONGOING_REQUESTS}
+    assert "num_replicas" not in opts and opts["ray_actor_options"] == {"num_gpus": 1}
+    fixed = ray_serve.deployment_options(ray_serve.ServeArgs.from_args(
+        {"replicas": 3, "device": "cpu", "api_key": "k", "max_ongoing_requests": "2"}))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_gpus": 0} and fixed["max_ongoing_requests"] == 2
+    assert ray_serve.ServeArgs.from_args({"gpus": "0.5"}).num_gpus == 0.5
+    with pytest.raises(OptionError, match="unknown option.*modle"):
+        ray_serve.ServeArgs.from_args({"modle": "x"})
+    with pytest.raises(OptionError, match="replicas"):
+        ray_serve.ServeArgs.from_args({"replicas": "4-2"})
+
+
+def test_replicas_that_cannot_start_are_one_line():
+    """What Serve reports of a failed deployment becomes our error's one line (the replica's own error
+    where it raised one of ours: `serve --ray --model /no/such/dir` says the directory is not found)."""
+    from minicpm_cli import ray_serve
+    from minicpm_cli.errors import MinicpmError
+
+    report = ("Deploying application minicpm failed: Failed to update the deployments ['Speech'].\n"
+              "The deployment failed to start 3 times in a row.\nTraceback (most recent call last):\n"
+              "  File \"/x/checkpoint.py\", line 40, in resolve\n"
+              "minicpm_cli.errors.ModelNotFound: model directory not found: /no/such/dir\n")
+    e = ray_serve._failure(report)
+    assert isinstance(e, MinicpmError) and str(e) == "model directory not found: /no/such/dir"
+    e = ray_serve._failure("Deploying application minicpm failed: out of resources\nmore detail\n")
+    assert str(e) == "the replicas did not start: Deploying application minicpm failed: out of resources"
+
+
+# -- Ray Serve --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def streams(lines, tmp_path_factory):
+    """What `say -o -` streams for each text the Serve tests ask for (one `say --lines -o -` over them,
+    cut where each text's audio ends: a streamed and a whole-file read have the same length)."""
+    _, ref = lines
+    texts = TEXTS[:4] + [LONG]
+    src = tmp_path_factory.mktemp("streams") / "texts.txt"
+    src.write_text("\n".join(texts) + "\n")
+    p = minicpm("say", "--lines", "--greedy", "-o", "-", "-f", str(src), *MODEL)
+    assert p.returncode == 0, p.stderr.decode()
+    head, body = p.stdout[:44], p.stdout[44:]
+    out, at = {}, 0
+    for n, text in enumerate(texts[:4], 1):
+        size = len(ref[f"line-{n:04d}.wav"]) - 44
+        out[text], at = head + body[at : at + size], at + size
+    out[LONG] = head + body[at:]
+    assert len(out[LONG]) > 44 + 24000 * 2 * 5  # (more than 5 s of audio)
+    return out
+
+
+@pytest.fixture(scope="module")
+def on_serve(cluster):
+    """`minicpm serve --ray` with 2 replicas and an API key; its stderr lines as they come."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "serve", "--ray", cluster, "--replicas", "2",
+                             "--port", str(port), "--api-key", KEY, *MODEL], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=ROOT)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(line.decode() for line in proc.stderr), daemon=True).start()
+    end = time.monotonic() + 300
+    while not any(line.startswith("minicpm: serving ") for line in lines):
+        assert proc.poll() is None and time.monotonic() < end, "".join(lines)
+        time.sleep(0.1)
+    proc.lines, proc.url = lines, f"http://127.0.0.1:{port}"
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def client(url: str, key: str = KEY):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def speak(url: str, text: str, stream: bool) -> bytes:
+    c = client(url)
+    if not stream:
+        return c.audio.speech.create(model="tts-1", voice="default", input=text, response_format="wav",
+                                     extra_body={"greedy": True}).content
+    with c.audio.speech.with_streaming_response.create(model="tts-1", voice="default", input=text,
+                                                       response_format="wav", stream_format="audio",
+                                                       extra_body={"greedy": True}) as r:
+        assert r.status_code == 200
+        return b"".join(r.iter_bytes())
+
+
+def test_serve_on_ray_answers_eight_concurrent_openai_requests_with_says_bytes(on_serve, lines, streams, tmp_path):
+    _, ref = lines
+    ready = [line for line in on_serve.lines if line.startswith("minicpm: serving ")]
+    assert ready == [f"minicpm: serving {TINY} (eager, cpu) at {on_serve.url} on Ray Serve (2 replicas, 0 GPUs each)\n"]
+    jobs = [(n, stream) for n in range(1, 5) for stream in (False, True)]
+    results: dict = {}
+    barrier = threading.Barrier(len(jobs))
+
+    def ask(job):
+        n, stream = job
+        barrier.wait()
+        results[job] = speak(on_serve.url, TEXTS[n - 1], stream)
+
+    threads = [threading.Thread(target=ask, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(results) == sorted(jobs)
+    for (n, stream), data in results.items():
+        assert data == (streams[TEXTS[n - 1]] if stream else ref[f"line-{n:04d}.wav"]), (n, stream)
+    # the key holds behind Serve's proxy; `say --server` (the thin client) works through it too
+    with pytest.raises(openai.AuthenticationError):
+        client(on_serve.url, "wrong").audio.speech.create(model="tts-1", voice="default", input="Hi.")
+    out = tmp_path / "x.wav"
+    p = minicpm("say", TEXTS[0], "--greedy", "-o", str(out), "--server", on_serve.url, env=_env(MINICPM_API_KEY=KEY))
+    assert p.returncode == 0, p.stderr.decode()
+    assert out.read_bytes() == ref["line-0001.wav"]
+
+
+def test_a_replica_killed_under_load_fails_its_requests_loudly_and_later_ones_succeed(on_serve, lines, streams):
+    """Six long streams over two replicas; once audio flows, one replica is killed. Each stream either
+    ends whole, with `say`'s bytes, or fails with an error: none ends early as if it were complete.
+    Then new requests, streamed and whole, get their bytes."""
+    import ray
+
+    _, ref = lines
+    results: dict[int, object] = {}
+    started = threading.Semaphore(0)
+
+    def ask(i: int):
+        try:
+            c = client(on_serve.url)
+            with c.audio.speech.with_streaming_response.create(model="tts-1", voice="default", input=LONG,
+                                                               response_format="wav", stream_format="audio",
+                                                               extra_body={"greedy": True}) as r:
+                parts = []
+                for part in r.iter_bytes():
+                    if not parts:
+                        started.release()
+                    parts.append(part)
+            results[i] = b"".join(parts)
+        except Exception as e:  # (what the client raises is the point: kept and checked below)
+            started.release()
+            results[i] = e
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for _ in range(2):  # (two streams flowing: both replicas are generating)
+        assert started.acquire(timeout=300)
+    replicas = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a["name"].startswith("SERVE_REPLICA::minicpm#"))
+    assert len(replicas) == 2, replicas
+    ray.kill(ray.get_actor(replicas[0], namespace="serve"), no_restart=True)
+    for t in threads:
+        t.join(timeout=300)
+    failed = [r for r in results.values() if isinstance(r, Exception)]
+    whole = [r for r in results.values() if not isinstance(r, Exception)]
+    assert len(results) == 6 and failed, results
+    assert all(r == streams[LONG] for r in whole), [len(r) for r in whole]
+    # queued on the replica that died: Serve's 500 (the openai client's default retries resend it);
+    # streaming from it: the chunked body breaks off, which the client's HTTP library raises
+    for e in failed:
+        assert (isinstance(e, openai.APIStatusError) and e.status_code >= 500) \
+            or isinstance(e, openai.APIConnectionError) or "incomplete chunked read" in str(e), repr(e)
+    assert speak(on_serve.url, TEXTS[1], stream=True) == streams[TEXTS[1]]
+    assert speak(on_serve.url, TEXTS[2], stream=False) == ref["line-0003.wav"]
+
+
+def test_sigterm_deletes_the_application(on_serve, cluster):
+    from ray import serve
+
+    on_serve.send_signal(signal.SIGTERM)
+    assert on_serve.wait(timeout=180) == 0, "".join(on_serve.lines)
+    assert "minicpm" not in serve.status().applications
