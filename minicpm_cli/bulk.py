@@ -282,8 +282,9 @@ class Request:
 
 def synthesize_batch(synth, requests: Sequence[Request]) -> list:
     """A batch of requests -> their utterances (`pipeline.Utterance`), in order: the one place where
-    `bulk` speaks. Each utterance is the one `synth.say` gives for its request alone."""
-    return [synth.say(r.text, r.sampling, voice=r.voice) for r in requests]
+    `bulk` speaks, generated together (`Synthesizer.say_batch`, as many at once as the model was
+    loaded with rows). Each utterance is the one `synth.say` gives for its request alone."""
+    return synth.say_batch([(r.text, r.sampling, r.voice) for r in requests])
 
 
 class Speaker:

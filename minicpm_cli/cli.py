@@ -508,7 +508,7 @@ def bulk(
         raise UsageError(f"cannot make the directory {out}: {e.strerror or e}") from None
     if address is not None:
         model, gguf = _here(model), _here(gguf)
-    load = functools.partial(_load, model, backend, device, dtype, gguf, verbose)
+    load = functools.partial(_load, model, backend, device, dtype, gguf, verbose, batch)  # (rows: a batch at once)
     if address is None:
         def results(pending):
             return b.in_process(pending, load, batch)

@@ -227,6 +227,20 @@ class Synthesizer:
             return
         yield from in_order(self.batch(batch), jobs, batch)
 
+    def say_batch(self, requests: list[tuple[str, Sampling, Voice | np.ndarray | None]]) -> list[Utterance]:
+        """`say` for each (text, sampling, voice), generated together, up to `rows` at a time; in order."""
+        from .batching import in_order
+
+        if self.rows == 1 or len(requests) == 1:
+            return [self.say(text, sampling, voice=voice) for text, sampling, voice in requests]
+        jobs = (functools.partial(self._read_job, text, sampling, as_voice(voice), "segment", None)
+                for text, sampling, voice in requests)
+        return [self._utterance(chunks) for chunks in in_order(self.batch(), jobs, self.rows)]
+
+    @staticmethod
+    def _utterance(chunks: list[AudioChunk]) -> Utterance:
+        return Utterance(codes=torch.cat([c.codes for c in chunks]), audio=np.concatenate([c.samples for c in chunks]))
+
     def _read_job(self, text, sampling, voice, decode, frames_per_token, lane):
         return self.synthesize(text, sampling, decode=decode, voice=voice, frames_per_token=frames_per_token,
                                lane=lane)
@@ -361,6 +375,4 @@ class Synthesizer:
     def say(self, text: str, sampling: Sampling = Sampling(), *,
             voice: Voice | np.ndarray | None = None) -> Utterance:
         """The whole read-aloud utterance at once (decoded per segment, as the reference reads)."""
-        chunks = list(self.synthesize(text, sampling, decode="segment", voice=voice))
-        return Utterance(codes=torch.cat([c.codes for c in chunks]),
-                         audio=np.concatenate([c.samples for c in chunks]))
+        return self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice)))
