@@ -331,12 +331,16 @@ def fake_audio(text: str, seed: int | None) -> np.ndarray:
 
 class FakeSynth:
     """say() returns samples that name the text and the seed; the text 'unreadable' fails as the
-    tokenizer would. Records its calls."""
+    tokenizer would; say_batch() is say() for each request, as the Synthesizer's is for one row.
+    Records its calls."""
 
     sample_rate = 24000
 
     def __init__(self):
         self.calls: list[tuple] = []
+
+    def say_batch(self, requests):
+        return [self.say(text, sampling, voice=voice) for text, sampling, voice in requests]
 
     def say(self, text, sampling, *, voice=None):
         from types import SimpleNamespace
