@@ -7,7 +7,9 @@
 - `RawSink`: headerless PCM (s16le or f32le), flushed per chunk.
 
 Float samples become 16-bit PCM here (clipped to [-1, 1], scaled by 32767, rounded), not in
-libsndfile, so the bytes do not depend on its settings.
+libsndfile, so the bytes do not depend on its settings. The raw and streaming sinks also take `Pcm`:
+samples already converted by `to_pcm` (a server's, when the thin client asks it for the sink's own
+format), written as they are.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import struct
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
 
 FORMATS = {".wav": "WAV", ".flac": "FLAC"}
 PCM = {"s16": "PCM_16", "f32": "FLOAT"}
+PCM_BYTES = {"s16": 2, "f32": 4}
 
 
 class Sink(Protocol):
@@ -67,6 +71,17 @@ def to_pcm(samples: np.ndarray, pcm: str) -> np.ndarray:
     return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype(np.int16)
 
 
+@dataclass(frozen=True)
+class Pcm:
+    """Samples as a raw sink writes them: `to_pcm`'s bytes, s16le or f32le. `len()` counts samples."""
+
+    data: bytes
+    pcm: str  # "s16" or "f32"
+
+    def __len__(self) -> int:
+        return len(self.data) // PCM_BYTES[self.pcm]
+
+
 def wav_header(sample_rate: int, pcm: str, data_bytes: int = 0xFFFFFFFF) -> bytes:
     """A 44-byte WAV header; the default sizes mean "until the end of the stream"."""
     fmt_tag, bits = (1, 16) if pcm == "s16" else (3, 32)
@@ -80,8 +95,13 @@ class RawSink:
     def __init__(self, stream: BinaryIO, pcm: str):
         self.stream, self.pcm = stream, pcm
 
-    def write(self, samples: np.ndarray) -> None:
-        self.stream.write(to_pcm(samples, self.pcm).astype("<i2" if self.pcm == "s16" else "<f4").tobytes())
+    def write(self, samples: np.ndarray | Pcm) -> None:
+        if isinstance(samples, Pcm):
+            if samples.pcm != self.pcm:
+                raise ValueError(f"{samples.pcm} samples for a {self.pcm} sink")
+            self.stream.write(samples.data)
+        else:
+            self.stream.write(to_pcm(samples, self.pcm).astype("<i2" if self.pcm == "s16" else "<f4").tobytes())
         self.stream.flush()
 
     def close(self) -> None:

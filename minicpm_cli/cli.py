@@ -7,8 +7,8 @@ the commands so that `--help` stays fast.
 
 `say` and `reply` take their speech from a speaker: the model loaded in this process (`_Local`) or a
 running `minicpm serve` (`client.Remote`, found at MINICPM_SERVER, by default the address `serve`
-uses), both giving chunks of float32 samples that the same sinks write. Through a server nothing
-imports torch.
+uses), both giving chunks of float32 samples that the same sinks write (a server converts them for
+a raw or streaming sink, as the sink would). Through a server nothing imports torch.
 """
 
 from __future__ import annotations
@@ -98,20 +98,22 @@ def _load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opt
 
 
 class _Local:
-    """The model in this process, behind the interface `client.Remote` offers `say` and `reply`."""
+    """The model in this process, behind the interface `client.Remote` offers `say` and `reply` (float
+    samples always: `pcm`, the format a raw sink writes, is for a server to convert to)."""
 
     def __init__(self, synth):
         self.synth, self.sample_rate = synth, synth.sample_rate
         self.voice = None  # --voice: every request of this command speaks in it
 
-    def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int):
+    def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int,
+             pcm: Optional[str] = None):
         from .sampling import Sampling
 
         return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk,
                                      voice=self.voice)
 
     def reply(self, message: str, *, greedy: bool, seed: Optional[int], temperature: float, max_tokens: int,
-              first_chunk: int):
+              first_chunk: int, pcm: Optional[str] = None):
         from .llm import LLMSampling
         from .sampling import Sampling
 
@@ -304,7 +306,9 @@ def say(
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
 
     def chunks(t: str, decode: str):
-        return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames)
+        # (a streamed decode goes to a raw or streaming sink, whose own samples a server can send)
+        return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames,
+                            pcm=pcm if decode == "stream" else None)
 
     def speak(t: str, target: str, to_file: bool) -> None:
         # (the chunks are asked for before the sink is opened: a server starts on them while opening
@@ -388,7 +392,7 @@ def reply(
             sys.stderr.flush()
 
     chunks = speaker.reply(message, greedy=greedy, seed=seed, temperature=temperature, max_tokens=max_tokens,
-                           first_chunk=frames)
+                           first_chunk=frames, pcm=pcm if output == "-" or raw else None)
     _play(chunks, audio.open_sink(output, pcm, speaker.sample_rate, raw), show)
     if text_out is None:
         sys.stderr.write("\n")
