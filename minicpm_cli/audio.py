@@ -1,15 +1,16 @@
 """Audio sinks: where the chunks of `Synthesizer.synthesize/reply` go, written as they arrive.
 
 - `FileSink`: a .wav or .flac file, written to a temporary name in the same directory and renamed
-  into place when complete, so an error, Ctrl-C or kill leaves no file or a complete one.
+  into place when complete, so an error, Ctrl-C or kill leaves no file or a complete one. 16-bit WAV
+  is written here (header and samples), FLAC and float WAV by libsndfile.
 - `WavStreamSink`: WAV to a byte stream (stdout): a header whose sizes say "unknown length"
   (0xFFFFFFFF, as streaming tools write it), then samples, flushed per chunk.
 - `RawSink`: headerless PCM (s16le or f32le), flushed per chunk.
 
 Float samples become 16-bit PCM here (clipped to [-1, 1], scaled by 32767, rounded), not in
-libsndfile, so the bytes do not depend on its settings. The raw and streaming sinks also take `Pcm`:
-samples already converted by `to_pcm` (a server's, when the thin client asks it for the sink's own
-format), written as they are.
+libsndfile, so the bytes do not depend on its settings. The raw, streaming and 16-bit WAV sinks also
+take `Pcm`: samples already converted by `to_pcm` (a server's, when the thin client asks it for the
+sink's own format), written as they are.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ def check_output(path: str, pcm: str, raw: bool = False) -> None:
     parent = Path(path).expanduser().resolve().parent
     if not parent.is_dir():
         raise UsageError(f"output directory does not exist: {parent}")
+
+
+def takes_pcm(path: str, pcm: str, raw: bool = False) -> bool:
+    """Whether the sink `open_sink` opens for these writes `Pcm` as it is: raw, streamed, or a 16-bit
+    WAV file (a server is asked for those bytes; FLAC and float WAV files go through libsndfile)."""
+    return raw or path == "-" or (file_format(path) == "WAV" and pcm == "s16")
 
 
 def to_pcm(samples: np.ndarray, pcm: str) -> np.ndarray:
@@ -120,22 +127,27 @@ class WavStreamSink(RawSink):
 
 class FileSink:
     def __init__(self, path: str, pcm: str, sample_rate: int, raw: bool = False):
-        import soundfile as sf
-
         self.target = Path(path).expanduser()
         fd, self.tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".partial",
                                         dir=self.target.resolve().parent)
         os.close(fd)
-        self.pcm = pcm
-        if raw:
+        self.pcm, self.rate = pcm, None
+        if takes_pcm(path, pcm, raw):
+            # raw, or a 16-bit WAV written here: its 44-byte header is the one libsndfile writes, byte for
+            # byte (a test checks), and samples a server converted (`Pcm`) need neither numpy nor libsndfile
             self.file = None
             self.raw = RawSink(open(self.tmp, "wb"), pcm)
+            if not raw:
+                self.rate = sample_rate
+                self.raw.stream.write(wav_header(sample_rate, pcm, 0))
         else:
+            import soundfile as sf
+
             self.raw = None
             self.file = sf.SoundFile(self.tmp, "w", samplerate=sample_rate, channels=1,
                                      format=file_format(path), subtype=PCM[pcm])
 
-    def write(self, samples: np.ndarray) -> None:
+    def write(self, samples: np.ndarray | Pcm) -> None:
         if self.raw:
             self.raw.write(samples)
         else:
@@ -143,6 +155,10 @@ class FileSink:
 
     def close(self) -> None:
         if self.raw:
+            if self.rate is not None:  # the WAV header's sizes, now known
+                size = self.raw.stream.tell() - 44
+                self.raw.stream.seek(0)
+                self.raw.stream.write(wav_header(self.rate, self.pcm, size))
             self.raw.stream.close()
         else:
             self.file.close()

@@ -305,15 +305,15 @@ def say(
     bar = _progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
 
-    def chunks(t: str, decode: str):
-        # (a streamed decode goes to a raw or streaming sink, whose own samples a server can send)
+    def chunks(t: str, decode: str, target: str):
+        # (a server sends the sink's own samples when it writes them as they are)
         return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames,
-                            pcm=pcm if decode == "stream" else None)
+                            pcm=pcm if audio.takes_pcm(target, pcm, raw) else None)
 
     def speak(t: str, target: str, to_file: bool) -> None:
         # (the chunks are asked for before the sink is opened: a server starts on them while opening
-        # it loads numpy and libsndfile)
-        stream = chunks(t, "segment" if to_file else "stream")
+        # it may load numpy and libsndfile)
+        stream = chunks(t, "segment" if to_file else "stream", target)
         _play(stream, audio.open_sink(target, pcm, speaker.sample_rate, raw), advance)
 
     try:
@@ -330,7 +330,7 @@ def say(
                     print(path, file=sys.stderr, flush=True)
         else:
             # every line into one stream, each line's chunks as soon as they exist
-            every = (chunk for line in _lines(file) if line.strip() for chunk in chunks(line, "stream"))
+            every = (chunk for line in _lines(file) if line.strip() for chunk in chunks(line, "stream", output))
             _play(every, audio.open_sink(output, pcm, speaker.sample_rate, raw), advance)
     finally:
         if bar:
@@ -392,7 +392,7 @@ def reply(
             sys.stderr.flush()
 
     chunks = speaker.reply(message, greedy=greedy, seed=seed, temperature=temperature, max_tokens=max_tokens,
-                           first_chunk=frames, pcm=pcm if output == "-" or raw else None)
+                           first_chunk=frames, pcm=pcm if audio.takes_pcm(output, pcm, raw) else None)
     _play(chunks, audio.open_sink(output, pcm, speaker.sample_rate, raw), show)
     if text_out is None:
         sys.stderr.write("\n")
