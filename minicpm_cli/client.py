@@ -3,18 +3,19 @@
 `Remote` offers what the commands need from a loaded model, `read(text, ...)` and
 `reply(message, ...)` as iterators of chunks (float32 samples, sample rate, text), so the commands
 write them with the same sinks as when the model runs in-process, and the bytes are the same. It
-asks the server for `pcm_f32`, the samples exactly as generated, or, for a raw or streaming sink
-(stdout, --raw), for that sink's own bytes (`pcm` s16le or `pcm_f32`: the server converts with the
-sink's `audio.to_pcm`), which the sink writes as they are: `read` over the speech endpoint
-(`stream_format: "audio"` for a streamed decode, none for the per-segment one), `reply` over the
-reply endpoint's server-sent events (text and audio deltas).
+asks the server for `pcm_f32`, the samples exactly as generated, or, for a sink that writes its own
+format as it comes (stdout, --raw, a 16-bit WAV file: `audio.takes_pcm`), for that format (`pcm`
+s16le or `pcm_f32`, converted by the server with the sink's own `audio.to_pcm`): `read` over the
+speech endpoint (`stream_format: "audio"` for a streamed decode, none for the per-segment one),
+`reply` over the reply endpoint's server-sent events (text and audio deltas).
 
 Standard library, and numpy for float samples only: no torch, no model code (the point of a server
-is that `say` starts in milliseconds; `say -o -` through one does not import numpy). `find` asks the server one question, `GET /props` (503 while it loads, then
-what it serves). `read` and `reply` send their request at once, so that the server works while the
-caller gets ready to write (numpy is imported then, and the command opens its sink); the response
-is read as the chunks are asked for. Each request is its own connection; closing it (the iterator
-closed, Ctrl-C) is how the server learns to stop that generation.
+is that `say` starts in milliseconds; `say -o -` and `-o FILE.wav` through one do not import numpy).
+`find` asks the server one question, `GET /props` (503 while it loads, then what it serves). `read`
+and `reply` send their request at once, so that the server works while the caller gets ready to
+write (imports numpy if it needs it, opens its sink); the response is read as the chunks are asked
+for. Each request is its own connection; closing it (the iterator closed, Ctrl-C) is how the server
+learns to stop that generation.
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ class Remote:
     def read(self, text: str, *, greedy: bool, seed: int | None, decode: str, first_chunk: int,
              pcm: str | None = None) -> Iterator[Chunk]:
         """`Synthesizer.synthesize` on the server: decode "stream" (chunk by chunk) or "segment". With
-        `pcm` ("s16" or "f32", what a raw or streaming sink writes) the server converts the samples as
-        that sink would (`audio.to_pcm`) and the chunks hold `audio.Pcm`; else float32 samples."""
+        `pcm` ("s16" or "f32", for a sink that writes it as it comes: `audio.takes_pcm`) the server
+        converts the samples as that sink would (`audio.to_pcm`) and the chunks hold `audio.Pcm`;
+        else float32 samples."""
         body = {"model": self.props["model"], "input": text, "voice": protocol.VOICES[0],
                 "response_format": FORMAT_OF[pcm], "greedy": greedy, "seed": seed, "first_chunk": first_chunk}
         if decode == "stream":
