@@ -8,7 +8,7 @@ the commands so that `--help` stays fast.
 `say` and `reply` take their speech from a speaker: the model loaded in this process (`_Local`) or a
 running `minicpm serve` (`client.Remote`, found at MINICPM_SERVER, by default the address `serve`
 uses), both giving chunks of float32 samples that the same sinks write (a server converts them for
-a raw or streaming sink, as the sink would). Through a server nothing imports torch.
+stdout, --raw and 16-bit WAV, as the sink would). Through a server nothing imports torch.
 """
 
 from __future__ import annotations
@@ -153,8 +153,8 @@ def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: 
 
         remote = Remote.find(*server_url(server))
         if remote is not None:
-            # no model in this process: numpy, imported next, needs none of OpenBLAS's threads (one a
-            # core), whose start took 25-70 ms of numpy's import on the 2-core machine
+            # no model in this process: numpy, where a sink needs it, needs none of OpenBLAS's threads
+            # (one a core), whose start took 25-70 ms of numpy's import on the 2-core machine
             os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
             remote.check(model=model, backend=backend, device=device, dtype=dtype, gguf=gguf)
             if verbose:
