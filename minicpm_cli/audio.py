@@ -1,13 +1,16 @@
 """Audio sinks: where the chunks of `Synthesizer.synthesize/reply` go, written as they arrive.
 
 - `FileSink`: a .wav or .flac file, written to a temporary name in the same directory and renamed
-  into place when complete, so an error, Ctrl-C or kill leaves no file or a complete one.
+  into place when complete, so an error, Ctrl-C or kill leaves no file or a complete one. 16-bit WAV
+  is written here (header and samples), FLAC and float WAV by libsndfile.
 - `WavStreamSink`: WAV to a byte stream (stdout): a header whose sizes say "unknown length"
   (0xFFFFFFFF, as streaming tools write it), then samples, flushed per chunk.
 - `RawSink`: headerless PCM (s16le or f32le), flushed per chunk.
 
 Float samples become 16-bit PCM here (clipped to [-1, 1], scaled by 32767, rounded), not in
-libsndfile, so the bytes do not depend on its settings.
+libsndfile, so the bytes do not depend on its settings. The raw, streaming and 16-bit WAV sinks also
+take `Pcm`: samples already converted by `to_pcm` (a server's, when the thin client asks it for the
+sink's own format), written as they are.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import struct
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
@@ -26,6 +30,7 @@ if TYPE_CHECKING:
 
 FORMATS = {".wav": "WAV", ".flac": "FLAC"}
 PCM = {"s16": "PCM_16", "f32": "FLOAT"}
+PCM_BYTES = {"s16": 2, "f32": 4}
 
 
 class Sink(Protocol):
@@ -58,6 +63,12 @@ def check_output(path: str, pcm: str, raw: bool = False) -> None:
         raise UsageError(f"output directory does not exist: {parent}")
 
 
+def takes_pcm(path: str, pcm: str, raw: bool = False) -> bool:
+    """Whether the sink `open_sink` opens for these writes `Pcm` as it is: raw, streamed, or a 16-bit
+    WAV file (a server is asked for those bytes; FLAC and float WAV files go through libsndfile)."""
+    return raw or path == "-" or (file_format(path) == "WAV" and pcm == "s16")
+
+
 def to_pcm(samples: np.ndarray, pcm: str) -> np.ndarray:
     import numpy as np  # (here, not at the top: `say` through a server sends its request before numpy loads)
 
@@ -65,6 +76,17 @@ def to_pcm(samples: np.ndarray, pcm: str) -> np.ndarray:
     if pcm == "f32":
         return samples
     return np.round(np.clip(samples, -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+@dataclass(frozen=True)
+class Pcm:
+    """Samples as a raw sink writes them: `to_pcm`'s bytes, s16le or f32le. `len()` counts samples."""
+
+    data: bytes
+    pcm: str  # "s16" or "f32"
+
+    def __len__(self) -> int:
+        return len(self.data) // PCM_BYTES[self.pcm]
 
 
 def wav_header(sample_rate: int, pcm: str, data_bytes: int = 0xFFFFFFFF) -> bytes:
@@ -80,8 +102,13 @@ class RawSink:
     def __init__(self, stream: BinaryIO, pcm: str):
         self.stream, self.pcm = stream, pcm
 
-    def write(self, samples: np.ndarray) -> None:
-        self.stream.write(to_pcm(samples, self.pcm).astype("<i2" if self.pcm == "s16" else "<f4").tobytes())
+    def write(self, samples: np.ndarray | Pcm) -> None:
+        if isinstance(samples, Pcm):
+            if samples.pcm != self.pcm:
+                raise ValueError(f"{samples.pcm} samples for a {self.pcm} sink")
+            self.stream.write(samples.data)
+        else:
+            self.stream.write(to_pcm(samples, self.pcm).astype("<i2" if self.pcm == "s16" else "<f4").tobytes())
         self.stream.flush()
 
     def close(self) -> None:
@@ -100,22 +127,27 @@ class WavStreamSink(RawSink):
 
 class FileSink:
     def __init__(self, path: str, pcm: str, sample_rate: int, raw: bool = False):
-        import soundfile as sf
-
         self.target = Path(path).expanduser()
         fd, self.tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".partial",
                                         dir=self.target.resolve().parent)
         os.close(fd)
-        self.pcm = pcm
-        if raw:
+        self.pcm, self.rate = pcm, None
+        if takes_pcm(path, pcm, raw):
+            # raw, or a 16-bit WAV written here: its 44-byte header is the one libsndfile writes, byte for
+            # byte (a test checks), and samples a server converted (`Pcm`) need neither numpy nor libsndfile
             self.file = None
             self.raw = RawSink(open(self.tmp, "wb"), pcm)
+            if not raw:
+                self.rate = sample_rate
+                self.raw.stream.write(wav_header(sample_rate, pcm, 0))
         else:
+            import soundfile as sf
+
             self.raw = None
             self.file = sf.SoundFile(self.tmp, "w", samplerate=sample_rate, channels=1,
                                      format=file_format(path), subtype=PCM[pcm])
 
-    def write(self, samples: np.ndarray) -> None:
+    def write(self, samples: np.ndarray | Pcm) -> None:
         if self.raw:
             self.raw.write(samples)
         else:
@@ -123,6 +155,10 @@ class FileSink:
 
     def close(self) -> None:
         if self.raw:
+            if self.rate is not None:  # the WAV header's sizes, now known
+                size = self.raw.stream.tell() - 44
+                self.raw.stream.seek(0)
+                self.raw.stream.write(wav_header(self.rate, self.pcm, size))
             self.raw.stream.close()
         else:
             self.file.close()

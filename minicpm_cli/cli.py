@@ -10,8 +10,8 @@ file, `default`, else a saved voice); `minicpm voice add|list|rm` manage the sav
 
 `say` and `reply` take their speech from a speaker: the model loaded in this process (`_Local`) or a
 running `minicpm serve` (`client.Remote`, found at MINICPM_SERVER, by default the address `serve`
-uses), both giving chunks of float32 samples that the same sinks write. Through a server nothing
-imports torch.
+uses), both giving chunks of float32 samples that the same sinks write (a server converts them for
+stdout, --raw and 16-bit WAV, as the sink would). Through a server nothing imports torch.
 
 `bulk` speaks a file of items, one audio file each (`bulk.py`); `bulk --ray` and `serve --ray` run on a
 Ray cluster (`cluster.py`, `ray_serve.py`), Ray being imported only then.
@@ -20,6 +20,7 @@ Ray cluster (`cluster.py`, `ray_serve.py`), Ray being imported only then.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import signal
@@ -108,13 +109,15 @@ def _load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opt
 
 
 class _Local:
-    """The model in this process, behind the interface `client.Remote` offers `say` and `reply`."""
+    """The model in this process, behind the interface `client.Remote` offers `say` and `reply` (float
+    samples always: `pcm`, the format a raw sink writes, is for a server to convert to)."""
 
     def __init__(self, synth):
         self.synth, self.sample_rate = synth, synth.sample_rate
         self.voice = None  # --voice: every request of this command speaks in it
 
-    def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int):
+    def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int,
+             pcm: Optional[str] = None):
         from .sampling import Sampling
 
         return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk,
@@ -131,7 +134,7 @@ class _Local:
         return in_order(self.synth.batch(batch), jobs, batch)
 
     def reply(self, message: str, *, greedy: bool, seed: Optional[int], temperature: float, max_tokens: int,
-              first_chunk: int):
+              first_chunk: int, pcm: Optional[str] = None):
         from .llm import LLMSampling
         from .sampling import Sampling
 
@@ -174,8 +177,8 @@ def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: 
 
         remote = Remote.find(*server_url(server))
         if remote is not None:
-            # no model in this process: numpy, imported next, needs none of OpenBLAS's threads (one a
-            # core), whose start took 25-70 ms of numpy's import on the 2-core machine
+            # no model in this process: numpy, where a sink needs it, needs none of OpenBLAS's threads
+            # (one a core), whose start took 25-70 ms of numpy's import on the 2-core machine
             os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
             remote.check(model=model, backend=backend, device=device, dtype=dtype, gguf=gguf)
             if verbose:
@@ -331,13 +334,15 @@ def say(
     bar = _progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
 
-    def chunks(t: str, decode: str):
-        return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames)
+    def chunks(t: str, decode: str, target: str):
+        # (a server sends the sink's own samples when it writes them as they are)
+        return speaker.read(t, greedy=greedy, seed=seed, decode=decode, first_chunk=frames,
+                            pcm=pcm if audio.takes_pcm(target, pcm, raw) else None)
 
     def speak(t: str, target: str, to_file: bool) -> None:
         # (the chunks are asked for before the sink is opened: a server starts on them while opening
-        # it loads numpy and libsndfile)
-        stream = chunks(t, "segment" if to_file else "stream")
+        # it may load numpy and libsndfile)
+        stream = chunks(t, "segment" if to_file else "stream", target)
         _play(stream, audio.open_sink(target, pcm, speaker.sample_rate, raw), advance)
 
     try:
@@ -347,18 +352,18 @@ def say(
         elif directory is not None:
             texts = (line for line in _lines(file) if line.strip())
             decode = "stream" if raw else "segment"
+            paths = (str(Path(directory) / f"line-{n:04d}{'.raw' if raw else '.wav'}") for n in itertools.count(1))
             if batch == 1:  # each line's chunks written as they come
-                spoken = (chunks(t, decode) for t in texts)
+                spoken = ((path, chunks(t, decode, path)) for t, path in zip(texts, paths))
             else:
-                spoken = speaker.read_many(texts, batch=batch, greedy=greedy, seed=seed, decode=decode,
-                                           first_chunk=frames)
-            for count, line_chunks in enumerate(spoken, start=1):
-                path = str(Path(directory) / f"line-{count:04d}{'.raw' if raw else '.wav'}")
+                spoken = zip(paths, speaker.read_many(texts, batch=batch, greedy=greedy, seed=seed, decode=decode,
+                                                      first_chunk=frames))
+            for path, line_chunks in spoken:
                 _play(line_chunks, audio.open_sink(path, pcm, speaker.sample_rate, raw), advance)
                 print(path, file=sys.stderr, flush=True)
         else:
             # every line into one stream, each line's chunks as soon as they exist
-            every = (chunk for line in _lines(file) if line.strip() for chunk in chunks(line, "stream"))
+            every = (chunk for line in _lines(file) if line.strip() for chunk in chunks(line, "stream", output))
             _play(every, audio.open_sink(output, pcm, speaker.sample_rate, raw), advance)
     finally:
         if bar:
@@ -420,7 +425,7 @@ def reply(
             sys.stderr.flush()
 
     chunks = speaker.reply(message, greedy=greedy, seed=seed, temperature=temperature, max_tokens=max_tokens,
-                           first_chunk=frames)
+                           first_chunk=frames, pcm=pcm if audio.takes_pcm(output, pcm, raw) else None)
     _play(chunks, audio.open_sink(output, pcm, speaker.sample_rate, raw), show)
     if text_out is None:
         sys.stderr.write("\n")

@@ -3,19 +3,22 @@
 `Remote` offers what the commands need from a loaded model, `read(text, ...)` and
 `reply(message, ...)` as iterators of chunks (float32 samples, sample rate, text), so the commands
 write them with the same sinks as when the model runs in-process, and the bytes are the same. It
-asks the server for `pcm_f32`, the samples exactly as generated: `read` over the speech endpoint
-(`stream_format: "audio"` for a streamed decode, none for the per-segment one), `reply` over the
-reply endpoint's server-sent events (text and audio deltas). A voice (`--voice FILE` or a saved
-NAME, resolved here) goes along with each request as its samples (`voice_samples`: base64 float32
-16 kHz, exactly what the local path would give the model), so the server needs no copy of it and the
-bytes are the local path's; the server encodes each voice once and keeps the encoding.
+asks the server for `pcm_f32`, the samples exactly as generated, or, for a sink that writes its own
+format as it comes (stdout, --raw, a 16-bit WAV file: `audio.takes_pcm`), for that format (`pcm`
+s16le or `pcm_f32`, converted by the server with the sink's own `audio.to_pcm`): `read` over the
+speech endpoint (`stream_format: "audio"` for a streamed decode, none for the per-segment one),
+`reply` over the reply endpoint's server-sent events (text and audio deltas). A voice (`--voice FILE`
+or a saved NAME, resolved here) goes along with each request as its samples (`voice_samples`: base64
+float32 16 kHz, exactly what the local path would give the model), so the server needs no copy of it
+and the bytes are the local path's; the server encodes each voice once and keeps the encoding.
 
-Standard library and numpy only: no torch, no model code (the point of a server is that `say`
-starts in milliseconds). `find` asks the server one question, `GET /props` (503 while it loads, then
-what it serves). `read` and `reply` send their request at once, so that the server works while the
-caller gets ready to write (numpy is imported then, and the command opens its sink); the response
-is read as the chunks are asked for. Each request is its own connection; closing it (the iterator
-closed, Ctrl-C) is how the server learns to stop that generation.
+Standard library, and numpy for float samples only: no torch, no model code (the point of a server
+is that `say` starts in milliseconds; `say -o -` and `-o FILE.wav` through one do not import numpy).
+`find` asks the server one question, `GET /props` (503 while it loads, then what it serves). `read`
+and `reply` send their request at once, so that the server works while the caller gets ready to
+write (imports numpy if it needs it, opens its sink); the response is read as the chunks are asked
+for. Each request is its own connection; closing it (the iterator closed, Ctrl-C) is how the server
+learns to stop that generation.
 """
 
 from __future__ import annotations
@@ -29,19 +32,22 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from . import protocol, trace
+from .audio import PCM_BYTES, Pcm
 from .errors import MinicpmError, UsageError
 
 if TYPE_CHECKING:
     import numpy as np
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32"}  # the aliases --dtype takes
+# the response_format asked for: a sink's own samples (s16le, f32le), or float32 samples for numpy
+FORMAT_OF = {**{pcm: fmt for fmt, pcm in protocol.RAW_FORMATS.items()}, None: "pcm_f32"}
 
 
 class ServerError(MinicpmError):
@@ -50,9 +56,10 @@ class ServerError(MinicpmError):
 
 @dataclass(frozen=True)
 class Chunk:
-    """What `say`/`reply` read from an AudioChunk: samples (float32 mono), their rate, the text."""
+    """What `say`/`reply` read from an AudioChunk: samples (float32 mono, or a sink's own `Pcm`), their
+    rate, the text."""
 
-    samples: np.ndarray
+    samples: np.ndarray | Pcm
     sample_rate: int
     text: str = ""
 
@@ -147,28 +154,30 @@ class Remote:
 
     # -- speaking ------------------------------------------------------------------------------
 
-    def read(self, text: str, *, greedy: bool, seed: int | None, decode: str,
-             first_chunk: int) -> Iterator[Chunk]:
-        """`Synthesizer.synthesize` on the server: decode "stream" (chunk by chunk) or "segment"."""
+    def read(self, text: str, *, greedy: bool, seed: int | None, decode: str, first_chunk: int,
+             pcm: str | None = None) -> Iterator[Chunk]:
+        """`Synthesizer.synthesize` on the server: decode "stream" (chunk by chunk) or "segment". With
+        `pcm` ("s16" or "f32", for a sink that writes it as it comes: `audio.takes_pcm`) the server
+        converts the samples as that sink would (`audio.to_pcm`) and the chunks hold `audio.Pcm`;
+        else float32 samples."""
         body = {"model": self.props["model"], "input": text, "voice": protocol.DEFAULT_VOICE,
-                "voice_samples": self._voice_samples, "response_format": "pcm_f32", "greedy": greedy, "seed": seed,
-                "first_chunk": first_chunk}
+                "voice_samples": self._voice_samples, "response_format": FORMAT_OF[pcm], "greedy": greedy,
+                "seed": seed, "first_chunk": first_chunk}
         if decode == "stream":
             body["stream_format"] = "audio"
-        return _sent(self._samples(body))
+        return _sent(self._samples(body, pcm))
 
-    def _samples(self, body: dict) -> Iterator[Chunk]:
+    def _samples(self, body: dict, pcm: str | None) -> Iterator[Chunk]:
         with self._post("/v1/audio/speech", body) as conn:
             yield None  # (sent: see _sent)
-            import numpy as np
-
+            samples = _samples_of(pcm)
             resp = self._response(conn)
-            pending = b""
+            size, pending = PCM_BYTES[pcm or "f32"], b""
             for data in _chunks(resp, self.url):
                 pending += data
-                whole = len(pending) - len(pending) % 4
+                whole = len(pending) - len(pending) % size
                 if whole:
-                    yield Chunk(np.frombuffer(pending[:whole], dtype="<f4").astype(np.float32), self.sample_rate)
+                    yield Chunk(samples(pending[:whole]), self.sample_rate)
                     pending = pending[whole:]
             if pending:
                 raise ServerError(f"the server at {self.url} sent a partial sample")
@@ -192,26 +201,25 @@ class Remote:
                     f.cancel()
 
     def reply(self, message: str, *, greedy: bool, seed: int | None, temperature: float, max_tokens: int,
-              first_chunk: int) -> Iterator[Chunk]:
-        """`Synthesizer.reply` on the server: audio and the text it speaks, as they are generated."""
+              first_chunk: int, pcm: str | None = None) -> Iterator[Chunk]:
+        """`Synthesizer.reply` on the server: audio and the text it speaks, as they are generated (`pcm`
+        as for `read`)."""
         body = {"model": self.props["model"], "input": message, "voice": protocol.DEFAULT_VOICE,
-                "voice_samples": self._voice_samples, "response_format": "pcm_f32", "stream_format": "sse",
+                "voice_samples": self._voice_samples, "response_format": FORMAT_OF[pcm], "stream_format": "sse",
                 "greedy": greedy, "seed": seed,
                 "temperature": temperature, "max_tokens": max_tokens, "first_chunk": first_chunk}
-        return _sent(self._replies(body))
+        return _sent(self._replies(body, pcm))
 
-    def _replies(self, body: dict) -> Iterator[Chunk]:
+    def _replies(self, body: dict, pcm: str | None) -> Iterator[Chunk]:
         with self._post("/v1/audio/reply", body) as conn:
             yield None  # (sent: see _sent)
-            import numpy as np
-
+            samples = _samples_of(pcm)
             resp = self._response(conn)
-            empty = np.zeros(0, dtype=np.float32)
+            empty = samples(b"")
             for event in _events(resp, self.url):
                 kind = event.get("type")
                 if kind == "reply.audio.delta":
-                    yield Chunk(np.frombuffer(base64.b64decode(event["audio"]), dtype="<f4").astype(np.float32),
-                                self.sample_rate)
+                    yield Chunk(samples(base64.b64decode(event["audio"])), self.sample_rate)
                 elif kind == "reply.text.delta":
                     yield Chunk(empty, self.sample_rate, event["text"])
                 elif kind == "reply.done":
@@ -247,6 +255,16 @@ class Remote:
         if resp.status != 200:
             _raise(self.url, resp.status, resp.read())
         return resp
+
+
+def _samples_of(pcm: str | None) -> Callable[[bytes], "np.ndarray | Pcm"]:
+    """The server's bytes as a chunk's samples: `Pcm` as they are, else float32 samples (numpy imported
+    here, once the request is on its way)."""
+    if pcm is not None:
+        return lambda data: Pcm(data, pcm)
+    import numpy as np
+
+    return lambda data: np.frombuffer(data, dtype="<f4").astype(np.float32)
 
 
 def _sent(chunks: Iterator[Chunk]) -> Iterator[Chunk]:

@@ -221,6 +221,24 @@ def test_version_and_backends_listing():
     assert "auto (default)" in help_ and "int4:" in help_
 
 
+def test_a_16_bit_wav_is_written_as_libsndfile_writes_it(tmp_path):
+    """FileSink writes 16-bit WAV itself (so that samples a server converted need no numpy or
+    libsndfile): the same bytes as libsndfile, from float chunks or from `Pcm`, whatever the lengths."""
+    from minicpm_cli.audio import Pcm, open_sink, to_pcm
+
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2401, 24000 * 3 + 7):
+        samples = (rng.standard_normal(n) * 0.6).astype(np.float32)  # (some beyond [-1, 1]: clipped)
+        sf.write(tmp_path / "theirs.wav", to_pcm(samples, "s16"), 24000, format="WAV", subtype="PCM_16")
+        theirs = (tmp_path / "theirs.wav").read_bytes()
+        for kind in ("float", "pcm"):
+            sink = open_sink(str(tmp_path / "ours.wav"), "s16", 24000)
+            for part in np.array_split(samples, 5):
+                sink.write(part if kind == "float" else Pcm(to_pcm(part, "s16").astype("<i2").tobytes(), "s16"))
+            sink.close()
+            assert (tmp_path / "ours.wav").read_bytes() == theirs, (n, kind)
+
+
 @pytest.mark.parametrize("code, status, stderr", [("None", 0, ""), ("3", 3, ""), ("'bye'", 1, "bye\n")])
 def test_leaving_without_teardown_keeps_the_status_and_the_output(code, status, stderr):
     """Without torch the CLI leaves by os._exit (entry._exit): sys.exit's status and everything written."""

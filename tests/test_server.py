@@ -823,6 +823,30 @@ def test_say_asks_the_server_one_question_then_speaks(tmp_path):
         assert requests == [("GET", "/props"), ("POST", "/v1/audio/speech")]
 
 
+def test_say_through_a_server_imports_no_numpy(tmp_path):
+    """A raw, streaming or 16-bit WAV sink gets its own bytes from the server (converted by the same
+    `to_pcm`): `say -o -`, `say -o FILE.wav`, `say --raw` and `reply -o -` never import numpy or
+    libsndfile's bindings."""
+    code = ("import os, sys\n"
+            "leave = os._exit\n"
+            "def check(status):\n"
+            "    bad = [m for m in ('numpy', 'soundfile', 'torch') if m in sys.modules]\n"
+            "    sys.stderr.write(f'IMPORTED {bad}' if bad else 'CLEAN')\n"
+            "    sys.stderr.flush()\n"
+            "    leave(status)\n"
+            "os._exit = check\n"
+            "sys.argv = ['minicpm', *sys.argv[1:]]\n"
+            "from minicpm_cli.entry import main\nmain()\n")
+    with in_process(FakeSynth()) as url:
+        out = tmp_path / "x.wav"
+        for args in (["say", "hello n=2", "-o", "-"], ["say", "hello n=2", "-o", str(out)],
+                     ["say", "hello n=2", "--raw", "--pcm", "f32"], ["reply", "hello n=2", "-o", "-"]):
+            p = subprocess.run([sys.executable, "-c", code, *args, "--server", url], capture_output=True, env=_env(),
+                               timeout=120)
+            assert p.returncode == 0 and p.stderr.decode().endswith("CLEAN"), (args, p.stderr.decode())
+            assert len(p.stdout) >= 2 * 480 or out.stat().st_size == 44 + 2 * 480, args
+
+
 def test_read_and_reply_send_their_request_before_a_chunk_is_asked_for():
     """The server works on a request while the command opens its sink (which loads numpy, libsndfile)."""
     from minicpm_cli.client import Remote

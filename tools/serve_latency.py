@@ -45,7 +45,8 @@ TEXT = "Hi, how are you?"
 # the client's marks (trace.mark), in the order they happen, and what each ends
 PHASES = (("start", "interpreter up, our entry point runs"), ("cli", "CLI imported (typer, our modules)"),
           ("parsed", "options parsed"), ("found", "server found (GET /props)"), ("sent", "request sent"),
-          ("response", "response headers in (the server's first chunk)"), ("written", "file written"),
+          ("response", "response headers in (the server's first chunk)"),
+          ("written", "written (the file closed; for -o -, the stream's end)"),
           ("exit", "process gone"))
 
 
@@ -167,11 +168,19 @@ def _first_chunk_ms(header: str | None) -> float | None:
     return None
 
 
+def _transport_ms(r: dict) -> float | None:
+    if "sent" not in r or "response" not in r or r["server_first_chunk_ms"] is None:
+        return None
+    return (r["response"] - r["sent"]) * 1e3 - r["server_first_chunk_ms"]
+
+
 def stat(xs: list[float | None], scale: float = 1e3) -> str:
     xs = [x * scale for x in xs if x is not None]
     if not xs:
         return "-"
-    return f"{statistics.median(xs):.0f} ({min(xs):.0f}-{max(xs):.0f})" if len(xs) > 1 else f"{xs[0]:.0f}"
+    digits = 1 if max(abs(x) for x in xs) < 10 else 0
+    return (f"{statistics.median(xs):.{digits}f} ({min(xs):.{digits}f}-{max(xs):.{digits}f})" if len(xs) > 1
+            else f"{xs[0]:.{digits}f}")
 
 
 def phase_rows(samples: dict[str, list[dict]]) -> list[str]:
@@ -284,6 +293,8 @@ def main() -> None:
         "| exec -> first sample on stdout | - | " + stat([r["first_sample"] for r in samples["-o -"]]) + " |",
         "| server: request -> first chunk (Server-Timing) | "
         + " | ".join(stat([r["server_first_chunk_ms"] for r in runs], scale=1) for runs in samples.values()) + " |",
+        "| HTTP: request sent -> response in, less the server's time | "
+        + " | ".join(stat([_transport_ms(r) for r in runs], scale=1) for runs in samples.values()) + " |",
         "",
         "Phases: ms from the moment before (exec for the first), from the client's $MINICPM_STARTUP_LOG marks.",
         "",
