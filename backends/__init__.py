@@ -21,7 +21,7 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from minicpm_cli.errors import BackendError
 
@@ -46,6 +46,13 @@ class LLMStage(Protocol):
         of those positions: a voice's audio embeddings in their placeholders (callers pass them only
         with a voice, so a stage without this still runs everything else).
         The tensors may be the backend's own buffers: valid until the next call (clone to keep)."""
+
+    def save_prefix(self) -> Any:
+        """A copy of the context so far (its KV cache), to start later contexts from."""
+
+    def load_prefix(self, prefix: Any) -> None:
+        """Start over from a saved context: the next forward continues it, as if it had just been
+        computed."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ Cost: the slowest choice. About real time on an H200 (RTF 0.66 reading, 0.74 rep
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -24,9 +26,24 @@ def decode_batch(model: Qwen2LM, ids: Tensor, pos: Tensor, kv: int, slots: Tenso
     return logits[:, -1], hidden[:, -1]
 
 
+@dataclass(frozen=True, eq=False)
+class Prefix:
+    """A copy of the first `length` positions of one KV-cache row, every layer's K and V: a prompt's
+    beginning computed once (a voice's turn) and put back into any row (`load_prefix_row`)."""
+
+    length: int
+    k: tuple[Tensor, ...]  # per layer (Hkv, length, D)
+    v: tuple[Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
 class Rows:
     """Where each KV-cache row of an LLM stage stands: the single-stream interface is row 0
-    (`pos`, `reset`, `forward`); `forward_row` and `decode_rows` serve the others (batching)."""
+    (`pos`, `reset`, `forward`); `forward_row` and `decode_rows` serve the others (batching).
+    `save_prefix_row` / `load_prefix_row` copy a row's context out and back in (voice prefixes)."""
 
     rows = 1
     positions: list[int]
@@ -48,6 +65,32 @@ class Rows:
     def forward(self, ids: list[int], embeds: Tensor | None = None,
                 embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
         return self.forward_row(0, ids, embeds, embed_at)
+
+    def save_prefix(self) -> Prefix:
+        return self.save_prefix_row(0)
+
+    def load_prefix(self, prefix: Prefix) -> None:
+        self.load_prefix_row(0, prefix)
+
+    def _caches(self) -> list:
+        return [layer.self_attn.kv_cache for layer in self.model.model.layers]
+
+    @torch.inference_mode()
+    def save_prefix_row(self, row: int) -> Prefix:
+        """A copy of the row's context so far (positions 0..pos-1)."""
+        n, caches = self.positions[row], self._caches()
+        return Prefix(n, tuple(c.k[row, :, :n].clone() for c in caches), tuple(c.v[row, :, :n].clone() for c in caches))
+
+    @torch.inference_mode()
+    def load_prefix_row(self, row: int, prefix: Prefix) -> None:
+        """Make the row's context `prefix` (what it held when saved, bit for bit); the next tokens go
+        after it."""
+        if prefix.length > self.max_len:
+            raise UsageError(f"LLM context full: {prefix.length} tokens > {self.max_len}")
+        for c, k, v in zip(self._caches(), prefix.k, prefix.v):
+            c.k[row, :, : prefix.length].copy_(k)
+            c.v[row, :, : prefix.length].copy_(v)
+        self.positions[row] = prefix.length
 
     def _check_room(self, row: int, n: int) -> int:
         end = self.positions[row] + n

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +98,28 @@ class GGUFLLM:
                     embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
         return self.forward(ids, embeds, embed_at)
 
+    def save_prefix_row(self, row: int) -> "Prefix":
+        return self.save_prefix()
+
+    def load_prefix_row(self, row: int, prefix: "Prefix") -> None:
+        self.load_prefix(prefix)
+
+    def save_prefix(self) -> "Prefix":
+        """The sequence's context so far, as llama.cpp serialises one sequence (its KV cells)."""
+        size = self.lib.llama_state_seq_get_size(self.ctx, 0)
+        buf = (ctypes.c_uint8 * size)()
+        written = self.lib.llama_state_seq_get_data(self.ctx, buf, size, 0)
+        if written != size:
+            raise BackendError(f"backend 'gguf': llama.cpp saved {written} of {size} bytes of a context")
+        return Prefix(self.pos, bytes(buf))
+
+    def load_prefix(self, prefix: "Prefix") -> None:
+        self.reset()
+        data = (ctypes.c_uint8 * len(prefix.state)).from_buffer_copy(prefix.state)
+        if self.lib.llama_state_seq_set_data(self.ctx, data, len(prefix.state), 0) != len(prefix.state):
+            raise BackendError("backend 'gguf': llama.cpp could not restore a saved context")
+        self.pos = prefix.length
+
     def decode_rows(self, rows: list[int], ids: list[int]) -> tuple[Tensor, Tensor]:
         logits, hidden = self.forward(ids)
         return logits[None], hidden
@@ -173,6 +196,18 @@ class GGUFLLM:
         batch = getattr(self, "batch", None)
         if batch is not None:
             self.lib.llama_batch_free(batch)
+
+
+@dataclass(frozen=True, eq=False)
+class Prefix:
+    """A saved context: its length and llama.cpp's bytes of the sequence (see eager.Prefix)."""
+
+    length: int
+    state: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.state)
 
 
 def create(ckpt, config: dict, *, device, dtype, max_len: int, gguf: str | None = None, rows: int = 1) -> GGUFLLM:

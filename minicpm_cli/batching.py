@@ -59,6 +59,12 @@ class LLMLane:
             return self.batcher(self.row, ids)
         return self.stage.forward_row(self.row, ids, embeds, embed_at)
 
+    def save_prefix(self):
+        return self.stage.save_prefix_row(self.row)
+
+    def load_prefix(self, prefix) -> None:
+        self.stage.load_prefix_row(self.row, prefix)
+
 
 @dataclass(frozen=True)
 class Lane:

@@ -336,7 +336,7 @@ def _voice_entry(synth, workload: str, opts: BenchOptions, clock: Clock, default
         for item in _requests(workload):
             enc.turn(voice, mode)
             cached.append(_first_audio(synth, workload, item, r, opts, clock, voice))
-            enc.clear()
+            synth.forget_voices()
             new.append(_first_audio(synth, workload, item, r, opts, clock, opts.voice))
         _log(f"voice {workload}: run {r + 1}/{opts.runs}")
 

@@ -10,18 +10,14 @@ character (U+FFFD) are held back to the next piece. The first piece carries the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .sampling import choose, noise, top_k, top_p
 from .text import ASSISTANT_TTS_PREFIX, Tokenizers
-
-if TYPE_CHECKING:
-    from .cloning import VoiceTurn
 
 # streaming_generate appends this after the user turn; with a text-only first turn the context holds
 # `<|im_end|>\n` twice (spec §7.5). We keep it: it is the flow the model was benchmarked with and the
@@ -77,19 +73,21 @@ def next_token(logits: Tensor, window: list[int], s: LLMSampling, generator: tor
 
 
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,
-                 max_tokens: int, force_length: bool = False, voice: "VoiceTurn | None" = None) -> Iterator[Piece]:
+                 max_tokens: int, force_length: bool = False,
+                 voice: Callable[[], object] | None = None) -> Iterator[Piece]:
     """`force_length` (benchmarks with random weights): the end tokens are never sampled, so the
     reply has exactly max_tokens tokens, and only ids the tokenizer can decode are (random weights
-    may come with a smaller test tokenizer). `voice`: the reference's audio-assistant system turn,
-    prefilled first (spec §4.4, §4.5); the user message then follows as a later message."""
+    may come with a smaller test tokenizer). `voice`: starts `llm` on the reference's audio-assistant
+    system turn (spec §4.4, §4.5; `Synthesizer.voice_context`); the user message then follows as a
+    later message."""
     terminators = {tok.im_end_id, tok.endoftext_id}
     banned = sorted(terminators | {tok.tts_eos_id}) if force_length else None
     vocab = len(tok.llm) if force_length else None
-    llm.reset()
     if voice is None:
+        llm.reset()
         llm.forward(tok.encode_llm(user_turn(user_text)))
     else:
-        llm.forward(voice.ids, voice.embeds, voice.embed_at)
+        voice()
         llm.forward(tok.encode_llm(later_user_turn(user_text)))
     inputs = tok.encode_llm(GENERATE_PROMPT)
     spk_pos = inputs.index(tok.spk_id)

@@ -14,6 +14,7 @@ loaded when a voice is first used; without a voice nothing of it is loaded or ru
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch import Tensor
 from . import backends
 
 from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, resolve
-from .cloning import AUDIO_PREFIXES, VoiceEncoder, load_voice_encoder
+from .cloning import AUDIO_PREFIXES, VoiceEncoder, VoiceTurn, load_voice_encoder
 from . import trace
 from .codec import Codec
 from .errors import CheckpointError, DeviceError, UsageError
@@ -42,6 +43,9 @@ from .voice import Voice, as_voice
 SAMPLE_RATE = 24000
 BUNDLED_TOKENIZERS = Path(__file__).parent / "data" / "tiny-tokenizers"
 LLM_CONTEXT = 4096
+# The voice turns' LLM contexts kept (`voice_context`): a 10-s voice's read turn is ~265 tokens,
+# 15 MB of the 7B's bfloat16 KV cache, so ~34 of them; a 30-s one is ~44 MB.
+PREFIX_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,9 @@ class Synthesizer:
         self.device = tts.emb_text.weight.device
         self.llm_context = LLM_CONTEXT
         self._load_voices, self._voices = voices, None
+        # (voice digest, mode) -> the LLM context of the voice's turn (a backend's saved prefix),
+        # least recently used first, at most PREFIX_BYTES in all
+        self._prefixes: OrderedDict[tuple[str, str], object] = OrderedDict()
 
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, *, backend: str = "auto", device: str = "auto",
@@ -200,6 +207,30 @@ class Synthesizer:
                                  "(random weights)")
             self._voices = self._load_voices()
         return self._voices
+
+    def voice_context(self, llm, voice: Voice, mode: str) -> VoiceTurn:
+        """Start `llm` (the stage or a lane of it) on `voice`'s turn in `mode`: its KV cache put back
+        when kept, else the turn prefilled and its cache kept. Either way the turn is its own forward,
+        so what follows it gives the same result whether the turn was computed now or before."""
+        key = (voice.digest, mode)
+        turn = self.voices.turn(voice, mode)
+        llm.reset()
+        prefix = self._prefixes.get(key)
+        if prefix is not None:
+            self._prefixes.move_to_end(key)
+            llm.load_prefix(prefix)
+            return turn
+        llm.forward(turn.ids, turn.embeds, turn.embed_at)
+        self._prefixes[key] = llm.save_prefix()
+        while len(self._prefixes) > 1 and sum(p.nbytes for p in self._prefixes.values()) > PREFIX_BYTES:
+            self._prefixes.popitem(last=False)
+        return turn
+
+    def forget_voices(self) -> None:
+        """Drop every voice's kept encodings and contexts (the next use computes them anew)."""
+        self._prefixes.clear()
+        if self._voices is not None:
+            self._voices.clear()
 
     @property
     def rows(self) -> int:
@@ -277,12 +308,14 @@ class Synthesizer:
 
     def _read_speaker(self, text: str, voice: Voice | None, llm=None) -> Tensor:
         """The speaker vector of a read: the reference's chat() read prompt, after its voice-cloning
-        turn when there is a voice (spec §4.3)."""
+        turn when there is a voice (spec §4.3; the turn's context kept per voice)."""
         if voice is None:
             return self.speaker(self._read_prompt_ids(text), llm=llm)
-        turn = self.voices.turn(voice, "read")
-        ids = turn.ids + self._read_prompt_ids(text, reserved=len(turn.ids))
-        return self.speaker(ids, turn.embeds, turn.embed_at, llm=llm)
+        llm = llm or self.llm
+        turn = self.voice_context(llm, voice, "read")
+        ids = self._read_prompt_ids(text, reserved=len(turn.ids))
+        _, hidden = llm.forward(ids)
+        return self._project(hidden[len(ids) - 1 - ids[::-1].index(self.tokenizers.spk_id)])
 
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
                    first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
@@ -323,10 +356,11 @@ class Synthesizer:
         if max_tokens < 1:
             raise UsageError("--max-tokens must be at least 1")
         voice = as_voice(voice)
-        turn = self.voices.turn(voice, "reply") if voice is not None else None
+        stage = lane.llm if lane else self.llm
+        start = None if voice is None else functools.partial(self.voice_context, stage, voice, "reply")
         generator = sampling.generator(self.device)
-        pieces = reply_pieces(lane.llm if lane else self.llm, self.tokenizers, user_text, llm, generator, max_tokens,
-                              force_length=frames_per_token is not None, voice=turn)
+        pieces = reply_pieces(stage, self.tokenizers, user_text, llm, generator, max_tokens,
+                              force_length=frames_per_token is not None, voice=start)
         first = next(pieces)
         spk = self._project(first.spk_hidden)
         machine = StreamingTTS(lane.tts if lane else self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,

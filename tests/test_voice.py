@@ -4,6 +4,7 @@ extractor; lazy loading of the audio encoder; a voice through every segment of a
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 
@@ -105,7 +106,8 @@ def _reply_arrays(synth, voice: Voice, e: dict, golden_chunks: list[np.ndarray])
            f"{p}user_prefill_ids": np.array(tok.encode_llm(later_user_turn(e["user_text"]))),
            f"{p}audio_bounds": _bounds(turn.ids, tok._llm_id("<|audio_start|>"), tok._llm_id("<|audio_end|>"))}
     out.update(_encoder_arrays(synth, voice, turn, False, p))
-    pieces = list(reply_pieces(synth.llm, tok, e["user_text"], LLMSampling(), None, e["llm_max_new_tokens"], voice=turn))
+    start = functools.partial(synth.voice_context, synth.llm, voice, "reply")
+    pieces = list(reply_pieces(synth.llm, tok, e["user_text"], LLMSampling(), None, e["llm_max_new_tokens"], voice=start))
     out[f"{p}llm_new_tokens"] = np.array([i for piece in pieces for i in piece.ids])
     out[f"{p}spk_hidden"] = pieces[0].spk_hidden[None].numpy()
     out[f"{p}spk_proj"] = synth._project(pieces[0].spk_hidden)[None].numpy()
@@ -230,6 +232,74 @@ def test_a_voice_is_encoded_once_per_mode(voice_ckpt_eager):
     finally:
         del enc.model.forward
     assert calls == [1, 1]
+
+
+def _count_turn_prefills(llm) -> list:
+    """Count the stage's forwards that carry audio embeddings (a voice's turn being prefilled)."""
+    calls = []
+    forward_row = llm.forward_row
+    llm.forward_row = lambda row, ids, embeds=None, *a, **k: (calls.append(row) if embeds is not None else None,
+                                                              forward_row(row, ids, embeds, *a, **k))[1]
+    return calls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_voice_turn_is_prefilled_once_then_its_context_is_put_back(voice_dir, backend):
+    """The second request in a voice starts from the kept KV cache of its turn, and speaks the same
+    audio as the first, bit for bit (read and reply)."""
+    synth = Synthesizer.load(str(voice_dir), backend=backend, device="cpu", dtype="float32")
+    voice = Voice.load(REF)
+    calls = _count_turn_prefills(synth.llm)
+    a = synth.say("Hello world.", Sampling(greedy=True), voice=voice)
+    b = synth.say("Another text, same voice.", Sampling(greedy=True), voice=voice)
+    c = synth.say("Hello world.", Sampling(greedy=True), voice=voice)
+    assert calls == [0]
+    assert torch.equal(a.codes, c.codes) and np.array_equal(a.audio, c.audio)
+    assert not torch.equal(a.codes[: len(b.codes)], b.codes[: len(a.codes)])
+    first = list(synth.reply("Hi.", Sampling(greedy=True), max_tokens=6, voice=voice))
+    again = list(synth.reply("Hi.", Sampling(greedy=True), max_tokens=6, voice=voice))
+    assert calls == [0, 0]  # one per mode
+    assert [ch.text for ch in first] == [ch.text for ch in again]
+    assert np.array_equal(np.concatenate([ch.samples for ch in first]), np.concatenate([ch.samples for ch in again]))
+    synth.forget_voices()
+    d = synth.say("Hello world.", Sampling(greedy=True), voice=voice)
+    assert calls == [0, 0, 0] and np.array_equal(a.audio, d.audio)
+
+
+def test_a_kept_voice_context_serves_every_row_of_a_batch(voice_dir):
+    """A context saved from one row is put back into others: a batch of reads in one voice gives each
+    text's audio alone, the turn prefilled once."""
+    synth = Synthesizer.load(str(voice_dir), backend="eager", device="cpu", dtype="float32", rows=3)
+    voice = Voice.load(REF)
+    texts = ["Hello world.", "A second line.", "And the third one, a little longer."]
+    alone = [synth.say(t, Sampling(greedy=True), voice=voice) for t in texts]
+    synth.forget_voices()
+    calls = _count_turn_prefills(synth.llm)
+    batched = synth.say_batch([(t, Sampling(greedy=True), voice) for t in texts])
+    assert len(calls) == 1
+    for x, y in zip(alone, batched):
+        assert torch.equal(x.codes, y.codes)
+        np.testing.assert_allclose(x.audio, y.audio, atol=1e-5, rtol=0)
+
+
+def test_voice_contexts_are_kept_within_a_byte_bound(voice_ckpt_eager, monkeypatch):
+    """Least recently used contexts go first once they hold more than PREFIX_BYTES."""
+    import minicpm_cli.pipeline as pipeline
+
+    synth = voice_ckpt_eager
+    synth.forget_voices()
+    base = Voice.load(REF).samples
+    a, b = Voice(base * 0.9), Voice(base * 0.8)
+    synth.say("Hi.", Sampling(greedy=True), voice=a)
+    size = next(iter(synth._prefixes.values())).nbytes
+    assert size > 0
+    monkeypatch.setattr(pipeline, "PREFIX_BYTES", size + 1)
+    synth.say("Hi.", Sampling(greedy=True), voice=b)
+    assert list(synth._prefixes) == [(b.digest, "read")]
+    calls = _count_turn_prefills(synth.llm)
+    synth.say("Hi.", Sampling(greedy=True), voice=a)
+    synth.say("Hi.", Sampling(greedy=True), voice=a)
+    assert calls == [0]
 
 
 def test_turns_are_kept_in_a_bounded_lru(voice_ckpt_eager):
@@ -470,11 +540,14 @@ def test_gguf_takes_a_voice(voice_dir, goldens_voice, manifest_voice, tmp_path):
     np.testing.assert_allclose(arrays[p + "llm_last_hidden"], goldens_voice[p + "llm_last_hidden"], atol=1e-4, rtol=0)
     np.testing.assert_array_equal(arrays[p + "codes"], goldens_voice[p + "codes"])
     r = manifest_voice["voice_reply"][0]  # the reply's LLM side (its TTS side is compile's, tested above)
-    turn = synth.voices.turn(voice, "reply")
     pieces = reply_pieces(synth.llm, synth.tokenizers, r["user_text"], LLMSampling(), None, r["llm_max_new_tokens"],
-                          voice=turn)
+                          voice=functools.partial(synth.voice_context, synth.llm, voice, "reply"))
     tokens = [i for piece in pieces for i in piece.ids]
     np.testing.assert_array_equal(tokens, goldens_voice["vreply_a_name_llm_new_tokens"])
+    # the read's turn again, from llama.cpp's saved sequence: the same codes
+    again = _read_arrays(synth, voice, e["tag"], e["text"])
+    np.testing.assert_array_equal(again[p + "codes"], goldens_voice[p + "codes"])
+    assert len(synth._prefixes) == 2
 
 
 def test_say_voice_file_reproduces_the_golden_waveform(voice_dir, goldens_voice, manifest_voice, tmp_path):
