@@ -4,12 +4,12 @@ Contract: a `SyntheticSpec` (sizes only) goes in; out comes a directory that a l
 checkpoint cannot tell apart by names, shapes, dtypes or files: `config.json`, `model.safetensors` (or
 HF-style `model-0000X-of-0000N.safetensors` shards + `model.safetensors.index.json`), `assets/Vocos.pt`
 (float32 state dict) and tokenizer files copied from an existing checkpoint directory; with
-`include_audio`, the audio encoder voices use too (`apm.*`, `audio_projection_layer.*`, and a config
-whose `audio_config` gives its sizes, in shards of their own). Weights are
-seeded random values of realistic scale. Each tensor has its own generator seeded from (seed, name),
-so its values do not depend on order, sharding or the other tensors (for a given device type). Tensors
-are drawn one at a time on `device` and shards are written as they fill, so host memory peaks at about
-one shard plus the largest tensor, even at full size (~7.9B llm+tts parameters; pass `max_shard_bytes`).
+`include_audio`, the audio encoder voices use too (`apm.*`, `audio_projection_layer.*`, in shards of
+their own; config.json's `audio_config` then gives its sizes). Weights are seeded random values of
+realistic scale. Each tensor has its own generator seeded from (seed, name), so its values do not
+depend on order, sharding or the other tensors (for a given device type). Tensors are drawn one at a
+time on `device` and shards are written as they fill, so host memory peaks at about one shard plus
+the largest tensor, even at full size (~7.9B llm+tts parameters; pass `max_shard_bytes`).
 This module knows nothing about forward passes.
 """
 
