@@ -10,7 +10,7 @@ device and lengths are forced (24 LLM tokens per reply, 10 audio frames per TTS 
 
 With `voice` (a recording), each workload is timed in a cloned voice too: the reference's encoding
 (log-mel features, then the audio encoder with its projection and pooling, synchronised, uncached),
-the audio encoder's loading (once, on the first voice), and TTFA with the voice's encoding cached (a
+the audio encoder's loading (once, on the first voice; with random weights, its drawing), and TTFA with the voice's encoding cached (a
 saved voice used again: a server's steady state) and with a new file (the cache emptied before the
 request, the file's reading and encoding inside the time), beside the default voice's TTFA. A voice
 only changes how a request starts, so those requests are stopped at their first audio.

@@ -638,15 +638,14 @@ def bench(
     server: Annotated[Optional[str], typer.Option("--server", help="Measure the minicpm server at URL over HTTP (its own model) instead of loading backends here.", show_default=False)] = None,
     startup: Annotated[bool, typer.Option("--startup", help="Time one-shot `say` commands in fresh processes on the checkpoint directory --model DIR, phase by phase, with empty and with filled compilation caches.")] = False,
     concurrency: Annotated[Optional[int], typer.Option("--concurrency", "-c", help="Start N requests together (one batch of streams, or N at once to --server): per-request TTFA, per-stream RTF and audio seconds per wall second; the bulk workload reads 256 lines with N in flight.", show_default=False)] = None,
-    voice: Annotated[Optional[str], typer.Option("--voice", help="Also time voice cloning with this recording: its encoding, and TTFA with the voice cached and as a new file (needs a checkpoint with the audio encoder).", show_default=False)] = None,
+    voice: Annotated[Optional[str], typer.Option("--voice", help="Also time voice cloning with this recording: its encoding, and TTFA with the voice cached and as a new file (needs a checkpoint with the audio encoder, or --random-weights).", show_default=False)] = None,
 ) -> None:
     """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
     if concurrency is not None and (concurrency < 1 or startup or voice is not None):
         raise OptionError("--concurrency takes a number of streams of at least 1, and neither --startup nor --voice")
     if voice is not None:
-        if startup or server is not None or random_weights:
-            raise OptionError("--voice times voice cloning on a checkpoint loaded here: not with --startup, --server "
-                              "or --random-weights (random weights have no audio encoder)")
+        if startup or server is not None:
+            raise OptionError("--voice times voice cloning on a model loaded here: not with --startup or --server")
         from .voice import Voice
 
         Voice.load(voice)  # (a file that cannot be a voice is refused before anything loads)

@@ -8,7 +8,8 @@ over this module.
 A `voice` (16 kHz samples or a `voice.Voice`) clones a reference voice: its audio embeddings go into
 the LLM context (the reference's voice-cloning prompt for a read, its audio-assistant prompt for a
 reply), and the speaker vector taken at `<|spk|>` carries it to every segment. The audio encoder is
-loaded when a voice is first used; without a voice nothing of it is loaded or run.
+loaded when a voice is first used (with random weights: drawn then, from the same seed); without a
+voice nothing of it is loaded, drawn or run.
 """
 
 from __future__ import annotations
@@ -156,9 +157,10 @@ class Synthesizer:
              spec=None, gguf: str | None = None, rows: int = 1) -> "Synthesizer":
         """From a checkpoint (directory or hub repo id), or with `random_weights` the full-size model
         drawn directly on the device (for speed work; tokenizers from `model` if it is a directory,
-        else the bundled ones of the tiny test checkpoint). `backend="auto"` picks one for the
-        device and checkpoint (`backends.choose`). `rows`: how many streams can be generated at once
-        (`batch()`; each has its own rows of the KV caches; gguf runs one LLM stream)."""
+        else the bundled ones of the tiny test checkpoint; the audio encoder is drawn at the first
+        voice). `backend="auto"` picks one for the device and checkpoint (`backends.choose`). `rows`:
+        how many streams can be generated at once (`batch()`; each has its own rows of the KV caches;
+        gguf runs one LLM stream)."""
         if rows < 1:
             raise UsageError("the batch size must be at least 1")
         dev = resolve_device(device)
@@ -173,6 +175,7 @@ class Synthesizer:
             ckpt = RandomCheckpoint(spec or SyntheticSpec.full(), seed=seed)
             config, vocos = ckpt.config, ckpt.vocos_state()
             tokenizers = Tokenizers(Path(model) if model and Path(model).is_dir() else BUNDLED_TOKENIZERS)
+            voices = functools.partial(load_voice_encoder, ckpt, config, tokenizers, device=dev, dtype=dt)
         else:
             root = resolve(model or DEFAULT_MODEL, be.prefixes)
             config, ckpt = read_config(root), Checkpoint(root)
@@ -180,6 +183,7 @@ class Synthesizer:
                 tokenizers = Tokenizers(root)
             with trace.span("load_vocos"):
                 vocos = read_vocos(root)
+            voices = functools.partial(load_voices, model or DEFAULT_MODEL, tokenizers, device=dev, dtype=dt)
         if dev.type == "cuda":
             with trace.span("cuda_init"):
                 torch.cuda.init()
@@ -192,8 +196,6 @@ class Synthesizer:
         with trace.span("load_llm"):
             llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf,
                             rows=rows if rows > 1 else None)
-        voices = None if random_weights else functools.partial(load_voices, model or DEFAULT_MODEL, tokenizers,
-                                                                  device=dev, dtype=dt)
         with trace.span("load_tts_runner"):
             runner = be.tts_runner(tts, rows)
         return cls(tokenizers, llm, tts, codec, runner, voices)
@@ -203,8 +205,8 @@ class Synthesizer:
         """The audio encoder, built on first use."""
         if self._voices is None:
             if self._load_voices is None:
-                raise UsageError("voices need the checkpoint's audio encoder; this model was loaded without one "
-                                 "(random weights)")
+                raise UsageError("voices need the checkpoint's audio encoder; this synthesizer was built "
+                                 "without one")
             self._voices = self._load_voices()
         return self._voices
 

@@ -3,11 +3,13 @@
 Contract: a `SyntheticSpec` (sizes only) goes in; out comes a directory that a loader of the official
 checkpoint cannot tell apart by names, shapes, dtypes or files: `config.json`, `model.safetensors` (or
 HF-style `model-0000X-of-0000N.safetensors` shards + `model.safetensors.index.json`), `assets/Vocos.pt`
-(float32 state dict) and tokenizer files copied from an existing checkpoint directory. Weights are
-seeded random values of realistic scale. Each tensor has its own generator seeded from (seed, name),
-so its values do not depend on order, sharding or the other tensors (for a given device type). Tensors
-are drawn one at a time on `device` and shards are written as they fill, so host memory peaks at about
-one shard plus the largest tensor, even at full size (~7.9B llm+tts parameters; pass `max_shard_bytes`).
+(float32 state dict) and tokenizer files copied from an existing checkpoint directory; with
+`include_audio`, the audio encoder voices use too (`apm.*`, `audio_projection_layer.*`, in shards of
+their own; config.json's `audio_config` then gives its sizes). Weights are seeded random values of
+realistic scale. Each tensor has its own generator seeded from (seed, name), so its values do not
+depend on order, sharding or the other tensors (for a given device type). Tensors are drawn one at a
+time on `device` and shards are written as they fill, so host memory peaks at about one shard plus
+the largest tensor, even at full size (~7.9B llm+tts parameters; pass `max_shard_bytes`).
 This module knows nothing about forward passes.
 """
 
@@ -18,7 +20,7 @@ import math
 import shutil
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -28,7 +30,7 @@ from torch import Tensor
 Init = Callable[[tuple[int, ...], torch.Generator, torch.device], Tensor]  # float32 values
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "added_tokens.json", "preprocessor_config.json")
-_VISION_HIDDEN, _AUDIO_HIDDEN = 1152, 1024  # SigLIP / Whisper-medium widths, as in config.json
+_VISION_HIDDEN = 1152  # SigLIP's width, as in config.json
 
 
 @dataclass(frozen=True)
@@ -73,12 +75,21 @@ class SyntheticSpec:
     hop: int = 256
     n_mels: int = 100
     sample_rate: int = 24000
+    # audio encoder (voices only): Whisper-medium's encoder `apm.*`, projection into the LLM, pooling
+    audio_dim: int = 1024
+    audio_layers: int = 24
+    audio_heads: int = 16
+    audio_ffn: int = 4096
+    audio_mels: int = 80
+    audio_positions: int = 1500  # encoder frames: 30 s
+    audio_pool: int = 2  # encoder frames per LLM embedding (`audio_pool_step`)
 
     def __post_init__(self) -> None:
         problems = [msg for bad, msg in [
             (self.hidden % self.heads, "hidden must be divisible by heads"),
             (self.heads % self.kv_heads, "heads must be divisible by kv_heads"),
             (self.tts_hidden % self.tts_heads, "tts_hidden must be divisible by tts_heads"),
+            (self.audio_dim % self.audio_heads, "audio_dim must be divisible by audio_heads"),
             (self.tts_llm_dim != self.hidden, "tts_llm_dim must equal the LLM hidden size"),
             (self.gfsq_dim != self.dvae_groups * self.dvae_idim, "gfsq_dim must be dvae_groups * dvae_idim"),
             (self.num_vq != self.dvae_groups * self.dvae_residuals, "num_vq must be groups * residuals"),
@@ -93,11 +104,18 @@ class SyntheticSpec:
 
     @classmethod
     def tiny(cls) -> SyntheticSpec:
-        """The sizes of tests/fixtures/tiny-minicpmo (see its PARITY.md)."""
+        """The sizes of tests/fixtures/tiny-minicpmo and of its audio encoder (tiny-minicpmo-voice; see
+        PARITY.md)."""
         return replace(cls(), hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000,
                        tts_llm_dim=64, tts_hidden=64, tts_intermediate=128, tts_heads=4, tts_layers=2,
                        gfsq_dim=64, dvae_idim=32, dvae_odim=32, dvae_hidden=32, dvae_bn=16, dvae_layers=2,
-                       vocos_dim=32, vocos_intermediate=64, vocos_layers=2)
+                       vocos_dim=32, vocos_intermediate=64, vocos_layers=2,
+                       audio_dim=64, audio_layers=2, audio_heads=4, audio_ffn=256)
+
+    def with_official_audio(self) -> SyntheticSpec:
+        """These sizes with the official audio encoder's: what config.json says of a checkpoint
+        written without the encoder (the official file's `audio_config`, as in tiny-minicpmo)."""
+        return replace(self, **{f.name: f.default for f in fields(self) if f.name.startswith("audio_")})
 
 
 def _normal(mean: float, std: float) -> Init:
@@ -138,6 +156,11 @@ def _convnext(p: str, dim: int, inter: int, scale_name: str) -> Plan:
     yield f"{p}.{scale_name}", (dim,), _LAYER_SCALE
 
 
+def _layer_norm(name: str, dim: int) -> Plan:
+    yield f"{name}.weight", (dim,), _GAIN
+    yield f"{name}.bias", (dim,), _normal(0.0, 0.05)
+
+
 def _decoder_layers(p: str, n: int, h: int, inter: int, kv_dim: int, qkv_bias: float | None) -> Plan:
     for i in range(n):
         q = f"{p}.layers.{i}"
@@ -160,8 +183,34 @@ def _dvae_stack(p: str, s: SyntheticSpec, idim: int, odim: int) -> Plan:
     yield from _conv(f"{p}.conv_out", odim, s.dvae_hidden, 1, bias=False)
 
 
-def tensor_plan(spec: SyntheticSpec, *, include_unused: bool = True, include_vision_audio: bool = False) -> Plan:
-    """(name, shape, init) of every checkpoint tensor, without allocating anything."""
+def _audio_encoder(s: SyntheticSpec) -> Plan:
+    """Every tensor `models.audio_encoder.AudioEncoder` loads: Whisper's encoder (`apm.*`) and the
+    projection into the LLM (`audio_projection_layer.*`); pooling has no weights."""
+    d = s.audio_dim
+    yield from _conv("apm.conv1", d, s.audio_mels, 3)
+    yield from _conv("apm.conv2", d, d, 3)
+    yield "apm.embed_positions.weight", (s.audio_positions, d), _normal(0.0, 0.02)
+    for i in range(s.audio_layers):
+        p = f"apm.layers.{i}"
+        for proj in ("q", "k", "v", "out"):  # Whisper's k_proj has no bias
+            yield from _linear(f"{p}.self_attn.{proj}_proj", d, d, None if proj == "k" else 0.05)
+        yield from _layer_norm(f"{p}.self_attn_layer_norm", d)
+        yield from _linear(f"{p}.fc1", s.audio_ffn, d, 0.05)
+        yield from _linear(f"{p}.fc2", d, s.audio_ffn, 0.05)
+        yield from _layer_norm(f"{p}.final_layer_norm", d)
+    yield from _layer_norm("apm.layer_norm", d)
+    yield from _linear("audio_projection_layer.linear1", s.hidden, d, 0.05)
+    yield from _linear("audio_projection_layer.linear2", s.hidden, s.hidden, 0.05)
+
+
+_AUDIO_SAMPLE = ("apm.conv1.", "apm.layer_norm.", "audio_projection_layer.")
+
+
+def tensor_plan(spec: SyntheticSpec, *, include_unused: bool = True, include_audio: bool = False,
+                include_vision_audio: bool = False) -> Plan:
+    """(name, shape, init) of every checkpoint tensor, without allocating anything. `include_audio`:
+    the whole audio encoder, at the spec's sizes; `include_vision_audio`: a few representative vision
+    tensors, and of the official-size audio encoder unless `include_audio` gives all of it."""
     s, code_dim = spec, len(spec.fsq_levels)
     yield "llm.model.embed_tokens.weight", (s.vocab, s.hidden), _normal(0.0, 1.0)
     kv_dim = s.kv_heads * (s.hidden // s.heads)
@@ -190,15 +239,15 @@ def tensor_plan(spec: SyntheticSpec, *, include_unused: bool = True, include_vis
         yield from _dvae_stack("tts.dvae.encoder", s, s.dvae_idim, s.gfsq_dim)
         yield from _conv("tts.dvae.downsample_conv.0", s.dvae_idim, s.n_mels, 3)
         yield from _conv("tts.dvae.downsample_conv.2", s.dvae_idim, s.dvae_idim, 4)
+    if include_audio:
+        yield from _audio_encoder(s)
     if include_vision_audio:  # a few representative non-speech tensors; a speech loader must skip them
         yield "vpm.embeddings.patch_embedding.weight", (_VISION_HIDDEN, 3, 14, 14), _fan_in()
         yield "vpm.post_layernorm.weight", (_VISION_HIDDEN,), _GAIN
         yield "resampler.query", (64, s.hidden), _normal(0.0, 0.02)
         yield "resampler.ln_post.weight", (s.hidden,), _GAIN
-        yield from _conv("apm.conv1", _AUDIO_HIDDEN, 80, 3)
-        yield "apm.layer_norm.weight", (_AUDIO_HIDDEN,), _GAIN
-        yield from _linear("audio_projection_layer.linear1", s.hidden, _AUDIO_HIDDEN, 0.05)
-        yield from _linear("audio_projection_layer.linear2", s.hidden, s.hidden, 0.05)
+        if not include_audio:
+            yield from (t for t in _audio_encoder(s.with_official_audio()) if t[0].startswith(_AUDIO_SAMPLE))
 
 
 DRAW_CHUNK = 1 << 25  # elements drawn at once in float32: a full-size embedding is drawn in slices
@@ -231,24 +280,26 @@ def _tensor(spec: SyntheticSpec, name: str, shape: tuple[int, ...], init: Init, 
 
 
 def random_tensors(spec: SyntheticSpec, *, seed: int, dtype: torch.dtype = torch.bfloat16,
-                   device: str | torch.device = "cpu", include_unused: bool = True,
+                   device: str | torch.device = "cpu", include_unused: bool = True, include_audio: bool = False,
                    include_vision_audio: bool = False) -> Iterator[tuple[str, Tensor]]:
     """Every checkpoint tensor, one at a time, as `dtype` on `device`."""
     device = torch.device(device)
-    for name, shape, init in tensor_plan(spec, include_unused=include_unused,
+    for name, shape, init in tensor_plan(spec, include_unused=include_unused, include_audio=include_audio,
                                          include_vision_audio=include_vision_audio):
         yield name, _tensor(spec, name, shape, init, seed, device, dtype)
 
 
 class RandomCheckpoint:
     """The `Checkpoint` interface over random tensors drawn on demand (no files): the same values
-    `write_checkpoint` would write for this spec and seed, made directly on the target device."""
+    `write_checkpoint(..., include_audio=True)` would write for this spec and seed, made directly on
+    the target device. The audio encoder's tensors are drawn only when asked for, like every other."""
 
     def __init__(self, spec: SyntheticSpec, *, seed: int = 0):
         self.spec, self.seed = spec, seed
         self.root = Path(f"<random weights, seed {seed}>")
-        self.plan = {name: (shape, init) for name, shape, init in tensor_plan(spec, include_unused=False)}
-        self.config = _config(spec, torch.bfloat16, 0, 0)
+        self.plan = {name: (shape, init) for name, shape, init
+                     in tensor_plan(spec, include_unused=False, include_audio=True)}
+        self.config = _config(spec, torch.bfloat16, 0, 0, audio=True)
 
     def keys(self, prefix: str) -> list[str]:
         return sorted(k for k in self.plan if k.startswith(prefix))
@@ -307,8 +358,9 @@ def random_vocos_state(spec: SyntheticSpec, seed: int) -> dict[str, Tensor]:
     return state
 
 
-def _config(spec: SyntheticSpec, dtype: torch.dtype, bos: int, eos: int) -> dict:
-    s = spec
+def _config(spec: SyntheticSpec, dtype: torch.dtype, bos: int, eos: int, audio: bool = False) -> dict:
+    """config.json; `audio`: the checkpoint has the audio encoder (its sizes, init_audio, chunk_input)."""
+    s, a = spec, spec if audio else spec.with_official_audio()
     return {
         "_name_or_path": "openbmb/MiniCPM-o-2_6", "architectures": ["MiniCPMO"],
         "auto_map": {"AutoConfig": "configuration_minicpm.MiniCPMOConfig",
@@ -328,11 +380,12 @@ def _config(spec: SyntheticSpec, dtype: torch.dtype, bos: int, eos: int) -> dict
         "vision_config": {"hidden_size": _VISION_HIDDEN, "image_size": 980, "intermediate_size": 4304,
                           "model_type": "siglip", "num_attention_heads": 16, "num_hidden_layers": 27,
                           "patch_size": 14},
-        "audio_chunk_length": 1.0, "audio_pool_step": 2,
-        "audio_config": {"model_type": "whisper", "d_model": _AUDIO_HIDDEN, "encoder_layers": 24,
-                         "encoder_attention_heads": 16, "encoder_ffn_dim": 4096, "num_mel_bins": 80,
-                         "max_source_positions": 1500},
-        "stream_input": False, "init_vision": False, "init_audio": False, "init_tts": True,
+        "audio_chunk_length": 1.0, "audio_pool_step": a.audio_pool,
+        "audio_config": {"model_type": "whisper", "d_model": a.audio_dim, "encoder_layers": a.audio_layers,
+                         "encoder_attention_heads": a.audio_heads, "encoder_ffn_dim": a.audio_ffn,
+                         "num_mel_bins": a.audio_mels, "max_source_positions": a.audio_positions},
+        "stream_input": False, "init_vision": False, "init_audio": audio, "init_tts": True,
+        **({"chunk_input": True} if audio else {}),
         "tts_config": {"model_type": "conditional_chattts", "llm_dim": s.tts_llm_dim, "hidden_size": s.tts_hidden,
                        "intermediate_size": s.tts_intermediate, "num_attention_heads": s.tts_heads,
                        "num_hidden_layers": s.tts_layers, "max_position_embeddings": s.tts_max_positions,
@@ -360,11 +413,11 @@ def _copy_tokenizers(src: Path, out: Path) -> tuple[int, int]:
 
 
 def _shard_groups(spec: SyntheticSpec, dtype: torch.dtype, max_shard_bytes: int | None,
-                  include_vision_audio: bool) -> list[list[str]]:
+                  include_audio: bool, include_vision_audio: bool) -> list[list[str]]:
     """Names per shard in write order; non-speech tensors never share a shard with speech ones."""
     shards: list[list[str]] = []
     size, kind, elt = 0, None, torch.empty((), dtype=dtype).element_size()
-    for name, shape, _ in tensor_plan(spec, include_vision_audio=include_vision_audio):
+    for name, shape, _ in tensor_plan(spec, include_audio=include_audio, include_vision_audio=include_vision_audio):
         nbytes = math.prod(shape) * elt
         full = max_shard_bytes is not None and size + nbytes > max_shard_bytes
         speech = name.startswith(("llm.", "tts."))
@@ -378,27 +431,28 @@ def _shard_groups(spec: SyntheticSpec, dtype: torch.dtype, max_shard_bytes: int 
 
 def write_checkpoint(out_dir: str | Path, spec: SyntheticSpec, *, tokenizer_from: str | Path, seed: int = 0,
                      dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                     max_shard_bytes: int | None = None, include_vision_audio: bool = False,
+                     max_shard_bytes: int | None = None, include_audio: bool = False,
+                     include_vision_audio: bool = False,
                      corrupt: Callable[[str, Tensor], Tensor | None] | None = None) -> Path:
     """Write a checkpoint directory and return its path.
 
-    One `model.safetensors`, unless `max_shard_bytes` is set or `include_vision_audio` asks for the
-    non-speech tensors (always in shards of their own). `corrupt(name, tensor)` may replace a tensor
+    One `model.safetensors`, unless `max_shard_bytes` is set or `include_audio` (the audio encoder, for
+    voices) or `include_vision_audio` asks for non-speech tensors (always in shards of their own). `corrupt(name, tensor)` may replace a tensor
     before it is written, or return None to leave it out: a hook for loader error tests.
     """
     out = Path(out_dir)
     (out / "assets").mkdir(parents=True, exist_ok=True)
     bos, eos = _copy_tokenizers(Path(tokenizer_from), out)
-    (out / "config.json").write_text(json.dumps(_config(spec, dtype, bos, eos), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(_config(spec, dtype, bos, eos, include_audio), indent=2) + "\n")
     torch.save(random_vocos_state(spec, seed), out / "assets" / "Vocos.pt")
 
-    groups = _shard_groups(spec, dtype, max_shard_bytes, include_vision_audio)
+    groups = _shard_groups(spec, dtype, max_shard_bytes, include_audio, include_vision_audio)
     files = (["model.safetensors"] if len(groups) == 1 else
              [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))])
     shard_of = {name: i for i, names in enumerate(groups) for name in names}
     left = [len(names) for names in groups]
     weight_map, pending, total = {}, {}, 0
-    for name, t in random_tensors(spec, seed=seed, dtype=dtype, device=device,
+    for name, t in random_tensors(spec, seed=seed, dtype=dtype, device=device, include_audio=include_audio,
                                   include_vision_audio=include_vision_audio):
         i = shard_of[name]
         if corrupt is not None:
@@ -416,7 +470,9 @@ def write_checkpoint(out_dir: str | Path, spec: SyntheticSpec, *, tokenizer_from
     return out
 
 
-def parameter_count(spec: SyntheticSpec, prefix: str = "", *, include_unused: bool = True) -> int:
+def parameter_count(spec: SyntheticSpec, prefix: str = "", *, include_unused: bool = True,
+                    include_audio: bool = False) -> int:
     """Number of parameters whose name starts with `prefix`, from shapes only (nothing allocated)."""
-    return sum(math.prod(shape) for name, shape, _ in tensor_plan(spec, include_unused=include_unused)
+    return sum(math.prod(shape) for name, shape, _
+               in tensor_plan(spec, include_unused=include_unused, include_audio=include_audio)
                if name.startswith(prefix))

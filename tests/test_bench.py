@@ -137,11 +137,43 @@ def test_bench_voice(voice_dir, tmp_path, monkeypatch):
         assert v["ttfa_default_ms"] == entries[workload]["ttfa_ms"]
 
 
+def test_bench_random_weights_voice(tmp_path, monkeypatch):
+    """`bench --random-weights --voice FILE` (tiny sizes here): the audio encoder is drawn at the first
+    voice, timed as its load; encode is features + encoder + projection + pooling of the file."""
+    from typer.testing import CliRunner
+
+    from minicpm_cli import bench
+    from minicpm_cli.cli import app
+
+    from conftest import FIXTURES
+
+    monkeypatch.setattr(SyntheticSpec, "full", SyntheticSpec.tiny)
+    monkeypatch.setattr(bench, "READ_TEXTS", ("How are you today?",))
+    monkeypatch.setattr(bench, "REPLY_PROMPTS", ("What's your name?",))
+    monkeypatch.setattr(bench, "REPLY_WARMUP", "Hi.")
+    monkeypatch.setattr(bench, "FORCED_REPLY_TOKENS", 4)
+    monkeypatch.setattr(bench, "FORCED_FRAMES_PER_TOKEN", 2)
+    out = tmp_path / "bench.json"
+    ref = str(FIXTURES / "voice_ref_a.wav")
+    r = CliRunner().invoke(app, ["bench", "--random-weights", "--device", "cpu", "--runs", "1", "--warmup", "0",
+                                 "--backend", "eager", "--voice", ref, "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    result = json.loads(out.read_text())
+    assert result["forced_lengths"] is True
+    entries = {e["workload"]: e for e in result["results"]}
+    read, reply = entries["read"]["voice"], entries["reply"]["voice"]
+    assert read["encoder_load_s"] > 0 and reply["encoder_load_s"] is None
+    for v in (read, reply):
+        assert v["prompt_tokens"] > 59 and v["features_ms"]["p50"] > 0 and v["encode_ms"]["p50"] > 0
+        for key in ("ttfa_default_ms", "ttfa_cached_ms", "ttfa_new_ms"):
+            assert 0 < v[key]["p50"] <= v[key]["p90"]
+
+
 def test_bench_voice_usage_errors(voice_dir, tmp_path):
     from conftest import FIXTURES
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    for extra in (["--random-weights"], ["--server", "http://127.0.0.1:1"], ["--startup", "--model", str(voice_dir)]):
+    for extra in (["--server", "http://127.0.0.1:1"], ["--startup", "--model", str(voice_dir)]):
         p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", *extra, "--voice",
                             str(FIXTURES / "voice_ref_a.wav")], capture_output=True, env=env, timeout=120)
         assert p.returncode == 2 and b"--voice times voice cloning" in p.stderr, p.stderr.decode()

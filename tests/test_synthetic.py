@@ -22,7 +22,9 @@ from minicpm_cli.synthetic import (
 )
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-minicpmo"
+VOICE_EXTRA = FIXTURE.parent / "tiny-minicpmo-voice-extra"
 SPEECH = ("llm.", "tts.")
+AUDIO = ("apm.", "audio_projection_layer.")
 
 
 def _fixture_shapes() -> dict[str, tuple[int, ...]]:
@@ -175,3 +177,66 @@ def test_large_tensors_are_drawn_in_slices_into_the_target_dtype(monkeypatch):
     whole = ck.tensor(key, torch.bfloat16)
     assert torch.equal(t, whole)  # on the CPU the generator's stream is the same, sliced or whole
     assert abs(t.float().std() - 1.0) < 0.05  # the embedding is drawn N(0, 1)
+
+
+# --- the audio encoder (voices) ---------------------------------------------------------------------
+
+def test_tiny_audio_encoder_matches_the_voice_fixture(tmp_path):
+    """With `include_audio` the tiny spec writes tiny-minicpmo-voice: the encoder's 41 tensors by name
+    and shape, in a shard of their own, and its config.json (tiny audio_config, init_audio, chunk_input)."""
+    with safe_open(VOICE_EXTRA / "audio.safetensors", "pt") as f:
+        want = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    out = write_checkpoint(tmp_path / "voice", SyntheticSpec.tiny(), tokenizer_from=FIXTURE, include_audio=True)
+    assert json.loads((out / "config.json").read_text()) == json.loads((VOICE_EXTRA / "config.json").read_text())
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    audio_files = {f for k, f in weight_map.items() if k.startswith(AUDIO)}
+    assert len(audio_files) == 1 and not audio_files & {f for k, f in weight_map.items() if k.startswith(SPEECH)}
+    written = load_file(out / audio_files.pop())
+    assert {k: tuple(v.shape) for k, v in written.items()} == want
+    assert {k for k in weight_map if not k.startswith(SPEECH)} == set(want)
+
+
+def test_full_audio_encoder_is_whisper_mediums():
+    spec = SyntheticSpec.full()
+    d, ffn, layers, h = 1024, 4096, 24, 3584
+    layer = 4 * d * d + 3 * d + 2 * d * ffn + ffn + d + 4 * d  # q/k/v/out (k without bias), fc1/fc2, 2 norms
+    whisper = 80 * d * 3 + d + d * d * 3 + d + 1500 * d + layers * layer + 2 * d
+    assert parameter_count(spec, "apm.", include_audio=True) == whisper
+    assert abs(whisper - 307e6) < 1e6  # Whisper-medium's encoder
+    assert parameter_count(spec, "audio_projection_layer.", include_audio=True) == d * h + h + h * h + h
+    assert parameter_count(spec, "apm.") == 0  # (only with include_audio)
+    shapes = {name: shape for name, shape, _ in tensor_plan(spec, include_audio=True)}
+    assert shapes["apm.conv2.weight"] == (1024, 1024, 3) and shapes["apm.embed_positions.weight"] == (1500, 1024)
+    assert shapes["apm.layers.23.fc1.weight"] == (4096, 1024) and "apm.layers.0.self_attn.k_proj.bias" not in shapes
+    assert shapes["audio_projection_layer.linear1.weight"] == (3584, 1024)
+
+
+def test_audio_encoder_values_have_realistic_scales():
+    t = {k: v.float() for k, v in random_tensors(SyntheticSpec.tiny(), seed=3, include_audio=True) if k.startswith(AUDIO)}
+    assert abs(t["apm.layers.0.final_layer_norm.weight"].mean().item() - 1.0) < 0.05
+    assert abs(t["apm.layers.0.fc2.weight"].std().item() - 256**-0.5) < 0.01  # fan-in
+    assert abs(t["apm.conv1.weight"].std().item() - (80 * 3) ** -0.5) < 0.01
+    assert t["apm.embed_positions.weight"].abs().max() < 0.2  # small learned positions
+    assert t["apm.layers.1.self_attn.q_proj.bias"].abs().min() > 0
+
+
+def test_random_checkpoint_serves_the_audio_encoder():
+    """The on-demand checkpoint has the encoder: keys, shapes, the values write_checkpoint writes
+    (same seed, same tensors; another seed, others) and a config whose audio_config fits them."""
+    from minicpm_cli import synthetic
+    from minicpm_cli.models.audio_encoder import AudioEncoderConfig
+
+    spec = SyntheticSpec.tiny()
+    ck = synthetic.RandomCheckpoint(spec, seed=3)
+    keys = ck.keys("apm.") + ck.keys("audio_projection_layer.")
+    assert len(keys) == 41 and ck.shape("apm.conv1.weight") == (64, 80, 3)
+    written = {k: v for k, v in random_tensors(spec, seed=3, include_audio=True) if k.startswith(AUDIO)}
+    assert sorted(written) == keys
+    assert all(torch.equal(ck.tensor(k, torch.bfloat16), written[k]) for k in keys)
+    other = synthetic.RandomCheckpoint(spec, seed=4)
+    assert not torch.equal(ck.tensor("apm.layers.0.fc1.weight"), other.tensor("apm.layers.0.fc1.weight"))
+    c = AudioEncoderConfig.from_hf(ck.config)
+    assert (c.dim, c.n_layers, c.n_heads, c.ffn, c.n_mels, c.max_positions, c.llm_dim, c.pool) == \
+        (64, 2, 4, 256, 80, 1500, 64, 2)
+    full = AudioEncoderConfig.from_hf(synthetic.RandomCheckpoint(SyntheticSpec.full()).config)
+    assert (full.dim, full.n_layers, full.n_heads, full.ffn, full.llm_dim) == (1024, 24, 16, 4096, 3584)

@@ -336,6 +336,79 @@ def test_a_checkpoint_without_an_audio_encoder_refuses_voices(tiny_dir):
         synth.say("Hello world.", Sampling(greedy=True), voice=Voice.load(REF))
 
 
+# --- random weights (speed work): the audio encoder drawn, lazily --------------------------------
+
+def test_the_random_audio_encoder_loads_through_load_voice_encoder():
+    """The tiny spec's random encoder loads as a checkpoint's does; its embeddings have one row per
+    `pool` encoder frames (conv2 halves the feature frames, rounding up; pooling rounds down); the
+    same seed gives the same embeddings."""
+    from minicpm_cli.cloning import load_voice_encoder
+    from minicpm_cli.pipeline import BUNDLED_TOKENIZERS
+    from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec
+    from minicpm_cli.text import Tokenizers
+
+    tok, voice = Tokenizers(BUNDLED_TOKENIZERS), Voice.load(REF)
+
+    def encoder(seed):
+        ck = RandomCheckpoint(SyntheticSpec.tiny(), seed=seed)
+        return load_voice_encoder(ck, ck.config, tok, device="cpu", dtype=torch.float32)
+
+    enc = encoder(0)
+    frames = enc.log_mel(voice).shape[-1]
+    assert frames == FeatureConfig().frames(len(voice.samples)) == 237
+    k = (frames + 1) // 2 // enc.config.pool
+    for chunked in (True, False):
+        e = enc.encode(voice, chunked)
+        assert e.shape == (k, 64) == (59, 64) and torch.isfinite(e).all() and e.std() > 0.1
+    turn = enc.turn(voice, "read")
+    assert len(turn.embed_at) == k and [turn.ids[i] for i in turn.embed_at] == [tok.audio_slot_id] * k
+    assert torch.equal(encoder(0).encode(voice, True), enc.encode(voice, True))
+    assert not torch.equal(encoder(1).encode(voice, True), enc.encode(voice, True))
+
+
+def test_a_written_random_checkpoint_encodes_as_the_drawn_one(tmp_path):
+    """write_checkpoint(include_audio=True) writes the encoder RandomCheckpoint draws (bf16, same seed):
+    a checkpoint directory loads it for voices and encodes bit for bit alike."""
+    from minicpm_cli.pipeline import load_voices
+    from minicpm_cli.synthetic import SyntheticSpec, write_checkpoint
+    from minicpm_cli.text import Tokenizers
+
+    spec = SyntheticSpec.tiny()
+    out = write_checkpoint(tmp_path / "ckpt", spec, tokenizer_from=TINY, seed=2, include_audio=True)
+    written = load_voices(str(out), Tokenizers(out), device="cpu", dtype=torch.bfloat16)
+    drawn = Synthesizer.load(None, random_weights=True, seed=2, spec=spec, device="cpu", dtype="bfloat16",
+                             backend="eager").voices
+    voice = Voice.load(REF)
+    assert torch.equal(written.encode(voice, True), drawn.encode(voice, True))
+
+
+def test_random_weights_speak_with_a_voice_and_draw_the_encoder_only_for_one(monkeypatch):
+    """Synthesizer.load(random_weights=True): reads and replies without a voice draw no tensor of the
+    audio encoder; the first voice draws it (once), and the voice changes what is spoken."""
+    from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec
+
+    drawn = []
+    real = RandomCheckpoint.tensor
+    monkeypatch.setattr(RandomCheckpoint, "tensor", lambda self, key, *a, **k: drawn.append(key) or real(self, key, *a, **k))
+    synth = Synthesizer.load(None, random_weights=True, spec=SyntheticSpec.tiny(), device="cpu", backend="eager",
+                             dtype="float32")
+
+    def read(voice=None):  # (lengths forced, as bench forces them: random weights never say EOS)
+        return torch.cat([c.codes for c in synth.synthesize("Hello world.", Sampling(seed=1), frames_per_token=3,
+                                                            voice=voice)])
+
+    plain = read()
+    list(synth.reply("Hi.", Sampling(seed=1), max_tokens=3, frames_per_token=3))
+    assert synth._voices is None and not [k for k in drawn if k.startswith(AUDIO_PREFIXES)]
+    voice = Voice.load(REF)
+    cloned = read(voice)
+    assert cloned.shape == plain.shape and not torch.equal(cloned, plain)
+    chunks = list(synth.reply("Hi.", Sampling(seed=1), max_tokens=3, frames_per_token=3, voice=voice))
+    assert sum(len(c.samples) for c in chunks) > 0
+    audio = [k for k in drawn if k.startswith(AUDIO_PREFIXES)]
+    assert len(audio) == len(set(audio)) == 41  # every encoder tensor, drawn once
+
+
 def test_voice_fixture_is_the_base_checkpoint_plus_the_audio_encoder():
     """The claim that lets the fixtures keep one copy of the shared weights."""
     from safetensors import safe_open
