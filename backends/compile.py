@@ -131,6 +131,8 @@ class CompiledLLM(Rows):
         self.inp = torch.zeros(2, dtype=torch.long, device=dev)
         self.read = torch.cuda.Event() if cuda else None  # the last decode graph has run
         self.graphs = Graphs(dev)
+        self.audio: Tensor | None = None  # a voice turn's input embeddings, by position (_stage_audio)
+        self.is_audio: Tensor | None = None
         # decode tokens on the Triton kernels where the projections are fused bf16/fp32 Linears
         self.triton = None
         if fuse and (use_triton if use_triton is not None else dev.type == "cuda"):  # (tests: interpreter)
@@ -154,13 +156,18 @@ class CompiledLLM(Rows):
                                 if not n.startswith("model.embed_tokens") and "kv_cache" not in n
                                 and not n.endswith("perm"))
 
-    def _run(self, t: int, kv: int, rows=None) -> tuple[Tensor, Tensor]:
+    def _run(self, t: int, kv: int, rows=None, audio: bool = False) -> tuple[Tensor, Tensor]:
         """t tokens from ids[:t] at positions pos0.. (static t and kv) of cache row `rows` (default
-        0) -> (logits at `last`, hidden)."""
+        0) -> (logits at `last`, hidden). `audio`: where `is_audio` is set, the input embedding is
+        `audio`'s row instead of the token's (a voice's turn)."""
         pos = self.pos0 + self.slots[:t]
         mask = (self.slots[None, :kv] <= pos[:, None])[None, None]
+        inputs = None
+        if audio:
+            tokens = self.model.model.embed_tokens(self.ids[:t])
+            inputs = torch.where(self.is_audio[:t, None], self.audio[:t], tokens)[None]
         logits, hidden = self.model(self.ids[None, :t], pos, mask, kv, logits_at=None,
-                                    block_fns=self.fns if t == 1 else None, rows=rows)
+                                    block_fns=self.fns if t == 1 else None, rows=rows, inputs=inputs)
         return self.model.lm_head(hidden[0].index_select(0, self.last)).float()[0], hidden[0]
 
     def _decode(self) -> tuple[Tensor, Tensor]:
@@ -174,38 +181,38 @@ class CompiledLLM(Rows):
         _kernels("matvec").gemv(self.lm_head, self.hidden[0], self.logits, **self.lm_head_cfg, pdl=pdl)
         return self.logits, self.hidden
 
-    def _run_embeds(self, row: int, ids: list[int], embeds: Tensor, embed_at: list[int]) -> tuple[Tensor, Tensor]:
-        """A prefill with audio embeddings (a voice's turn, once per request): run as it comes, at its
-        exact length and outside the graphs, on the same KV cache."""
-        n, start = len(ids), self.positions[row]
-        pos = self.slots[start : start + n]
-        mask = (self.slots[None, : start + n] <= pos[:, None])[None, None]
-        logits, hidden = self.model(torch.tensor(ids, device=self.device)[None], pos, mask, start + n,
-                                    embeds=embeds.to(self.device)[None],
-                                    embed_at=torch.tensor(embed_at, device=self.device), rows=slice(row, row + 1))
-        return logits[0, -1], hidden[0]
+    def _stage_audio(self, t: int, embeds: Tensor, embed_at: list[int]) -> None:
+        """A voice's audio embeddings into the static inputs of a `t`-token prefill."""
+        if self.audio is None:  # (the first voice: max_len x dim, 29 MB for the 7B in bfloat16)
+            w = self.model.model.embed_tokens.weight
+            self.audio = torch.zeros(self.max_len, w.shape[1], dtype=w.dtype, device=self.device)
+            self.is_audio = torch.zeros(self.max_len, dtype=torch.bool, device=self.device)
+        at = torch.tensor(embed_at, device=self.device)
+        self.is_audio[:t].zero_()
+        self.is_audio.index_fill_(0, at, True)
+        self.audio.index_copy_(0, at, embeds.to(self.device, self.audio.dtype))
 
     @torch.inference_mode()
     def forward_row(self, row: int, ids: list[int], embeds: Tensor | None = None,
                     embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
         n = len(ids)
         end = self._check_room(row, n)
-        if embeds is not None:
-            logits, hidden = self._run_embeds(row, ids, embeds, embed_at)
-            self.positions[row] = end
-            return logits, hidden
         start = self.positions[row]
         t = n if n == 1 else next((b for b in PREFILL_BUCKETS if b >= n), n)
         if start + t > self.max_len:  # padding would run past the cache: exact length
             t = n
         kv = _bucket(start + t, LLM_BUCKET, self.max_len)
+        audio = embeds is not None  # a voice's turn: its own graphs, with the embeddings spliced in
+        if audio:
+            self._stage_audio(t, embeds, embed_at)
+        tag = ("audio",) if audio else ()
         if row > 0:  # another stream's row: the graphs of row 0's shapes, on a gathered row
             self.ids[:n].copy_(torch.tensor(ids, device=self.device))
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
             self.row.fill_(row)
-            logits, hidden = self.graphs.run((t, kv, "row"), lambda: self._run(t, kv, self.row))
-        elif n == 1 and self.triton is not None:  # the position is read on the device: one graph
+            logits, hidden = self.graphs.run((t, kv, "row", *tag), lambda: self._run(t, kv, self.row, audio))
+        elif n == 1 and self.triton is not None and not audio:  # the position is read on the device: one graph
             if self.read is not None:
                 self.read.synchronize()  # the previous token's graph has copied its inputs
             self.host_np[0], self.host_np[1] = ids[0], start
@@ -219,7 +226,7 @@ class CompiledLLM(Rows):
                 self.ids[:n].copy_(torch.tensor(ids, device=self.device))
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
-            logits, hidden = self.graphs.run((t, kv), lambda: self._run(t, kv))
+            logits, hidden = self.graphs.run((t, kv, *tag), lambda: self._run(t, kv, audio=audio))
         self.positions[row] = end
         return logits, hidden[:n]  # static buffers, valid until the next forward (LLMStage)
 

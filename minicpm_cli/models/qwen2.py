@@ -52,11 +52,12 @@ class Qwen2LM(nn.Module):
     def forward(self, ids: Tensor, input_pos: Tensor, mask: Tensor | None = None, kv_len: int = 0,
                 logits_at: slice | None = slice(-1, None), block_fns: tuple | None = None,
                 embeds: Tensor | None = None, embed_at: Tensor | None = None,
-                rows=None) -> tuple[Tensor | None, Tensor]:
+                rows=None, inputs: Tensor | None = None) -> tuple[Tensor | None, Tensor]:
         """ids (B, T) -> logits (B, T', vocab) for the positions in `logits_at`, hidden (B, T, dim).
         `embeds` (B, k, dim) replace the input embeddings of the k positions `embed_at` (k,): audio
-        embeddings in their placeholders. `rows`: the KV-cache rows of the B sequences (Decoder)."""
-        x = self.model.embed_tokens(ids)
+        embeddings in their placeholders. `inputs` (B, T, dim): the input embeddings themselves, in
+        place of `ids`'. `rows`: the KV-cache rows of the B sequences (Decoder)."""
+        x = self.model.embed_tokens(ids) if inputs is None else inputs
         if embeds is not None:
             x = x.index_copy(1, embed_at, embeds.to(x.dtype))
         hidden = self.model(x, input_pos, mask, kv_len, block_fns, rows)
