@@ -352,7 +352,7 @@ def _voice_entry(synth, workload: str, opts: BenchOptions, clock: Clock) -> dict
             "encoder_load_s": load_s, "features_ms": spread(features), "encode_ms": spread(encode),
             "ttfa_default_ms": spread(plain),
             "ttfa_cached_ms": spread(cached), "ttfa_new_ms": spread(new),
-            "ttfa_cached_samples_ms": cached, "ttfa_new_samples_ms": new}
+            "ttfa_default_samples_ms": plain, "ttfa_cached_samples_ms": cached, "ttfa_new_samples_ms": new}
 
 
 def _one_http(remote, workload: str, item: str, seed: int, opts: BenchOptions) -> dict:

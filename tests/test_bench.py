@@ -127,14 +127,14 @@ def test_bench_voice(voice_dir, tmp_path, monkeypatch):
     entries = {e["workload"]: e for e in json.loads(out.read_text())["results"]}
     read, reply = entries["read"]["voice"], entries["reply"]["voice"]
     assert read["encoder_load_s"] > 0 and reply["encoder_load_s"] is None  # (loaded once, at the first voice)
-    for v, workload in ((read, "read"), (reply, "reply")):
+    for v in (read, reply):
         assert v["seconds"] == 2.37 and v["prompt_tokens"] > 59  # (59 audio placeholders, and the turn's words)
         assert v["features_ms"]["p50"] > 0 and v["encode_ms"]["p50"] > 0
         n = 1  # (one request, one run: seed 0, a short one on this checkpoint)
-        assert len(v["ttfa_cached_samples_ms"]) == len(v["ttfa_new_samples_ms"]) == n
+        # (the default voice timed again in the voice's loop, the same way: not the workload's figure)
+        assert len(v["ttfa_default_samples_ms"]) == len(v["ttfa_cached_samples_ms"]) == len(v["ttfa_new_samples_ms"]) == n
         for key in ("ttfa_default_ms", "ttfa_cached_ms", "ttfa_new_ms"):
             assert 0 < v[key]["p50"] <= v[key]["p90"]
-        assert v["ttfa_default_ms"] == entries[workload]["ttfa_ms"]
 
 
 def test_bench_random_weights_voice(tmp_path, monkeypatch):
