@@ -26,7 +26,7 @@ from minicpm_cli.pipeline import Synthesizer
 from minicpm_cli.tts import MIN_KEEP
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-MAX = 80
+MAX = 48
 ROWS = 4
 # several K-blocks in every projection, o and down split over K (as tests/test_kernels.py's split)
 BLOCKS = {"qkv": (8, 16, 4, 1), "o": (8, 16, 4, 1, 2), "gate_up": (8, 32, 4, 1), "down": (8, 16, 4, 1, 2)}
@@ -72,7 +72,7 @@ def alone(d: Decoder, row: int, vis, cfg) -> tuple[TritonDecode, Decoder]:
 def test_batched_step_rows_equal_each_row_alone(dtype, gqa, bias, masked, cfg):
     d = decoder(dtype, gqa, bias)
     gen = torch.Generator().manual_seed(1)
-    pos = torch.tensor([20, 5, 67, 40], device=DEVICE)  # rows at their own positions, in different cache blocks
+    pos = torch.tensor([20, 5, 45, 33], device=DEVICE)  # rows at their own positions, in different cache blocks
     # per row: some slots never seen, the others from a position of their own (the TTS chunk mask)
     vis = torch.where(torch.rand(ROWS, MAX, generator=gen) < 0.3, 10**6, torch.randint(0, 40, (ROWS, MAX), generator=gen))
     vis = vis.to(DEVICE) if masked else None
@@ -108,7 +108,7 @@ def test_norm_heads_and_codes_of_rows_equal_each_row_alone(dtype):
     noise = torch.empty(nb, q, v, device=DEVICE).exponential_()
     normed = rms_norm(h, norm, torch.empty_like(h))
     for split in (1, 2):
-        cfg = {"rows": 4, "block_k": 16, "warps": 4, "split": split}
+        cfg = {"rows": 16, "block_k": 16, "warps": 4, "split": split}
         raw = gemv_rows(w, normed, torch.zeros(nb, q * v, device=DEVICE), **cfg).view(nb, q, v)
         probs, codes = torch.zeros_like(raw), torch.zeros(nb, q, dtype=torch.long, device=DEVICE)
         sample_codes(raw, temps, bos, block, noise, probs, codes, 0.7, 20, MIN_KEEP)
@@ -122,25 +122,24 @@ def test_norm_heads_and_codes_of_rows_equal_each_row_alone(dtype):
             assert torch.equal(p, probs[b]) and torch.equal(c, codes[b])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_runner_batched_steps_equal_single_steps(tiny_dir, dtype):
-    """Two streams of different texts, stepped together from different positions (one starts two
-    steps later), give each step the raw logits and greedy codes of the same stream alone."""
+def test_runner_batched_steps_equal_single_steps(tiny_dir):
+    """Two streams of different texts, stepped together from different positions (one starts a step
+    later), give each step the raw logits and greedy codes of the same stream alone (bfloat16)."""
     s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
-    model = s.tts_model.to(dtype)
+    model = s.tts_model.to(torch.bfloat16)
     conds = [s.tokenizers.condition(t, model.config.streaming_text_reserved_len)
              for t in ("Hello there, how are you doing today?", "One.")]
     spk = torch.nn.functional.normalize(torch.randn(model.config.decoder.dim), dim=0).to(DEVICE)
-    steps, late = 5, 2
+    steps, late = 3, 1
     alone = []
-    r1 = GraphTTSRunner(model, use_triton=True)
+    r1 = fast(GraphTTSRunner(model, use_triton=True))
     for cond in conds:
         r1.trace = []
         r1.start(cond.n)
         r1.prefill(cond.ids[: cond.n + 3], 0, spk)
         codes, _ = r1.generate(None, n_steps=steps, min_new=steps)
         alone.append((codes, torch.stack([raw for raw, _ in r1.trace])))
-    r = GraphTTSRunner(model, use_triton=True, rows=2)
+    r = fast(GraphTTSRunner(model, use_triton=True, rows=2))
     for b, cond in enumerate(conds):
         r.start_row(b, cond.n)
         r.prefill_row(b, cond.ids[: cond.n + 3], 0, spk)
@@ -156,3 +155,11 @@ def test_runner_batched_steps_equal_single_steps(tiny_dir, dtype):
     for b, (codes, raw) in enumerate(alone):
         assert torch.equal(calls[b].result[0], codes)
         assert torch.equal(torch.stack(raws[b]), raw)
+
+
+def fast(runner: GraphTTSRunner) -> GraphTTSRunner:
+    """Fewer, larger programs for the interpreter (one at a time): attention over blocks of 512
+    slots, code heads in blocks of 256 rows. Batched and single steps share them."""
+    runner.triton.block_s = 512
+    runner.heads_cfg["rows"] = 256
+    return runner
