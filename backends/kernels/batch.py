@@ -211,7 +211,10 @@ class BatchDecode:
     Positions are read on the device: one CUDA graph per nb serves every position.
 
     `cfg`: per kernel, (weight rows per program, warps, step rows per program at most); the
-    defaults take the single kernels' rows and warps and 16 step rows (unrolled in the kernel)."""
+    defaults take the single kernels' rows and warps and 16 step rows (unrolled in the kernel),
+    except down's 4 weight rows: a program keeps its whole tile (every K-block) in registers, and
+    8 rows of the TTS's 3072 inputs spilled at 16 step rows (ptxas for sm_90); the rows of a tile do
+    not change a row's sums (the K axis keeps its layout). Not yet swept on a GPU."""
 
     def __init__(self, single: TritonDecode, group: int = 16):
         c = single.c
@@ -227,6 +230,7 @@ class BatchDecode:
         self.h = torch.zeros(self.rows, c.intermediate, dtype=dt, device=dev)
         self.cfg = {name: (_launch(single.cfg[name], 4)[0], _launch(single.cfg[name], 4)[2], group)
                     for name in ("qkv", "o", "gate_up", "down")}
+        self.cfg["down"] = (min(self.cfg["down"][0], 4),) + self.cfg["down"][1:]
         self.part = torch.zeros(self.rows * c.n_heads * single.max_splits * (c.head_dim + 2), dtype=torch.float32,
                                 device=dev)
         self.count = torch.zeros(self.rows * c.n_heads, dtype=torch.int32, device=dev)
