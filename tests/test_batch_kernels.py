@@ -35,7 +35,7 @@ BLOCKS = {"qkv": (8, 16, 4, 1), "o": (8, 16, 4, 1, 2), "gate_up": (8, 32, 4, 1),
 def decoder(dtype, gqa: bool, bias: bool) -> Decoder:
     """A fused decoder with a random KV cache of ROWS rows."""
     torch.manual_seed(0)
-    c = DecoderConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2 if gqa else 4, intermediate=96,
+    c = DecoderConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2 if gqa else 4, intermediate=96,
                       rope_theta=10000.0, norm_eps=1e-6, qkv_bias=bias, max_positions=256)
     d = Decoder(c)
     for p in d.parameters():
