@@ -257,8 +257,11 @@ class CompiledLLM(Rows):
 class GraphTTSRunner(TTSRunner):
     """TTSRunner whose steps and prefills replay CUDA graphs. On CUDA a step runs the backbone with
     the Triton decode kernels (backends/kernels/decode.py: five per layer, attention bounded by the
-    position read on the device, so one graph serves every position); on a CPU, the compiled layer
-    halves."""
+    position read on the device, so one graph serves every position), the code heads on the Triton
+    GEMV and the choice of codes in one kernel; a batched step of nb rows runs the same kernels'
+    batched versions (backends/kernels/batch.py, one graph per nb), which give each row bit for bit
+    what its single step gives it, so a stream's codes do not depend on its batch. On a CPU, the
+    compiled layer halves."""
 
     def __init__(self, model: ChatTTS, use_triton: bool | None = None, rows: int = 1):
         model.model.fuse()
@@ -272,17 +275,33 @@ class GraphTTSRunner(TTSRunner):
         self.spk = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
         self.row = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.triton = None
+        self.triton = self.batch = None
         if triton:  # (tests: the interpreter)
+            c = model.config
             self.triton = _kernels("decode").TritonDecode(model.model, self.visible_from)
-            self.probs = torch.zeros(model.config.num_vq, model.config.num_audio_tokens, device=self.device)
-            self.normed = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
+            # per row: final norm, raw logits and probabilities (row 0's are the single step's)
+            self.normed_b = torch.zeros(rows, c.decoder.dim, dtype=self.dtype, device=self.device)
+            self.raw_b = torch.zeros(rows, c.num_vq, c.num_audio_tokens, device=self.device)
+            self.probs_b = torch.zeros_like(self.raw_b)
+            self.normed, self.raw, self.probs = self.normed_b[0], self.raw_b[0], self.probs_b[0]
+            # the code heads on the Triton GEMV (one K-block), batched rows on `gemv_rows` with the same
+            # blocking: a row's logits do not depend on its batch (cuBLAS's would)
+            self.heads = _kernels("common").Weight(model.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
+            self.heads_cfg = {"rows": 4, "block_k": 1024, "warps": 4}
+            if rows > 1:
+                self.batch = _kernels("batch").BatchDecode(self.triton)
 
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
         if self.triton is None:
             return super()._decode(x, kv_len)
         return _kernels("norm").rms_norm(self.triton(x, self.pos_t), self.model.model.norm, self.normed,
                                          pdl=self.triton.pdl)
+
+    def _logits(self, h: Tensor) -> Tensor:
+        if self.triton is None:
+            return super()._logits(h)
+        _kernels("matvec").gemv(self.heads, h, self.raw.view(-1), **self.heads_cfg, pdl=self.triton.pdl)
+        return self.raw
 
     def _choose(self, raw: Tensor, sampled: bool) -> Tensor:
         if self.triton is None:
@@ -307,12 +326,26 @@ class GraphTTSRunner(TTSRunner):
             self.pos_t.copy_(self.ctl[0, :1])
             self.block_eos_t.copy_(self.ctl[1, :1] > 0)
             self._run_step(sampled)
+        elif self.batch is not None:  # attention reads each row's position on the device: no KV buckets
+            self.graphs.run(("batch", nb, sampled), lambda: self._batch_step(nb, self.max_len, sampled))
         else:
             if self.batch_fns is None:
                 self.batch_fns = block_fns(dynamic=True)
             kv = _bucket(kv, TTS_BUCKET, self.max_len)
             self.graphs.run(("batch", nb, kv, sampled), lambda: self._batch_step(nb, kv, sampled))
         self._advance(nb)
+
+    def _batch_step(self, nb: int, kv: int, sampled: bool) -> None:
+        if self.batch is None:
+            return super()._batch_step(nb, kv, sampled)
+        c, pdl = self.config, self.triton.pdl
+        x, pos, bos, block = self._batch_inputs(nb)
+        h = _kernels("norm").rms_norm(self.batch(x, pos, self.vis_b), self.model.model.norm, self.normed_b[:nb],
+                                      pdl=pdl)
+        _kernels("batch").gemv_rows(self.heads, h, self.raw_b[:nb].view(nb, -1), **self.heads_cfg, pdl=pdl)
+        _kernels("sampling").sample_codes(self.raw_b[:nb], self.temps, bos, block,
+                                          self.noise_b[:nb] if sampled else None, self.probs_b[:nb],
+                                          self.code_b[:nb], c.top_p, c.top_k, MIN_KEEP)
 
     @torch.inference_mode()
     def prefill_row(self, row: int, ids: list[int], begin: int, spk: Tensor | None = None) -> None:

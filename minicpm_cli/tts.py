@@ -177,8 +177,12 @@ class TTSRunner:
         """One audio frame from the step tensors -> code_t; returns (raw logits, probs)."""
         m = self.model
         x = torch.where(self.bos_t, self.bos_embed[0], m.embed_codes(self.last_t))  # (hidden,)
-        raw = m.logits(self._decode(x, kv_len))  # (num_vq, num_audio_tokens)
+        raw = self._logits(self._decode(x, kv_len))  # (num_vq, num_audio_tokens)
         return raw, self._choose(raw, sampled)
+
+    def _logits(self, h: Tensor) -> Tensor:
+        """Final hidden state (hidden,) -> raw float32 logits (num_vq, num_audio_tokens)."""
+        return self.model.logits(h)
 
     def _choose(self, raw: Tensor, sampled: bool) -> Tensor:
         """Raw logits -> probabilities after temperature, top-p, top-k and the EOS block; the chosen
@@ -287,15 +291,20 @@ class TTSRunner:
         """One frame for rows 0..nb-1 from `ctl` and the row state -> code_b (greedy rows choose with
         noise 1). It changes no input, so a backend can run it more than once (graph warm-up)."""
         m = self.model
-        pos, block = self.ctl[0, :nb], self.ctl[1, :nb, None] > 0
-        self.pos_b[:nb].copy_(pos)
-        self.block_b[:nb].copy_(block)
-        bos, last = self.bos_b[:nb], self.last_b[:nb]
-        x = torch.where(bos, self.bos_embed, m.embed_codes(last))  # (nb, hidden)
+        x, pos, bos, block = self._batch_inputs(nb)
         mask = (self.vis_b[:nb, :kv] <= pos[:, None])[:, None, None]  # (nb, 1, 1, kv)
         h = m.model(x[:, None], pos[:, None], mask, kv, self.batch_fns, rows=slice(0, nb))[:, -1]  # (nb, hidden)
         probs = self._probs(m.logits(h), bos, block)
         self.code_b[:nb].copy_(choose(probs, self.noise_b[:nb]) if sampled else choose(probs, None))
+
+    def _batch_inputs(self, nb: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A batched step's inputs from `ctl` and the row state -> (embeddings (nb, hidden), positions
+        (nb,), BOS (nb, 1), EOS blocked (nb, 1)); positions and EOS blocks also to pos_b, block_b."""
+        pos, block = self.ctl[0, :nb], self.ctl[1, :nb, None] > 0
+        self.pos_b[:nb].copy_(pos)
+        self.block_b[:nb].copy_(block)
+        bos, last = self.bos_b[:nb], self.last_b[:nb]
+        return torch.where(bos, self.bos_embed, self.model.embed_codes(last)), pos, bos, self.block_b[:nb]
 
     def _advance(self, nb: int) -> None:
         """After a batched step: the codes into each row's call output (idle rows' to the spare step),

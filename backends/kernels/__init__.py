@@ -4,6 +4,8 @@ they compute:
 - `decode`: the fused decode layer, `TritonDecode` (five launches a layer), with its kernels for
   RMSNorm + q/k/v + rotary embedding and RMSNorm + gate/up, their launch shapes, and
   `cuda_gate_up` (a 4-bit bfloat16 gate/up in CUDA C, backends/q4_decode.cu, on the tensor cores);
+- `batch`: the same step for several rows of the KV cache at once, `BatchDecode` (batched TTS
+  steps), each row bit for bit what `TritonDecode` gives it alone, and `gemv_rows`;
 - `attention`: single-query attention over the KV cache, split over programs;
 - `matvec`: matrix-vector products with dense or 4-bit weights: the K loop that the decode kernels
   share, and `gemv` (o_proj and down_proj into the residual stream, the LLM's lm_head);

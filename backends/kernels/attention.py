@@ -41,8 +41,29 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
     Only q and the current slot's k/v come from the previous kernel (the q/k/v projection): the
     position (written before the step's first kernel) and the program's first block of older slots
     are loaded before `_wait_previous`, so under PDL those loads overlap the previous kernel."""
-    h = tl.program_id(0)
-    j = tl.program_id(1)
+    _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, tl.program_id(0),
+                 tl.program_id(1), SPLITS, GROUP, D, HAS_VIS, BLOCK_S, NB, PDL)
+
+
+@triton.jit
+def _rows_attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, kv_row, vis_row,
+                 H: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
+                 BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):
+    """`_attend` for several rows of the KV cache at once: program (h, j, b) is program (h, j) of
+    row b alone (its q, output, cache row, position, "visible from" row, partials and counters), so
+    each row's attention is exactly what `_attend` gives it. kv_row, vis_row: elements between
+    two cache rows and two rows of `vis`."""
+    b = tl.program_id(2)
+    _attend_head(q_ptr + b * H * D, kc_ptr + b * kv_row, vc_ptr + b * kv_row, vis_ptr + b * vis_row, pos_ptr + b,
+                 out_ptr + b * H * D, part_ptr + b * H * SPLITS * (D + 2), cnt_ptr + b * H, scale, max_len,
+                 tl.program_id(0), tl.program_id(1), SPLITS, GROUP, D, HAS_VIS, BLOCK_S, NB, PDL)
+
+
+@triton.jit
+def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, h, j,
+                 SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
+                 BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
+    """The body of `_attend`'s program (h, j)."""
     pos = tl.load(pos_ptr)
     n_blocks = pos // BLOCK_S + 1
     n_used = tl.minimum(n_blocks, SPLITS)

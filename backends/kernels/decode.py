@@ -67,15 +67,35 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     # before the wait: weights, and the position (written before the step's first kernel)
     sc1, z1 = _row_params(s_ptr, z_ptr, r1, every, DIM, Q4, GS)
     sc2, z2 = _row_params(s_ptr, z_ptr, r2, every, DIM, Q4, GS)
-    if HAS_BIAS:
-        b1 = tl.load(b_ptr + r1).to(tl.float32)
-        b2 = tl.load(b_ptr + r2).to(tl.float32)
+    b1, b2 = _qkv_bias(b_ptr, r1, r2, HAS_BIAS)
     pos = tl.load(pos_ptr)
     c = _rnd(tl.load(cos_ptr + pos * D + d), dtype)
     s = _rnd(tl.load(sin_ptr + pos * D + d), dtype)
     _wait_previous(PDL)
     acc1, acc2, ss, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, 0, DIM, DIM,
                                  BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL, PIPE)
+    o1, o2 = _qkv_out(acc1, acc2, ss, vz, sc1, z1, sc2, z2, b1, b2, c, s, head, eps, DIM, HQ, HKV, BLOCK_R,
+                      HAS_BIAS, Q4, GS, dtype)
+    _qkv_store(o1, o2, d, head, pos, q_ptr, kc_ptr, vc_ptr, max_len, HQ, HKV, D)
+
+
+@triton.jit
+def _qkv_bias(b_ptr, r1, r2, HAS_BIAS: tl.constexpr):
+    """The q/k/v bias of rows r1 and r2 in float32 (0 without one)."""
+    b1 = 0.0
+    b2 = 0.0
+    if HAS_BIAS:
+        b1 = tl.load(b_ptr + r1).to(tl.float32)
+        b2 = tl.load(b_ptr + r2).to(tl.float32)
+    return b1, b2
+
+
+@triton.jit
+def _qkv_out(acc1, acc2, ss, vz, sc1, z1, sc2, z2, b1, b2, c, s, head, eps, DIM: tl.constexpr, HQ: tl.constexpr,
+             HKV: tl.constexpr, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr,
+             dtype: tl.constexpr):
+    """`_rms_qkv_rope`'s rows from its K loop (paired rows of a half head): RMSNorm scale, bias,
+    rounding, rotation by (c, s) for q and k heads -> (o1, o2); shared with the batched kernel."""
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     y1 = _row_scale(_total(acc1, vz, z1, DIM, BLOCK_R, Q4, GS), sc1, DIM, Q4, GS) * inv
     y2 = _row_scale(_total(acc2, vz, z2, DIM, BLOCK_R, Q4, GS), sc2, DIM, Q4, GS) * inv
@@ -90,14 +110,21 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     else:
         o1 = y1
         o2 = y2
+    return o1, o2
+
+
+@triton.jit
+def _qkv_store(o1, o2, d, head, pos, q_ptr, kc_ptr, vc_ptr, max_len, HQ: tl.constexpr, HKV: tl.constexpr,
+               D: tl.constexpr):
+    """Half-head rows d and d + D/2 of head `head`: q to its buffer, k and v into cache slot pos."""
     if head < HQ:
         base = q_ptr + head * D
     elif head < HQ + HKV:
         base = kc_ptr + ((head - HQ) * max_len + pos) * D
     else:
         base = vc_ptr + ((head - HQ - HKV) * max_len + pos) * D
-    tl.store(base + d, o1.to(dtype))
-    tl.store(base + d + D // 2, o2.to(dtype))
+    tl.store(base + d, o1.to(q_ptr.dtype.element_ty))
+    tl.store(base + d + D // 2, o2.to(q_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -115,11 +142,20 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     _wait_previous(PDL)
     acc_g, acc_u, ss, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0, DIM, DIM,
                                    BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL, PIPE)
+    h = _gate_up_out(acc_g, acc_u, ss, vz, sc_g, z_g, sc_u, z_u, eps, DIM, BLOCK_R, Q4, GS, dtype)
+    tl.store(h_ptr + rows, h.to(dtype), mask=rm)
+
+
+@triton.jit
+def _gate_up_out(acc_g, acc_u, ss, vz, sc_g, z_g, sc_u, z_u, eps, DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                 Q4: tl.constexpr, GS: tl.constexpr, dtype: tl.constexpr):
+    """`_rms_gate_up`'s rows from its K loop: RMSNorm scale, rounding, silu(gate) * up (float32,
+    before its rounding to the model dtype); shared with the batched kernel."""
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     g = _rnd(_row_scale(_total(acc_g, vz, z_g, DIM, BLOCK_R, Q4, GS), sc_g, DIM, Q4, GS) * inv, dtype)
     u = _rnd(_row_scale(_total(acc_u, vz, z_u, DIM, BLOCK_R, Q4, GS), sc_u, DIM, Q4, GS) * inv, dtype)
     act = _rnd(g / (1.0 + tl.exp(-g)), dtype)
-    tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
+    return act * u
 
 
 def cuda_gate_up_fits(w: Weight, x: Tensor, chunks: int = 2) -> bool:

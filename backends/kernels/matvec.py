@@ -179,18 +179,29 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
                     w2 = (((words2 >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero2
                     acc2 += w2 * scale2 * v[:, None, None]
     else:
-        rows = row0 + tl.arange(0, BLOCK_R)
-        m = (rows < LIM)[:, None]
         cols = k0 + tl.arange(0, BLOCK_K)
-        cm = cols < K
-        v, ss = _vec(v_ptr, g_ptr, cols, cm, ss, GAIN)
-        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=m & cm[None, :], other=0.0)
-        acc += w.to(tl.float32) * v[None, :]
+        v, ss = _vec(v_ptr, g_ptr, cols, cols < K, ss, GAIN)
+        acc = _dense_mac(acc, _tile(w_ptr, row0, row0, LIM, k0, K, BLOCK_R, BLOCK_K), v)
         if TWO:
-            rows2 = row02 + tl.arange(0, BLOCK_R)
-            w2 = tl.load(w_ptr + rows2[:, None] * K + cols[None, :], mask=m & cm[None, :], other=0.0)
-            acc2 += w2.to(tl.float32) * v[None, :]
+            acc2 = _dense_mac(acc2, _tile(w_ptr, row02, row0, LIM, k0, K, BLOCK_R, BLOCK_K), v)
     return acc, acc2, ss, vz
+
+
+@triton.jit
+def _tile(w_ptr, row0, mrow0, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Dense W[row0.., k0..] (N, K): a (BLOCK_R, BLOCK_K) tile, zeros past K and where row
+    mrow0 + i is not below LIM (the kernels that take two tiles mask both by the first's rows)."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    m = (mrow0 + tl.arange(0, BLOCK_R) < LIM)[:, None] & (cols < K)[None, :]
+    return tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _dense_mac(acc, w, v):
+    """One dense K-block: acc += w * v elementwise (float32), v the block's inputs. The batched
+    kernels (batch.py) apply a tile to each row through this too: their rows' sums are the same."""
+    return acc + w.to(tl.float32) * v[None, :]
 
 
 @triton.jit

@@ -17,13 +17,17 @@ from torch import Tensor
 def _sample_codes(raw_ptr, temp_ptr, bos_ptr, block_eos_ptr, noise_ptr, probs_ptr, code_ptr, top_p,
                   V: tl.constexpr, TOP_K: tl.constexpr, MIN_KEEP: tl.constexpr, SAMPLED: tl.constexpr,
                   BLOCK_V: tl.constexpr):
-    """One codebook per program: logits / temperature, then (except on the BOS step) top-p and
-    top-k as transformers' warpers keep them, EOS (the last code) blocked when asked, softmax, and
-    the argmax of probs (greedy) or of probs / noise (a draw, see minicpm_cli.sampling.choose)."""
-    row = tl.program_id(0)
+    """Program (q, b): codebook q of step row b (one row: b = 0): logits / temperature, then (except
+    on the row's BOS step) top-p and top-k as transformers' warpers keep them, EOS (the last code)
+    blocked when the row asks, softmax, and the argmax of probs (greedy) or of probs / noise (a draw,
+    see minicpm_cli.sampling.choose). A row's codes are what it gets alone."""
+    b = tl.program_id(1)
+    row = b * tl.num_programs(0) + tl.program_id(0)
+    bos_ptr += b
+    block_eos_ptr += b
     i = tl.arange(0, BLOCK_V)
     inside = i < V
-    t = tl.load(temp_ptr + row)
+    t = tl.load(temp_ptr + tl.program_id(0))
     x = tl.math.div_rn(tl.load(raw_ptr + row * V + i, mask=inside, other=float("-inf")), t)
     # top-p: the token of descending rank r stays if the probability mass of ranks < r is below p
     # (i.e. its ascending cumulative mass exceeds 1 - p), the first MIN_KEEP always; top-k keeps
@@ -55,8 +59,10 @@ def _sample_codes(raw_ptr, temp_ptr, bos_ptr, block_eos_ptr, noise_ptr, probs_pt
 
 def sample_codes(raw: Tensor, temps: Tensor, bos: Tensor, block_eos: Tensor, noise: Tensor | None,
                  probs: Tensor, codes: Tensor, top_p: float, top_k: int, min_keep: int) -> None:
-    """`_sample_codes` over raw (num_vq, V) float32 logits -> probs (num_vq, V), codes (num_vq,)."""
-    q, v = raw.shape
-    _sample_codes[(q,)](raw, temps, bos, block_eos, noise if noise is not None else raw, probs, codes, top_p,
-                        V=v, TOP_K=max(top_k, min_keep), MIN_KEEP=min_keep, SAMPLED=noise is not None,
-                        BLOCK_V=triton.next_power_of_2(v), num_warps=2)
+    """`_sample_codes` over raw (num_vq, V) float32 logits -> probs (num_vq, V), codes (num_vq,); or
+    over rows: raw, noise, probs (rows, num_vq, V), bos, block_eos (rows, 1), codes (rows, num_vq)."""
+    q, v = raw.shape[-2:]
+    rows = raw.numel() // (q * v)
+    _sample_codes[(q, rows)](raw, temps, bos, block_eos, noise if noise is not None else raw, probs, codes, top_p,
+                             V=v, TOP_K=max(top_k, min_keep), MIN_KEEP=min_keep, SAMPLED=noise is not None,
+                             BLOCK_V=triton.next_power_of_2(v), num_warps=2)

@@ -1,0 +1,131 @@
+"""Time one batched TTS step per batch size: CUDA-graph replays of `GraphTTSRunner._run_batch` on
+full-size random TTS weights (the ChatTTS head only: no LLM, no codec).
+
+    python tools/batch_step.py [--nb 1 2 4 8 16] [--path kernels|compiled|both] [--pos 600] [--sampled]
+                               [--cfg '{"down": [4, 4, 16]}'] [--json]
+
+nb = 1 is the single-stream step (the Triton kernels); larger nb run the batched Triton kernels
+(`kernels`, backends/kernels/batch.py) or the torch.compile'd layer halves with cuBLAS (`compiled`,
+the path before them). Rows sit at positions pos, pos+1, ... with a full text mask. Each figure is
+the median over --rounds rounds of --steps replays timed with CUDA events, after the graph's
+capture and --warmup replays; the first run of a shape (Triton and torch.compile compilation,
+capture) is reported apart. `--cfg` overrides `BatchDecode.cfg` entries (weight rows a program,
+warps, step rows a program); `--check` also compares each row's codes against the single step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from minicpm_cli.backends.compile import GraphTTSRunner
+from minicpm_cli.pipeline import build_tts
+from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec
+
+
+def time_step(runner: GraphTTSRunner, nb: int, sampled: bool, steps: int, rounds: int, warmup: int) -> dict:
+    kv = max(runner.positions[:nb]) + 1
+    t = time.perf_counter()
+    runner._run_batch(nb, kv, sampled)  # compiles and captures
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t
+    for _ in range(warmup):
+        runner._run_batch(nb, kv, sampled)
+    per = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        start.record()
+        for _ in range(steps):
+            runner._run_batch(nb, kv, sampled)
+        end.record()
+        end.synchronize()
+        per.append(start.elapsed_time(end) / steps)
+    ms = statistics.median(per)
+    return {"nb": nb, "ms": ms, "ms_per_row": ms / nb, "spread": max(per) - min(per), "first_s": first}
+
+
+def setup_rows(runner: GraphTTSRunner, nb: int, pos: int) -> None:
+    """Rows 0..nb-1 at positions pos.., each with a full text mask, taking part in the step."""
+    c = runner.config
+    for b in range(nb):
+        runner.set_text_len_row(b, c.streaming_text_reserved_len - 1)
+        runner.positions[b] = pos + b
+    runner.ctl[:, :nb] = torch.tensor([[pos + b for b in range(nb)], [0] * nb, [1] * nb, [0] * nb])
+    runner.noise_b.fill_(1.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nb", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--path", choices=("kernels", "compiled", "both"), default="both")
+    ap.add_argument("--pos", type=int, default=600, help="row 0's position (303 is the first audio frame)")
+    ap.add_argument("--sampled", action="store_true", help="draw codes with noise (default greedy)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--cfg", default=None, help="JSON: BatchDecode.cfg entries to override")
+    ap.add_argument("--check", action="store_true", help="compare each row's codes with the single step's")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    ckpt = RandomCheckpoint(SyntheticSpec.full())
+    tts = build_tts(ckpt, ckpt.config, device=dev, dtype=dtype)
+    rows = max(args.nb)
+    runner = GraphTTSRunner(tts, rows=rows)
+    if runner.batch is not None and args.cfg:
+        runner.batch.cfg.update({k: tuple(v) for k, v in json.loads(args.cfg).items()})
+    kernels = runner.batch
+    paths = ["kernels", "compiled"] if args.path == "both" else [args.path]
+    results = []
+    for path in paths:
+        runner.batch = kernels if path == "kernels" else None
+        for nb in args.nb:
+            setup_rows(runner, nb, args.pos)
+            r = time_step(runner, nb, args.sampled, args.steps, args.rounds, args.warmup)
+            r["path"] = path if nb > 1 else "single"
+            if args.check and nb > 1:
+                r["rows_equal_single"] = check_rows(runner, nb, args.pos, args.sampled)
+            results.append(r)
+            if not args.json:
+                extra = f"  rows equal single: {r['rows_equal_single']}" if "rows_equal_single" in r else ""
+                print(f"{r['path']:8s} nb {nb:3d}: {r['ms']:.3f} ms a step ({r['ms_per_row']:.3f} a row, spread "
+                      f"{r['spread']:.3f}; first {r['first_s']:.1f} s){extra}", flush=True)
+    if args.json:
+        print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
+                          "pos": args.pos, "results": results}))
+
+
+def check_rows(runner: GraphTTSRunner, nb: int, pos: int, sampled: bool) -> bool:
+    """Each row's codes and raw logits of one batched step equal those of its single step (its cache
+    row copied to row 0 first; rows hold what earlier steps of this tool wrote)."""
+    setup_rows(runner, nb, pos)
+    runner._batch_step(nb, runner.max_len, sampled)
+    codes, raw = runner.code_b[:nb].clone(), runner.raw_b[:nb].clone()
+    layers = runner.model.model.layers
+    saved = [(a.self_attn.kv_cache.k[0].clone(), a.self_attn.kv_cache.v[0].clone()) for a in layers]
+    same = True
+    for b in range(nb):
+        for a in layers:
+            a.self_attn.kv_cache.k[0].copy_(a.self_attn.kv_cache.k[b])
+            a.self_attn.kv_cache.v[0].copy_(a.self_attn.kv_cache.v[b])
+        runner.vis_b[0].copy_(runner.vis_b[b])
+        runner.last_b[0].copy_(runner.last_b[b])
+        runner.bos_b[0].copy_(runner.bos_b[b])
+        runner.noise_b[0].copy_(runner.noise_b[b])
+        runner.pos_t.fill_(pos + b)
+        runner.block_eos_t.fill_(False)
+        runner._run_step(sampled)
+        same &= bool(torch.equal(runner.code_b[0], codes[b]) and torch.equal(runner.raw_b[0], raw[b]))
+    for a, (k, v) in zip(layers, saved):
+        a.self_attn.kv_cache.k[0].copy_(k)
+        a.self_attn.kv_cache.v[0].copy_(v)
+    return same
+
+
+if __name__ == "__main__":
+    main()
