@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--cfg", default=None, help="JSON: BatchDecode.cfg entries to override")
+    ap.add_argument("--group", type=int, default=None, help="step rows a program at most, every kernel")
     ap.add_argument("--check", action="store_true", help="compare each row's codes with the single step's")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -77,6 +78,8 @@ def main() -> None:
     tts = build_tts(ckpt, ckpt.config, device=dev, dtype=dtype)
     rows = max(args.nb)
     runner = GraphTTSRunner(tts, rows=rows)
+    if runner.batch is not None and args.group:
+        runner.batch.cfg = {k: (r, w, args.group) for k, (r, w, _) in runner.batch.cfg.items()}
     if runner.batch is not None and args.cfg:
         runner.batch.cfg.update({k: tuple(v) for k, v in json.loads(args.cfg).items()})
     kernels = runner.batch

@@ -211,12 +211,15 @@ class BatchDecode:
     Positions are read on the device: one CUDA graph per nb serves every position.
 
     `cfg`: per kernel, (weight rows per program, warps, step rows per program at most); the
-    defaults take the single kernels' rows and warps and 16 step rows (unrolled in the kernel),
+    defaults take the single kernels' rows and warps and 4 step rows (unrolled in the kernel),
     except down's 4 weight rows: a program keeps its whole tile (every K-block) in registers, and
     8 rows of the TTS's 3072 inputs spilled at 16 step rows (ptxas for sm_90); the rows of a tile do
-    not change a row's sums (the K axis keeps its layout). Not yet swept on a GPU."""
+    not change a row's sums (the K axis keeps its layout). Step rows per program, on an H100
+    (tools/batch_step.py --group G, ms a step at nb 8 / 16): 16 rows 1.66 / 4.08, 8 rows 1.63 / 2.50,
+    4 rows 1.27 / 2.12 (more programs in flight beat reading each tile once; a tile read again comes
+    from L2)."""
 
-    def __init__(self, single: TritonDecode, group: int = 16):
+    def __init__(self, single: TritonDecode, group: int = 4):
         c = single.c
         if any(w.q4 for ws in single.weights for w in ws):
             raise ValueError("BatchDecode takes dense weights only")
