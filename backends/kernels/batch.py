@@ -1,9 +1,10 @@
 """The fused decode step for several rows of the KV cache at once, `BatchDecode`: `TritonDecode`'s
 five launches a layer (decode.py) for nb streams, each at its own position with its own "visible
-from" row, the weights read once for all of them; and `gemv_rows`, the same for one product.
+from" row; and `gemv_rows`, the same for one product.
 
 A projection program loads its weight tile, every K-block of it, before `_wait_previous`, then
-applies it to one step row after another (`tl.static_range`) with exactly the arithmetic of the
+applies it to its step rows one after another (`tl.static_range`; one row a program by default,
+which measured fastest: the tiles the other rows' programs read again come from L2) with exactly the arithmetic of the
 single-stream kernel: the same K-blocks and products (`_dense_mac`), the same sums, split-K merge
 and roundings, the same epilogues (`_qkv_out`, `_gate_up_out`, `_gemv_out`). Attention runs
 `_attend`'s programs for each row (`_rows_attend`). So a row's results are bit for bit those
@@ -211,15 +212,15 @@ class BatchDecode:
     Positions are read on the device: one CUDA graph per nb serves every position.
 
     `cfg`: per kernel, (weight rows per program, warps, step rows per program at most); the
-    defaults take the single kernels' rows and warps and 4 step rows (unrolled in the kernel),
+    defaults take the single kernels' rows and warps and 1 step row (more unroll in the kernel),
     except down's 4 weight rows: a program keeps its whole tile (every K-block) in registers, and
     8 rows of the TTS's 3072 inputs spilled at 16 step rows (ptxas for sm_90); the rows of a tile do
     not change a row's sums (the K axis keeps its layout). Step rows per program, on an H100
-    (tools/batch_step.py --group G, ms a step at nb 8 / 16): 16 rows 1.66 / 4.08, 8 rows 1.63 / 2.50,
-    4 rows 1.27 / 2.12 (more programs in flight beat reading each tile once; a tile read again comes
-    from L2)."""
+    (tools/batch_step.py --group G, ms a step at nb 4 / 8 / 16): 16 rows - / 1.66 / 4.08, 8 rows
+    - / 1.63 / 2.50, 4 rows - / 1.27 / 2.12, 2 rows 0.75 / 1.18 / 1.92, 1 row 0.73 / 1.17 / 1.93: more
+    programs in flight beat reading each tile once per step (a tile read again comes from L2)."""
 
-    def __init__(self, single: TritonDecode, group: int = 4):
+    def __init__(self, single: TritonDecode, group: int = 1):
         c = single.c
         if any(w.q4 for ws in single.weights for w in ws):
             raise ValueError("BatchDecode takes dense weights only")
