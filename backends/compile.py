@@ -130,8 +130,11 @@ class CompiledLLM(Rows):
         cuda = dev.type == "cuda"
         self.host = torch.zeros(2, dtype=torch.long, pin_memory=cuda)
         self.host_np = self.host.numpy()
+        self.batch_host = torch.zeros(2, rows, dtype=torch.long, pin_memory=cuda)  # batch_in, the same way
+        self.batch_np = self.batch_host.numpy()
         self.inp = torch.zeros(2, dtype=torch.long, device=dev)
-        self.read = torch.cuda.Event() if cuda else None  # the last decode graph has run
+        # the last copy from a pinned buffer (a decode graph's first node, a batch's inputs) has run
+        self.read = torch.cuda.Event() if cuda else None
         self.graphs = Graphs(dev)
         self.audio: Tensor | None = None  # a voice turn's input embeddings, by position (_stage_audio)
         self.is_audio: Tensor | None = None
@@ -243,7 +246,12 @@ class CompiledLLM(Rows):
         nb = batch_bucket(max(rows) + 1, self.rows)
         tok, pos, kv = self._batch_inputs(rows, ids, nb)
         kv = _bucket(kv, LLM_BUCKET, self.max_len)
-        self.batch_in[:, :nb].copy_(torch.tensor([tok, pos]))
+        if self.read is not None:
+            self.read.synchronize()  # (the last copy from the pinned buffers has run)
+        self.batch_np[:, :nb] = (tok, pos)
+        self.batch_in[:, :nb].copy_(self.batch_host[:, :nb], non_blocking=True)
+        if self.read is not None:
+            self.read.record()
         if self.batch_fns is None and self.compile_batches:
             self.batch_fns = block_fns(dynamic=True)
         logits, hidden = self.graphs.run(("batch", nb, kv), lambda: decode_batch(

@@ -68,6 +68,12 @@ class TTSRunner:
         # a batched step's control (position, EOS blocked, advances, step index in its call) per row,
         # and the codes of each row's call so far (step FRAMES_PER_CALL is where idle rows write)
         self.ctl = torch.zeros(4, rows, dtype=torch.long, device=dev)
+        # written on the host, copied in without waiting (pinned memory on CUDA): the host prepares a
+        # step while the one before runs; `ctl_read` says the last copy has read the host buffer
+        cuda = dev.type == "cuda"
+        self.ctl_host = torch.zeros(4, rows, dtype=torch.long, pin_memory=cuda)
+        self.ctl_np = self.ctl_host.numpy()
+        self.ctl_read = torch.cuda.Event() if cuda else None
         self.calls_out = torch.zeros(rows, FRAMES_PER_CALL + 1, c.num_vq, dtype=torch.long, device=dev)
         self.row_ids = torch.arange(rows, device=dev)
         # Position from which each cache slot is visible (spec §4.1): a text slot s once
@@ -268,7 +274,12 @@ class TTSRunner:
                 self.noise_b[c.row].copy_(c.noise[c.done])
         ctl[0] = [min(p, self.max_len - 1) for p in ctl[0]]  # (a finished row's position may be the end)
         kv = max(ctl[0][c.row] for c in calls) + 1
-        self.ctl[:, :nb].copy_(torch.tensor(ctl, dtype=torch.long))
+        if self.ctl_read is not None:
+            self.ctl_read.synchronize()  # (the previous step's copy has read the buffer)
+        self.ctl_np[:, :nb] = ctl
+        self.ctl[:, :nb].copy_(self.ctl_host[:, :nb], non_blocking=True)
+        if self.ctl_read is not None:
+            self.ctl_read.record()
         self._run_batch(nb, kv, any(c.noise is not None for c in calls))
         done = []
         for c in calls:
