@@ -101,10 +101,10 @@ def test_tts_steps_on_kernels_match_eager_runner(tiny_dir):
         runner.trace = []
         runner.start(cond.n)
         runner.prefill(cond.ids[: cond.n + 3], 0, spk)
-        codes, _ = runner.generate(None, n_steps=8, min_new=8)
+        codes, _ = runner.generate(None, n_steps=4, min_new=4)  # (4 steps: the interpreter is slow)
         runs.append((codes, torch.stack([raw for raw, _ in runner.trace])))
     (codes_e, raw_e), (codes_t, raw_t) = runs
-    assert len(codes_e) == 8 and torch.equal(codes_e, codes_t)
+    assert len(codes_e) == 4 and torch.equal(codes_e, codes_t)
     assert (raw_t - raw_e).abs().max() <= 1e-4 * raw_e.abs().max()
 
 
