@@ -5,7 +5,8 @@ A stream is one request's generation (a read or a reply: `Synthesizer.synthesize
 very code a single stream runs; where it would run a TTS generate() call or decode one LLM token, its
 lane hands the engine a request and waits. The engine runs rounds: admit waiting streams onto free
 lanes, resume the streams whose requests were answered (each runs on until its next request:
-decoding audio, prefilling text, sampling), then one batched LLM token for every stream that asked
+decoding audio, prefilling text, sampling; the LLM tokens they choose on the device come to the host
+for all of them in one copy, and they go on), then one batched LLM token for every stream that asked
 for one (`LLMStage.decode_rows`) and one batched TTS step for every open generate() call
 (`TTSRunner.step_calls`). A stream joins the batch at the next step and leaves when it ends.
 
@@ -49,6 +50,7 @@ class LLMLane:
     def __init__(self, stage, row: int):
         self.stage, self.row = stage, row
         self.batcher: Callable[[int, list[int]], tuple[Tensor, Tensor]] | None = None
+        self.resolver: Callable[[int, Tensor], int] | None = None
 
     def reset(self) -> None:
         self.stage.reset_row(self.row)
@@ -58,6 +60,13 @@ class LLMLane:
         if self.batcher is not None and embeds is None:
             return self.batcher(self.row, ids)
         return self.stage.forward_row(self.row, ids, embeds, embed_at)
+
+    def value(self, token: Tensor) -> int:
+        """A token chosen on the device, on the host: with an engine, fetched with every other
+        stream's of the round in one copy (one wait for the device instead of one a stream)."""
+        if self.resolver is None:
+            return int(token)
+        return self.resolver(self.row, token)
 
     def save_prefix(self):
         return self.stage.save_prefix_row(self.row)
@@ -103,13 +112,14 @@ class Engine:
         self.synth = synth
         self.lanes = [Lane(b, synth.tts.lane(b), LLMLane(synth.llm, b)) for b in range(self.rows)]
         for lane in self.lanes:
-            lane.tts.batcher, lane.llm.batcher = self._tts_wait, self._llm_wait
+            lane.tts.batcher, lane.llm.batcher, lane.llm.resolver = self._tts_wait, self._llm_wait, self._value_wait
         self.free = list(range(self.rows))  # lowest first: batched steps run over rows 0..max
         self.queued: deque[Stream] = deque()
         self.ready: deque[tuple[greenlet.greenlet, Any]] = deque()
         self.tts_calls: dict[int, tuple[greenlet.greenlet, Call]] = {}
         self.llm_tokens: dict[int, tuple[greenlet.greenlet, int]] = {}
         self.llm_prompts: dict[int, tuple[greenlet.greenlet, list[int]]] = {}
+        self.values: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # chosen tokens to bring to the host
         self.batch_prompts = hasattr(synth.llm, "prefill_rows")
         self.active = 0
         self.loop: greenlet.greenlet | None = None
@@ -142,13 +152,21 @@ class Engine:
             self.active += 1
             self.ready.append((greenlet.greenlet(functools.partial(self._body, stream)), _START))
             admitted += 1
-        while self.ready:
-            g, value = self.ready.popleft()
-            g.parent = self.loop
-            if value is _START:
-                g.switch()
-            else:
-                g.switch(value)
+        while True:
+            while self.ready:
+                g, value = self.ready.popleft()
+                g.parent = self.loop
+                if value is _START:
+                    g.switch()
+                else:
+                    g.switch(value)
+            if not self.values:
+                break
+            # the tokens the streams chose, to the host in one copy; they go on in this round
+            rows = sorted(self.values)
+            chosen = torch.stack([self.values[r][1].reshape(()) for r in rows]).tolist()
+            for r, t in zip(rows, chosen):
+                self.ready.append((self.values.pop(r)[0], t))
         with torch.inference_mode():
             if self.llm_prompts:
                 rows = sorted(self.llm_prompts)
@@ -188,6 +206,10 @@ class Engine:
     def _tts_wait(self, call: Call) -> None:
         self.tts_calls[call.row] = (greenlet.getcurrent(), call)
         self.loop.switch()
+
+    def _value_wait(self, row: int, token: Tensor) -> int:
+        self.values[row] = (greenlet.getcurrent(), token)
+        return self.loop.switch()
 
     def _llm_wait(self, row: int, ids: list[int]) -> tuple[Tensor, Tensor]:
         if len(ids) == 1:

@@ -81,6 +81,7 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
     system turn (spec §4.4, §4.5; `Synthesizer.voice_context`); the user message then follows as a
     later message."""
     terminators = {tok.im_end_id, tok.endoftext_id}
+    value = getattr(llm, "value", int)  # the chosen id on the host (a batch's lane: with the others')
     banned = sorted(terminators | {tok.tts_eos_id}) if force_length else None
     vocab = len(tok.llm) if force_length else None
     if voice is None:
@@ -101,7 +102,7 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
         new: list[int] = []
         ended = False
         for k in range(TOKENS_PER_PIECE):
-            t = int(next_token(logits, window, s, generator, banned, vocab))
+            t = value(next_token(logits, window, s, generator, banned, vocab))
             new.append(t)
             window.append(t)
             if t in terminators:
