@@ -97,6 +97,29 @@ class Graphs:
         return entry[1]
 
 
+class Upload:
+    """Lists of ids to a device tensor without waiting for the device (`torch.tensor(..., device=)`
+    waits for all the work queued before it): through pinned host buffers taken in turn, each
+    written again only once the copy that read it has run (an event each)."""
+
+    def __init__(self, size: int, device: torch.device, ring: int = 4):
+        cuda = device.type == "cuda"
+        self.bufs = [torch.zeros(size, dtype=torch.long, pin_memory=cuda) for _ in range(ring)]
+        self.views = [b.numpy() for b in self.bufs]
+        self.read = [torch.cuda.Event() if cuda else None for _ in range(ring)]
+        self.next = 0
+
+    def __call__(self, values: list[int], out: Tensor) -> None:
+        i, n = self.next, len(values)
+        self.next = (i + 1) % len(self.bufs)
+        if self.read[i] is not None:
+            self.read[i].synchronize()
+        self.views[i][:n] = values
+        out[:n].copy_(self.bufs[i][:n], non_blocking=True)
+        if self.read[i] is not None:
+            self.read[i].record()
+
+
 def _bucket(n: int, step: int, cap: int) -> int:
     return min(-(-n // step) * step, cap)
 
@@ -121,6 +144,7 @@ class CompiledLLM(Rows):
         self.positions = [0] * rows
         self.slots = torch.arange(max_len, device=dev)
         self.ids = torch.zeros(max_len, dtype=torch.long, device=dev)
+        self.upload = Upload(max_len, dev)  # prompt ids into `ids`
         self.pos0 = torch.zeros(1, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.row = torch.zeros(1, dtype=torch.long, device=dev)  # the cache row of a prefill of row > 0
@@ -212,7 +236,7 @@ class CompiledLLM(Rows):
             self._stage_audio(t, embeds, embed_at)
         tag = ("audio",) if audio else ()
         if row > 0:  # another stream's row: the graphs of row 0's shapes, on a gathered row
-            self.ids[:n].copy_(torch.tensor(ids, device=self.device))
+            self.upload(ids, self.ids)
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
             self.row.fill_(row)
@@ -228,7 +252,7 @@ class CompiledLLM(Rows):
             if n == 1:
                 self.ids[:1].fill_(ids[0])  # no host-to-device copy (and no sync) per decoded token
             else:
-                self.ids[:n].copy_(torch.tensor(ids, device=self.device))
+                self.upload(ids, self.ids)
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
             logits, hidden = self.graphs.run((t, kv, *tag), lambda: self._run(t, kv, audio=audio))
@@ -280,6 +304,7 @@ class GraphTTSRunner(TTSRunner):
         model.model.setup_rope(model.config.decoder.max_positions, self.device)
         self.graphs = Graphs(self.device)
         self.ids = torch.zeros(self.L, dtype=torch.long, device=self.device)
+        self.upload = Upload(self.L, self.device)  # text chunk ids into `ids`
         self.spk = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
         self.row = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -359,7 +384,7 @@ class GraphTTSRunner(TTSRunner):
     def prefill_row(self, row: int, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         t = len(ids)
         kv = _bucket(begin + t, TTS_BUCKET, self.max_len)
-        self.ids[:t].copy_(torch.tensor(ids, device=self.device))
+        self.upload(ids, self.ids)
         self.begin.fill_(begin)
         self.row.fill_(row)
         if spk is not None:
