@@ -26,9 +26,10 @@ from torch import Tensor
 
 from minicpm_cli import trace
 from minicpm_cli.checkpoint import Checkpoint
-from minicpm_cli.errors import BackendError, UsageError
+from minicpm_cli.errors import BackendError
 from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
+from minicpm_cli.tensorio import Upload
 from minicpm_cli.tts import MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
@@ -97,29 +98,6 @@ class Graphs:
         return entry[1]
 
 
-class Upload:
-    """Lists of ids to a device tensor without waiting for the device (`torch.tensor(..., device=)`
-    waits for all the work queued before it): through pinned host buffers taken in turn, each
-    written again only once the copy that read it has run (an event each)."""
-
-    def __init__(self, size: int, device: torch.device, ring: int = 4):
-        cuda = device.type == "cuda"
-        self.bufs = [torch.zeros(size, dtype=torch.long, pin_memory=cuda) for _ in range(ring)]
-        self.views = [b.numpy() for b in self.bufs]
-        self.read = [torch.cuda.Event() if cuda else None for _ in range(ring)]
-        self.next = 0
-
-    def __call__(self, values: list[int], out: Tensor) -> None:
-        i, n = self.next, len(values)
-        self.next = (i + 1) % len(self.bufs)
-        if self.read[i] is not None:
-            self.read[i].synchronize()
-        self.views[i][:n] = values
-        out[:n].copy_(self.bufs[i][:n], non_blocking=True)
-        if self.read[i] is not None:
-            self.read[i].record()
-
-
 def _bucket(n: int, step: int, cap: int) -> int:
     return min(-(-n // step) * step, cap)
 
@@ -144,7 +122,7 @@ class CompiledLLM(Rows):
         self.positions = [0] * rows
         self.slots = torch.arange(max_len, device=dev)
         self.ids = torch.zeros(max_len, dtype=torch.long, device=dev)
-        self.upload = Upload(max_len, dev)  # prompt ids into `ids`
+        self.upload = Upload((max_len,), dev)  # prompt ids into `ids`
         self.pos0 = torch.zeros(1, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.row = torch.zeros(1, dtype=torch.long, device=dev)  # the cache row of a prefill of row > 0
@@ -154,11 +132,9 @@ class CompiledLLM(Rows):
         cuda = dev.type == "cuda"
         self.host = torch.zeros(2, dtype=torch.long, pin_memory=cuda)
         self.host_np = self.host.numpy()
-        self.batch_host = torch.zeros(2, rows, dtype=torch.long, pin_memory=cuda)  # batch_in, the same way
-        self.batch_np = self.batch_host.numpy()
+        self.batch_upload = Upload((2, rows), dev)  # a batch's ids and positions into `batch_in`
         self.inp = torch.zeros(2, dtype=torch.long, device=dev)
-        # the last copy from a pinned buffer (a decode graph's first node, a batch's inputs) has run
-        self.read = torch.cuda.Event() if cuda else None
+        self.read = torch.cuda.Event() if cuda else None  # the last decode graph has run
         self.graphs = Graphs(dev)
         self.audio: Tensor | None = None  # a voice turn's input embeddings, by position (_stage_audio)
         self.is_audio: Tensor | None = None
@@ -236,7 +212,7 @@ class CompiledLLM(Rows):
             self._stage_audio(t, embeds, embed_at)
         tag = ("audio",) if audio else ()
         if row > 0:  # another stream's row: the graphs of row 0's shapes, on a gathered row
-            self.upload(ids, self.ids)
+            self.upload(ids, self.ids[: len(ids)])
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
             self.row.fill_(row)
@@ -252,7 +228,7 @@ class CompiledLLM(Rows):
             if n == 1:
                 self.ids[:1].fill_(ids[0])  # no host-to-device copy (and no sync) per decoded token
             else:
-                self.upload(ids, self.ids)
+                self.upload(ids, self.ids[: len(ids)])
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
             logits, hidden = self.graphs.run((t, kv, *tag), lambda: self._run(t, kv, audio=audio))
@@ -270,12 +246,7 @@ class CompiledLLM(Rows):
         nb = batch_bucket(max(rows) + 1, self.rows)
         tok, pos, kv = self._batch_inputs(rows, ids, nb)
         kv = _bucket(kv, LLM_BUCKET, self.max_len)
-        if self.read is not None:
-            self.read.synchronize()  # (the last copy from the pinned buffers has run)
-        self.batch_np[:, :nb] = (tok, pos)
-        self.batch_in[:, :nb].copy_(self.batch_host[:, :nb], non_blocking=True)
-        if self.read is not None:
-            self.read.record()
+        self.batch_upload((tok, pos), self.batch_in[:, :nb])
         if self.batch_fns is None and self.compile_batches:
             self.batch_fns = block_fns(dynamic=True)
         logits, hidden = self.graphs.run(("batch", nb, kv), lambda: decode_batch(
@@ -304,7 +275,7 @@ class GraphTTSRunner(TTSRunner):
         model.model.setup_rope(model.config.decoder.max_positions, self.device)
         self.graphs = Graphs(self.device)
         self.ids = torch.zeros(self.L, dtype=torch.long, device=self.device)
-        self.upload = Upload(self.L, self.device)  # text chunk ids into `ids`
+        self.upload = Upload((self.L,), self.device)  # text chunk ids into `ids`
         self.spk = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
         self.row = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -384,7 +355,7 @@ class GraphTTSRunner(TTSRunner):
     def prefill_row(self, row: int, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         t = len(ids)
         kv = _bucket(begin + t, TTS_BUCKET, self.max_len)
-        self.upload(ids, self.ids)
+        self.upload(ids, self.ids[: len(ids)])
         self.begin.fill_(begin)
         self.row.fill_(row)
         if spk is not None:

@@ -85,8 +85,6 @@ class Rows:
     def load_prefix_row(self, row: int, prefix: Prefix) -> None:
         """Make the row's context `prefix` (what it held when saved, bit for bit); the next tokens go
         after it."""
-        if prefix.length > self.max_len:
-            raise UsageError(f"LLM context full: {prefix.length} tokens > {self.max_len}")
         for c, k, v in zip(self._caches(), prefix.k, prefix.v):
             c.k[row, :, : prefix.length].copy_(k)
             c.v[row, :, : prefix.length].copy_(v)

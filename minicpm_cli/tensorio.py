@@ -9,6 +9,9 @@ second host copy. On a CPU, the threads read each tensor's bytes straight into i
 The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length, a JSON
 header {name: {"dtype", "shape", "data_offsets": [begin, end]}} with offsets from the end of the
 header, then the data. Nothing else is interpreted here: names, shapes and checks are the caller's.
+
+`Upload` moves small host values (ids, positions) to the device the same way, through pinned
+buffers, so that the host never waits for the device's queue to send them.
 """
 
 from __future__ import annotations
@@ -186,3 +189,30 @@ def _read_cuda(entries: dict[str, Entry], out: dict[str, Tensor], fds: dict[Path
             if j + len(ring) < len(chunks):
                 pending.append(pool.submit(read, j + len(ring)))
     stream.synchronize()
+
+
+class Upload:
+    """Small integer arrays to a device tensor without waiting for the device: `torch.tensor(...,
+    device=)` and a copy from pageable memory wait for all the work queued before them; this writes
+    pinned host buffers of `shape`, taken in turn, each written again only once the copy that read
+    it has run (an event each)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device, ring: int = 4):
+        cuda = torch.device(device).type == "cuda"
+        self.bufs = [torch.zeros(shape, dtype=torch.long, pin_memory=cuda) for _ in range(ring)]
+        self.views = [b.numpy() for b in self.bufs]
+        self.read = [torch.cuda.Event() if cuda else None for _ in range(ring)]
+        self.next = 0
+
+    def __call__(self, values, out: Tensor) -> None:
+        """`values` (nested lists, or an array) into `out`, a slice of the destination that starts
+        at index 0 in every dimension and has their shape."""
+        i = self.next
+        self.next = (i + 1) % len(self.bufs)
+        if self.read[i] is not None:
+            self.read[i].synchronize()
+        at = tuple(slice(0, d) for d in out.shape)
+        self.views[i][at] = values
+        out.copy_(self.bufs[i][at], non_blocking=True)
+        if self.read[i] is not None:
+            self.read[i].record()

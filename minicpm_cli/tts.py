@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .models.chattts import ChatTTS
 from .sampling import choose, noise, top_k, top_p
+from .tensorio import Upload
 
 # Per-codebook temperatures hard-coded by every caller in the reference.
 TEMPERATURES = (0.1, 0.3, 0.1, 0.3)
@@ -68,12 +69,9 @@ class TTSRunner:
         # a batched step's control (position, EOS blocked, advances, step index in its call) per row,
         # and the codes of each row's call so far (step FRAMES_PER_CALL is where idle rows write)
         self.ctl = torch.zeros(4, rows, dtype=torch.long, device=dev)
-        # written on the host, copied in without waiting (pinned memory on CUDA): the host prepares a
-        # step while the one before runs; `ctl_read` says the last copy has read the host buffer
-        cuda = dev.type == "cuda"
-        self.ctl_host = torch.zeros(4, rows, dtype=torch.long, pin_memory=cuda)
-        self.ctl_np = self.ctl_host.numpy()
-        self.ctl_read = torch.cuda.Event() if cuda else None
+        # written on the host and copied in without waiting: the host prepares a step while the one
+        # before runs
+        self.ctl_upload = Upload((4, rows), dev)
         self.calls_out = torch.zeros(rows, FRAMES_PER_CALL + 1, c.num_vq, dtype=torch.long, device=dev)
         self.row_ids = torch.arange(rows, device=dev)
         # Position from which each cache slot is visible (spec §4.1): a text slot s once
@@ -274,12 +272,7 @@ class TTSRunner:
                 self.noise_b[c.row].copy_(c.noise[c.done])
         ctl[0] = [min(p, self.max_len - 1) for p in ctl[0]]  # (a finished row's position may be the end)
         kv = max(ctl[0][c.row] for c in calls) + 1
-        if self.ctl_read is not None:
-            self.ctl_read.synchronize()  # (the previous step's copy has read the buffer)
-        self.ctl_np[:, :nb] = ctl
-        self.ctl[:, :nb].copy_(self.ctl_host[:, :nb], non_blocking=True)
-        if self.ctl_read is not None:
-            self.ctl_read.record()
+        self.ctl_upload(ctl, self.ctl[:, :nb])
         self._run_batch(nb, kv, any(c.noise is not None for c in calls))
         done = []
         for c in calls:
