@@ -29,7 +29,7 @@ from minicpm_cli.checkpoint import Checkpoint
 from minicpm_cli.errors import BackendError
 from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
-from minicpm_cli.tensorio import Upload
+from minicpm_cli.tensorio import Upload, to_device
 from minicpm_cli.tts import MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
@@ -192,7 +192,7 @@ class CompiledLLM(Rows):
             w = self.model.model.embed_tokens.weight
             self.audio = torch.zeros(self.max_len, w.shape[1], dtype=w.dtype, device=self.device)
             self.is_audio = torch.zeros(self.max_len, dtype=torch.bool, device=self.device)
-        at = torch.tensor(embed_at, device=self.device)
+        at = to_device(embed_at, self.device)
         self.is_audio[:t].zero_()
         self.is_audio.index_fill_(0, at, True)
         self.audio.index_copy_(0, at, embeds.to(self.device, self.audio.dtype))
@@ -253,7 +253,9 @@ class CompiledLLM(Rows):
             self.model, self.batch_in[0, :nb], self.batch_in[1, :nb], kv, self.slots, self.batch_fns))
         for r in rows:
             self.positions[r] += 1
-        at = torch.tensor(rows, device=self.device)
+        if rows[-1] == len(rows) - 1:  # rows 0..n-1
+            return logits[: len(rows)], hidden[: len(rows)]
+        at = to_device(rows, self.device)
         return logits.index_select(0, at), hidden.index_select(0, at)
 
 
@@ -374,7 +376,7 @@ class GraphCodec:
 
     def __init__(self, codec):
         self.codec = codec
-        self.decode_eager = codec.decode
+        self.decode_eager, self.batch_eager = codec.decode, codec.decode_batch
         self.codes = torch.zeros(self.MAX_FRAMES, codec.num_vq, dtype=torch.long, device=codec.device)
         self.graphs = Graphs(codec.device)
 
@@ -385,6 +387,19 @@ class GraphCodec:
             return self.decode_eager(codes)
         self.codes[:t].copy_(codes)
         return self.graphs.run(t, lambda: self.decode_eager(self.codes[:t])).clone()
+
+    @torch.inference_mode()
+    def decode_batch(self, codes: Tensor) -> Tensor:
+        """(B, T, num_vq) -> (B, samples), one graph per (B rounded up to a power of two, T); the
+        padding rows repeat the first."""
+        n, t = codes.shape[:2]
+        nb = 1 << (n - 1).bit_length()
+        if nb * t > self.MAX_FRAMES:
+            return self.batch_eager(codes)
+        rows = self.codes[: nb * t].view(nb, t, -1)
+        rows[:n].copy_(codes)
+        rows[n:].copy_(codes[:1].expand(nb - n, -1, -1))
+        return self.graphs.run((nb, t), lambda: self.batch_eager(rows))[:n].clone()
 
 
 def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows: int = 1, **options) -> CompiledLLM:
@@ -398,4 +413,5 @@ def tts_runner(model: ChatTTS, rows: int = 1) -> GraphTTSRunner:
 def wrap_codec(codec) -> None:
     """Route `codec.decode` through CUDA graphs (on a CPU nothing changes)."""
     if codec.device.type == "cuda":
-        codec.decode = GraphCodec(codec).decode
+        graphs = GraphCodec(codec)
+        codec.decode, codec.decode_batch = graphs.decode, graphs.decode_batch

@@ -15,6 +15,7 @@ from minicpm_cli.checkpoint import Checkpoint, load_module
 from minicpm_cli.errors import UsageError
 from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
 from minicpm_cli.models.transformer import causal_mask
+from minicpm_cli.tensorio import to_device
 
 
 def decode_batch(model: Qwen2LM, ids: Tensor, pos: Tensor, kv: int, slots: Tensor,
@@ -109,12 +110,13 @@ class Rows:
         if max(starts) + T > self.max_len:  # padding would run past a cache: one at a time
             return [self.forward_row(r, x) for r, x in zip(rows, ids)]
         dev = self.device
-        tok = torch.tensor([x + [0] * (T - len(x)) for x in ids], device=dev)  # (n, T)
-        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(T, device=dev)  # (n, T)
+        inp = to_device([[r, s, n - 1] + x + [0] * (T - n) for r, s, n, x in zip(rows, starts, lens, ids)], dev)
+        tok = inp[:, 3:]  # (n, T)
+        pos = inp[:, 1:2] + torch.arange(T, device=dev)  # (n, T)
         kv = max(starts) + T
         mask = (self.slots[None, None, :kv] <= pos[:, :, None])[:, None]  # (n, 1, T, kv)
-        _, hidden = self.model(tok, pos, mask, kv, logits_at=None, rows=torch.tensor(rows, device=dev))
-        last = hidden[torch.arange(len(rows), device=dev), torch.tensor(lens, device=dev) - 1]  # (n, dim)
+        _, hidden = self.model(tok, pos, mask, kv, logits_at=None, rows=inp[:, 0])
+        last = hidden[torch.arange(len(rows), device=dev), inp[:, 2]]  # (n, dim)
         logits = self.model.lm_head(last).float()
         for r, n in zip(rows, lens):
             self.positions[r] += n

@@ -41,6 +41,7 @@ from .tts import Call, TTSLane
 
 
 _START = object()
+PROMPT_TOKENS = 4096  # padded LLM prompt tokens a round prefills at most (one prompt always)
 
 
 class LLMLane:
@@ -75,13 +76,30 @@ class LLMLane:
         self.stage.load_prefix_row(self.row, prefix)
 
 
+class CodecLane:
+    """The synthesizer's codec as one stream of a batch sees it: its decodes go through `decoder`
+    (row, codes) -> audio, which runs those of a round together."""
+
+    def __init__(self, codec, row: int, decoder: Callable[[int, Tensor], Tensor]):
+        self.codec, self.row, self.decoder = codec, row, decoder
+        self.num_vq, self.samples_per_frame = codec.num_vq, codec.samples_per_frame
+
+    @property
+    def device(self) -> torch.device:
+        return self.codec.device
+
+    def decode(self, codes: Tensor) -> Tensor:
+        return self.decoder(self.row, codes) if len(codes) else self.codec.decode(codes)
+
+
 @dataclass(frozen=True)
 class Lane:
-    """What one stream runs on: a row of the TTS runner and a row of the LLM stage."""
+    """What one stream runs on: a row of the TTS runner, a row of the LLM stage and the codec."""
 
     row: int
     tts: TTSLane
     llm: LLMLane
+    codec: Any
 
 
 @dataclass(eq=False)
@@ -110,9 +128,15 @@ class Engine:
         if self.rows < 1:
             raise ValueError("a batch needs at least one row")
         self.synth = synth
-        self.lanes = [Lane(b, synth.tts.lane(b), LLMLane(synth.llm, b)) for b in range(self.rows)]
+        # decodes of a round batched on CUDA; on a CPU oneDNN's batched convolutions would round
+        # otherwise than one stream's, so each stream decodes alone there
+        batch_codec = synth.codec.device.type == "cuda"
+        self.lanes = [Lane(b, synth.tts.lane(b), LLMLane(synth.llm, b),
+                           CodecLane(synth.codec, b, self._decode_wait) if batch_codec else synth.codec)
+                      for b in range(self.rows)]
         for lane in self.lanes:
             lane.tts.batcher, lane.llm.batcher, lane.llm.resolver = self._tts_wait, self._llm_wait, self._value_wait
+            lane.tts.prefiller = self._prefill_wait
         self.free = list(range(self.rows))  # lowest first: batched steps run over rows 0..max
         self.queued: deque[Stream] = deque()
         self.ready: deque[tuple[greenlet.greenlet, Any]] = deque()
@@ -120,6 +144,8 @@ class Engine:
         self.llm_tokens: dict[int, tuple[greenlet.greenlet, int]] = {}
         self.llm_prompts: dict[int, tuple[greenlet.greenlet, list[int]]] = {}
         self.values: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # chosen tokens to bring to the host
+        self.tts_prefills: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # (ids, begin, spk)
+        self.decodes: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # codes to decode
         self.batch_prompts = hasattr(synth.llm, "prefill_rows")
         self.active = 0
         self.loop: greenlet.greenlet | None = None
@@ -138,12 +164,11 @@ class Engine:
             self.round()
 
     def round(self) -> None:
-        """Admit, resume, then the LLM prompts that are waiting (in one forward), one batched LLM token
-        and one batched TTS step."""
+        """Admit, resume (with the round's TTS text prefills, codec decodes and chosen tokens each done
+        together), then the LLM prompts that are waiting (in one forward), one batched LLM token and
+        one batched TTS step."""
         self.loop = greenlet.getcurrent()
-        busy = bool(self.tts_calls or self.llm_tokens or self.llm_prompts)
-        admitted = 0
-        while self.queued and self.free and not (busy and admitted):
+        while self.queued and self.free:
             stream = self.queued.popleft()
             if stream.cancelled:
                 stream.done(None)
@@ -151,7 +176,6 @@ class Engine:
             stream.lane = self.lanes[self.free.pop(0)]
             self.active += 1
             self.ready.append((greenlet.greenlet(functools.partial(self._body, stream)), _START))
-            admitted += 1
         while True:
             while self.ready:
                 g, value = self.ready.popleft()
@@ -160,21 +184,21 @@ class Engine:
                     g.switch()
                 else:
                     g.switch(value)
-            if not self.values:
+            if not (self.values or self.tts_prefills or self.decodes):
                 break
-            # the tokens the streams chose, to the host in one copy; they go on in this round
-            rows = sorted(self.values)
-            chosen = torch.stack([self.values[r][1].reshape(()) for r in rows]).tolist()
-            for r, t in zip(rows, chosen):
-                self.ready.append((self.values.pop(r)[0], t))
+            if self.values:  # the tokens the streams chose, to the host in one copy
+                rows = sorted(self.values)
+                chosen = torch.stack([self.values[r][1].reshape(()) for r in rows]).tolist()
+                for r, t in zip(rows, chosen):
+                    self.ready.append((self.values.pop(r)[0], t))
+            with torch.inference_mode():
+                if self.tts_prefills:
+                    self._prefill_text()
+                if self.decodes:
+                    self._decode()
         with torch.inference_mode():
             if self.llm_prompts:
-                rows = sorted(self.llm_prompts)
-                prompts = [self.llm_prompts[r][1] for r in rows]
-                llm = self.synth.llm  # (one prompt alone: exactly the single-stream prefill)
-                outs = llm.prefill_rows(rows, prompts) if len(rows) > 1 else [llm.forward_row(rows[0], prompts[0])]
-                for r, out in zip(rows, outs):
-                    self.ready.append((self.llm_prompts.pop(r)[0], out))
+                self._prefill_prompts()
             if self.llm_tokens:
                 rows = sorted(self.llm_tokens)
                 logits, hidden = self.synth.llm.decode_rows(rows, [self.llm_tokens[r][1] for r in rows])
@@ -183,6 +207,47 @@ class Engine:
             if self.tts_calls:
                 for call in self.synth.tts.step_calls([c for _, c in self.tts_calls.values()]):
                     self.ready.append((self.tts_calls.pop(call.row)[0], None))
+
+    def _prefill_prompts(self) -> None:
+        """The waiting LLM prompts in one padded forward, as many (lowest rows first) as fit in
+        PROMPT_TOKENS padded tokens (at least one); the rest wait for the next round."""
+        rows = sorted(self.llm_prompts)
+        take = 1
+        while take < len(rows) and (take + 1) * max(len(self.llm_prompts[r][1]) for r in rows[: take + 1]) \
+                <= PROMPT_TOKENS:
+            take += 1
+        rows = rows[:take]
+        prompts = [self.llm_prompts[r][1] for r in rows]
+        llm = self.synth.llm  # (one prompt alone: exactly the single-stream prefill)
+        outs = llm.prefill_rows(rows, prompts) if len(rows) > 1 else [llm.forward_row(rows[0], prompts[0])]
+        for r, out in zip(rows, outs):
+            self.ready.append((self.llm_prompts.pop(r)[0], out))
+
+    def _prefill_text(self) -> None:
+        """The waiting TTS text prefills in one forward (one alone: the single-stream prefill)."""
+        rows = sorted(self.tts_prefills)
+        args = [self.tts_prefills[r][1] for r in rows]
+        tts = self.synth.tts
+        if len(rows) == 1:
+            tts.prefill_row(rows[0], *args[0])
+        else:
+            tts.prefill_rows(rows, *(list(a) for a in zip(*args)))
+        for r in rows:
+            self.ready.append((self.tts_prefills.pop(r)[0], None))
+
+    def _decode(self) -> None:
+        """The waiting codec decodes, one batched call per length (one alone: the codec's own decode)."""
+        by_len: dict[int, list[int]] = {}
+        for r, (_, codes) in self.decodes.items():
+            by_len.setdefault(len(codes), []).append(r)
+        codec = self.synth.codec
+        for rows in by_len.values():
+            if len(rows) == 1:
+                out = [codec.decode(self.decodes[rows[0]][1])]
+            else:
+                out = codec.decode_batch(torch.stack([self.decodes[r][1] for r in rows]))
+            for r, wav in zip(rows, out):
+                self.ready.append((self.decodes.pop(r)[0], wav))
 
     def _body(self, stream: Stream) -> None:
         items, error = None, None
@@ -206,6 +271,14 @@ class Engine:
     def _tts_wait(self, call: Call) -> None:
         self.tts_calls[call.row] = (greenlet.getcurrent(), call)
         self.loop.switch()
+
+    def _prefill_wait(self, row: int, ids: list[int], begin: int, spk: Tensor | None) -> None:
+        self.tts_prefills[row] = (greenlet.getcurrent(), (ids, begin, spk))
+        self.loop.switch()
+
+    def _decode_wait(self, row: int, codes: Tensor) -> Tensor:
+        self.decodes[row] = (greenlet.getcurrent(), codes)
+        return self.loop.switch()
 
     def _value_wait(self, row: int, token: Tensor) -> int:
         self.values[row] = (greenlet.getcurrent(), token)

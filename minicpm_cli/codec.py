@@ -58,6 +58,12 @@ class Codec:
             return torch.zeros(0, device=self.device)
         return self.vocos(self.mel(codes)[None].float())[0]
 
+    @torch.inference_mode()
+    def decode_batch(self, codes: Tensor) -> Tensor:
+        """codes (B, T, num_vq), T > 0 -> float32 audio (B, samples_per_frame * T): each row as `decode`
+        gives it up to the rounding of batched convolutions (exact on the CPU without oneDNN)."""
+        return self.vocos(self.dvae(codes.to(self.device)).float())
+
 
 def crossfade(fade_out: Tensor, fade_in: Tensor) -> Tensor:
     """The reference's overlap-add of two equal-length pieces: sample i is weighted (L-i)/(L+1) and

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .sampling import choose, noise, top_k, top_p
+from .tensorio import to_device
 from .text import ASSISTANT_TTS_PREFIX, Tokenizers
 
 # streaming_generate appends this after the user turn; with a text-only first turn the context holds
@@ -59,11 +60,11 @@ def next_token(logits: Tensor, window: list[int], s: LLMSampling, generator: tor
     `banned` ids and ids from `vocab` on are never chosen (forced-length benchmark runs)."""
     scores = logits.float()[None]
     if banned:
-        scores = scores.index_fill(1, torch.tensor(banned, device=scores.device), float("-inf"))
+        scores = scores.index_fill(1, to_device(banned, scores.device), float("-inf"))
     if vocab is not None and vocab < scores.shape[1]:
         scores = torch.cat([scores[:, :vocab], torch.full_like(scores[:, vocab:], float("-inf"))], dim=1)
     if s.repetition_penalty != 1.0:
-        ids = torch.tensor(window, device=scores.device)[None]
+        ids = to_device(window, scores.device)[None]
         picked = scores.gather(1, ids)
         picked = torch.where(picked < 0, picked * s.repetition_penalty, picked / s.repetition_penalty)
         scores = scores.scatter(1, ids, picked)

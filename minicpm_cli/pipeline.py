@@ -345,7 +345,7 @@ class Synthesizer:
                                cut=read_cut, read_all=True, first_chunk=first_chunk,
                                frames_per_token=frames_per_token)
         events = machine.run("", iter(pieces))
-        yield from self._audio(events, decode)
+        yield from self._audio(events, decode, lane)
 
     def reply(self, user_text: str, sampling: Sampling = Sampling(), *, llm: LLMSampling = LLMSampling(),
               max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
@@ -367,17 +367,18 @@ class Synthesizer:
         spk = self._project(first.spk_hidden)
         machine = StreamingTTS(lane.tts if lane else self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,
                                first_chunk=first_chunk, frames_per_token=frames_per_token)
-        yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream")
+        yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream", lane)
 
-    def _audio(self, events: Iterator[Frames | NewSegment], decode: str) -> Iterator[AudioChunk]:
+    def _audio(self, events: Iterator[Frames | NewSegment], decode: str, lane=None) -> Iterator[AudioChunk]:
         if decode not in ("stream", "segment"):
             raise UsageError(f"unknown decode mode '{decode}' (stream or segment)")
+        codec = lane.codec if lane else self.codec  # (a batch's lane: its decodes batched with others')
         text, codes, segment = "", [], 0
-        dec = StreamDecoder(self.codec, hold_first=False) if decode == "stream" else None
+        dec = StreamDecoder(codec, hold_first=False) if decode == "stream" else None
         context = None  # segment mode: frames a continuation carried over
         for ev in events:
             if isinstance(ev, NewSegment):
-                audio = dec.flush() if dec else self._decode_segment(context, codes)
+                audio = dec.flush() if dec else self._decode_segment(codec, context, codes)
                 yield from self._chunk(audio, text, codes, segment)
                 text, codes, segment, context = "", [], segment + 1, ev.carried
                 if dec:
@@ -390,17 +391,17 @@ class Synthesizer:
                 if out is not None:
                     yield from self._chunk(out, text, codes, segment)
                     text, codes = "", []
-        audio = dec.flush() if dec else self._decode_segment(context, codes)
+        audio = dec.flush() if dec else self._decode_segment(codec, context, codes)
         yield from self._chunk(audio, text, codes, segment, final=True)
 
-    def _decode_segment(self, context: Tensor | None, frames: list[Tensor]) -> Tensor:
+    def _decode_segment(self, codec, context: Tensor | None, frames: list[Tensor]) -> Tensor:
         """One-call decode; a continuation is decoded after the frames it carried over (already heard),
         whose audio is then dropped, so the segment starts with full left context."""
-        codes = torch.cat(frames) if frames else torch.zeros(0, self.codec.num_vq, dtype=torch.long)
+        codes = torch.cat(frames) if frames else torch.zeros(0, codec.num_vq, dtype=torch.long)
         if context is None:
-            return self.codec.decode(codes)
-        wav = self.codec.decode(torch.cat([context.to(codes.device), codes]))
-        return wav[len(context) * self.codec.samples_per_frame :]
+            return codec.decode(codes)
+        wav = codec.decode(torch.cat([context.to(codes.device), codes]))
+        return wav[len(context) * codec.samples_per_frame :]
 
     def _chunk(self, audio: Tensor, text: str, codes: list[Tensor], segment: int,
                final: bool = False) -> Iterator[AudioChunk]:

@@ -191,6 +191,15 @@ def _read_cuda(entries: dict[str, Entry], out: dict[str, Tensor], fds: dict[Path
     stream.synchronize()
 
 
+def to_device(values, device: torch.device) -> Tensor:
+    """A list of ints as a long tensor on `device`, without waiting for the work queued there (the
+    pinned staging buffer comes from torch's caching host allocator, which keeps it until the copy
+    has run)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
 class Upload:
     """Small integer arrays to a device tensor without waiting for the device: `torch.tensor(...,
     device=)` and a copy from pageable memory wait for all the work queued before them; this writes

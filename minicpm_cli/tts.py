@@ -72,6 +72,8 @@ class TTSRunner:
         # written on the host and copied in without waiting: the host prepares a step while the one
         # before runs
         self.ctl_upload = Upload((4, rows), dev)
+        self.prefill_in = torch.zeros(rows, self.L + 2, dtype=torch.long, device=dev)  # (prefill_rows)
+        self.prefill_upload = Upload((rows, self.L + 2), dev)
         self.calls_out = torch.zeros(rows, FRAMES_PER_CALL + 1, c.num_vq, dtype=torch.long, device=dev)
         self.row_ids = torch.arange(rows, device=dev)
         # Position from which each cache slot is visible (spec §4.1): a text slot s once
@@ -150,6 +152,31 @@ class TTSRunner:
     def prefill_row(self, row: int, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         self._prefill(torch.tensor(ids, device=self.device), self.slots[begin : begin + 1], begin + len(ids), spk,
                       slice(row, row + 1))
+
+    @torch.inference_mode()
+    def prefill_rows(self, rows: list[int], ids: list[list[int]], begins: list[int],
+                     spks: list[Tensor | None]) -> None:
+        """Several rows' `prefill_row`s in one forward, padded to the longest, each at its own slots
+        (the padding writes text slots past a row's chunk, which its next prefill writes before any
+        query sees them) and with its own speaker vector where given. Padding that would reach the
+        [Ptts] slot, or beyond, runs them one at a time."""
+        T = max(len(x) for x in ids)
+        if max(begins) + T > self.L - 1:
+            for r, x, b, spk in zip(rows, ids, begins, spks):
+                self.prefill_row(r, x, b, spk)
+            return
+        n = len(rows)
+        inp = self.prefill_in[:n, : T + 2]  # per row: cache row, first slot, ids (padded)
+        self.prefill_upload([[r, b] + x + [0] * (T - len(x)) for r, b, x in zip(rows, begins, ids)], inp)
+        tok = inp[:, 2:]
+        x = self.model.emb_text(tok)
+        for i, spk in enumerate(spks):
+            if spk is not None:
+                x[i] = self.model.embed_text(tok[i], spk)[0]
+        pos = inp[:, 1:2] + self.slots[:T]  # (n, T)
+        kv = max(begins) + T
+        mask = (self.slots[None, None, :kv] <= pos[:, :, None])[:, None]  # (n, 1, T, kv)
+        self.model.model(x, pos, mask, kv, rows=inp[:, 0])
 
     def _visibility(self, pos: Tensor, kv_len: int, audio_upto: Tensor | None = None, row: int = 0) -> Tensor:
         """(1, 1, 1, kv_len) mask for a query of `row` at position `pos` (a 1-element device tensor):
@@ -342,6 +369,7 @@ class TTSLane:
         self.runner, self.row = runner, row
         self.config, self.L, self.device, self.dtype = runner.config, runner.L, runner.device, runner.dtype
         self.batcher = None
+        self.prefiller = None  # (row, ids, begin, spk) -> None: a batch's text prefills, run together
 
     @property
     def pos(self) -> int:
@@ -354,7 +382,10 @@ class TTSLane:
         self.runner.set_text_len_row(self.row, n)
 
     def prefill(self, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
-        self.runner.prefill_row(self.row, ids, begin, spk)
+        if self.prefiller is not None:
+            self.prefiller(self.row, ids, begin, spk)
+        else:
+            self.runner.prefill_row(self.row, ids, begin, spk)
 
     def prefill_audio(self, frames: Tensor) -> None:
         self.runner.prefill_audio_row(self.row, frames)
