@@ -235,6 +235,19 @@ class CompiledLLM(Rows):
         self.positions[row] = end
         return logits, hidden[:n]  # static buffers, valid until the next forward (LLMStage)
 
+    def _prompt_len(self, longest: int, last_start: int) -> int | None:
+        t = next((b for b in PREFILL_BUCKETS if b >= longest), longest)
+        if last_start + t > self.max_len:  # padding to the graph's length would run past the cache: exact
+            t = longest
+        return super()._prompt_len(t, last_start)
+
+    def _rows_bucket(self, n: int) -> int:
+        return batch_bucket(n, self.rows)
+
+    def _run_prompts(self, nb: int, T: int, kv: int) -> tuple[Tensor, Tensor]:
+        kv = _bucket(kv, LLM_BUCKET, self.max_len)
+        return self.graphs.run(("prompts", nb, T, kv), lambda: self._prompts(nb, T, kv))
+
     @torch.inference_mode()
     def decode_rows(self, rows: list[int], ids: list[int]) -> tuple[Tensor, Tensor]:
         """One token for each of `rows` (distinct) in one forward over rows 0..nb-1 (cuBLAS products in
@@ -352,6 +365,16 @@ class GraphTTSRunner(TTSRunner):
         _kernels("sampling").sample_codes(self.raw_b[:nb], self.temps, bos, block,
                                           self.noise_b[:nb] if sampled else None, self.probs_b[:nb],
                                           self.code_b[:nb], c.top_p, c.top_k, MIN_KEEP)
+
+    def prefill_len(self, longest: int, last_begin: int) -> int | None:
+        t = next((b for b in PREFILL_BUCKETS if b >= longest), longest)
+        if last_begin + t > self.L - 1:  # padding to the graph's length would reach [Ptts]: exact
+            t = longest
+        return super().prefill_len(t, last_begin)
+
+    def _run_prefills(self, nb: int, T: int, kv: int) -> None:
+        kv = _bucket(kv, TTS_BUCKET, self.max_len)
+        self.graphs.run(("prefills", nb, T, kv), lambda: self._prefill_batch(nb, T, kv))
 
     @torch.inference_mode()
     def prefill_row(self, row: int, ids: list[int], begin: int, spk: Tensor | None = None) -> None:

@@ -15,7 +15,7 @@ from minicpm_cli.checkpoint import Checkpoint, load_module
 from minicpm_cli.errors import UsageError
 from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
 from minicpm_cli.models.transformer import causal_mask
-from minicpm_cli.tensorio import to_device
+from minicpm_cli.tensorio import Upload, to_device
 
 
 def decode_batch(model: Qwen2LM, ids: Tensor, pos: Tensor, kv: int, slots: Tensor,
@@ -48,6 +48,7 @@ class Rows:
 
     rows = 1
     positions: list[int]
+    prompt_in: Tensor | None = None  # batched prompts' inputs (prefill_rows), made at the first use
 
     @property
     def pos(self) -> int:
@@ -101,26 +102,48 @@ class Rows:
     def prefill_rows(self, rows: list[int], ids: list[list[int]]) -> list[tuple[Tensor, Tensor]]:
         """Several rows' prompts in one forward, padded to the longest, each at its own positions (the
         padding writes slots past a row's end, which its next tokens rewrite before anything reads
-        them) -> per row (float32 logits of its last token (vocab,), hidden states (len, dim))."""
+        them) -> per row (float32 logits of its last token (vocab,), hidden states (len, dim)); like
+        forward_row's, static buffers where a backend replays graphs."""
         lens = [len(x) for x in ids]
-        T = max(lens)
         starts = [self.positions[r] for r in rows]
         for r, n in zip(rows, lens):
             self._check_room(r, n)
-        if max(starts) + T > self.max_len:  # padding would run past a cache: one at a time
+        T = self._prompt_len(max(lens), max(starts))
+        if T is None:  # padding would run past a cache: one at a time
             return [self.forward_row(r, x) for r, x in zip(rows, ids)]
-        dev = self.device
-        inp = to_device([[r, s, n - 1] + x + [0] * (T - n) for r, s, n, x in zip(rows, starts, lens, ids)], dev)
-        tok = inp[:, 3:]  # (n, T)
-        pos = inp[:, 1:2] + torch.arange(T, device=dev)  # (n, T)
-        kv = max(starts) + T
-        mask = (self.slots[None, None, :kv] <= pos[:, :, None])[:, None]  # (n, 1, T, kv)
-        _, hidden = self.model(tok, pos, mask, kv, logits_at=None, rows=inp[:, 0])
-        last = hidden[torch.arange(len(rows), device=dev), inp[:, 2]]  # (n, dim)
-        logits = self.model.lm_head(last).float()
-        for r, n in zip(rows, lens):
-            self.positions[r] += n
-        return [(logits[i], hidden[i, :lens[i]]) for i in range(len(rows))]
+        n, nb = len(rows), self._rows_bucket(len(rows))
+        if self.prompt_in is None:
+            self.prompt_in = torch.zeros(self.rows, self.max_len + 3, dtype=torch.long, device=self.device)
+            self.prompt_upload = Upload((self.rows, self.max_len + 3), self.device)
+        # per entry: cache row, first position, index of the last token, ids (padded); entries past n
+        # repeat the first, writing the same values to the same slots
+        entries = [[r, s, k - 1] + x + [0] * (T - k) for r, s, k, x in zip(rows, starts, lens, ids)]
+        self.prompt_upload(entries + entries[:1] * (nb - n), self.prompt_in[:nb, : T + 3])
+        logits, hidden = self._run_prompts(nb, T, max(starts) + T)
+        for r, k in zip(rows, lens):
+            self.positions[r] += k
+        return [(logits[i], hidden[i, :k]) for i, k in enumerate(lens)]
+
+    def _prompt_len(self, longest: int, last_start: int) -> int | None:
+        """The padded length of a batch of prompts (backends round it up to their graph sizes); None
+        when the padding would run past a cache."""
+        return longest if last_start + longest <= self.max_len else None
+
+    def _rows_bucket(self, n: int) -> int:
+        return n
+
+    def _run_prompts(self, nb: int, T: int, kv: int) -> tuple[Tensor, Tensor]:
+        return self._prompts(nb, T, kv)
+
+    def _prompts(self, nb: int, T: int, kv: int) -> tuple[Tensor, Tensor]:
+        """The `prompt_in` entries 0..nb-1 (T ids each), attending causally over slots [0, kv) ->
+        (logits of each entry's last token (nb, vocab), hidden (nb, T, dim))."""
+        inp = self.prompt_in[:nb, : T + 3]
+        pos = inp[:, 1:2] + self.slots[:T]  # (nb, T)
+        mask = (self.slots[None, None, :kv] <= pos[:, :, None])[:, None]  # (nb, 1, T, kv)
+        _, hidden = self.model(inp[:, 3:], pos, mask, kv, logits_at=None, rows=inp[:, 0])
+        last = hidden[torch.arange(nb, device=self.device), inp[:, 2]]  # (nb, dim)
+        return self.model.lm_head(last).float(), hidden
 
     def _batch_inputs(self, rows: list[int], ids: list[int], nb: int) -> tuple[list[int], list[int], int]:
         """(ids, positions) of rows 0..nb-1 and the KV length to attend over. Rows without a token
@@ -167,11 +190,11 @@ class EagerLLM(Rows):
         """One token for each of `rows` (distinct) -> (logits (n, vocab), hidden (n, dim)) in that order."""
         nb = max(rows) + 1
         tok, pos, kv = self._batch_inputs(rows, ids, nb)
-        logits, hidden = decode_batch(self.model, torch.tensor(tok, device=self.device),
-                                      torch.tensor(pos, device=self.device), kv, self.slots)
+        inp = to_device([tok, pos], self.device)
+        logits, hidden = decode_batch(self.model, inp[0], inp[1], kv, self.slots)
         for r in rows:
             self.positions[r] += 1
-        at = torch.tensor(rows, device=self.device)
+        at = to_device(rows, self.device)
         return logits.index_select(0, at), hidden.index_select(0, at)
 
 

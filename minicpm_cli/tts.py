@@ -72,8 +72,10 @@ class TTSRunner:
         # written on the host and copied in without waiting: the host prepares a step while the one
         # before runs
         self.ctl_upload = Upload((4, rows), dev)
-        self.prefill_in = torch.zeros(rows, self.L + 2, dtype=torch.long, device=dev)  # (prefill_rows)
-        self.prefill_upload = Upload((rows, self.L + 2), dev)
+        # batched text prefills' inputs (prefill_rows)
+        self.prefill_in = torch.zeros(rows, self.L + 3, dtype=torch.long, device=dev)
+        self.prefill_upload = Upload((rows, self.L + 3), dev)
+        self.spk_b = torch.zeros(rows, c.decoder.dim, dtype=self.dtype, device=dev)
         self.calls_out = torch.zeros(rows, FRAMES_PER_CALL + 1, c.num_vq, dtype=torch.long, device=dev)
         self.row_ids = torch.arange(rows, device=dev)
         # Position from which each cache slot is visible (spec §4.1): a text slot s once
@@ -160,22 +162,40 @@ class TTSRunner:
         (the padding writes text slots past a row's chunk, which its next prefill writes before any
         query sees them) and with its own speaker vector where given. Padding that would reach the
         [Ptts] slot, or beyond, runs them one at a time."""
-        T = max(len(x) for x in ids)
-        if max(begins) + T > self.L - 1:
+        T = self.prefill_len(max(len(x) for x in ids), max(begins))
+        if T is None:
             for r, x, b, spk in zip(rows, ids, begins, spks):
                 self.prefill_row(r, x, b, spk)
             return
         n = len(rows)
-        inp = self.prefill_in[:n, : T + 2]  # per row: cache row, first slot, ids (padded)
-        self.prefill_upload([[r, b] + x + [0] * (T - len(x)) for r, b, x in zip(rows, begins, ids)], inp)
-        tok = inp[:, 2:]
-        x = self.model.emb_text(tok)
-        for i, spk in enumerate(spks):
+        nb = self.bucket(n)
+        # per entry: cache row, first slot, speaker vector given, ids (padded); entries past n repeat
+        # the first, writing the same values to the same slots
+        entries = [[r, b, spk is not None] + x + [0] * (T - len(x)) for r, b, x, spk in zip(rows, begins, ids, spks)]
+        self.prefill_upload(entries + entries[:1] * (nb - n), self.prefill_in[:nb, : T + 3])
+        for i, spk in enumerate(spks + spks[:1] * (nb - n)):
             if spk is not None:
-                x[i] = self.model.embed_text(tok[i], spk)[0]
-        pos = inp[:, 1:2] + self.slots[:T]  # (n, T)
-        kv = max(begins) + T
-        mask = (self.slots[None, None, :kv] <= pos[:, :, None])[:, None]  # (n, 1, T, kv)
+                self.spk_b[i].copy_(spk)
+        self._run_prefills(nb, T, max(begins) + T)
+
+    def prefill_len(self, longest: int, last_begin: int) -> int | None:
+        """The padded length of a batch of text prefills (backends round it up to their graph sizes);
+        None when the padding would reach the [Ptts] slot."""
+        return longest if last_begin + longest <= self.L - 1 else None
+
+    def _run_prefills(self, nb: int, T: int, kv: int) -> None:
+        self._prefill_batch(nb, T, kv)
+
+    def _prefill_batch(self, nb: int, T: int, kv: int) -> None:
+        """The `prefill_in` entries 0..nb-1 (T ids each) through the backbone, attending causally over
+        cache slots [0, kv)."""
+        inp = self.prefill_in[:nb, : T + 3]
+        tok = inp[:, 3:]
+        x = self.model.emb_text(tok)  # (nb, T, hidden)
+        is_spk = (tok == self.config.spk_emb_token_id) & (inp[:, 2:3] > 0)
+        x = torch.where(is_spk[..., None], self.spk_b[:nb, None].to(x.dtype), x)
+        pos = inp[:, 1:2] + self.slots[:T]  # (nb, T)
+        mask = (self.slots[None, None, :kv] <= pos[:, :, None])[:, None]  # (nb, 1, T, kv)
         self.model.model(x, pos, mask, kv, rows=inp[:, 0])
 
     def _visibility(self, pos: Tensor, kv_len: int, audio_upto: Tensor | None = None, row: int = 0) -> Tensor:

@@ -79,8 +79,9 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
-        """k/v (B, Hkv, T, D) into `rows` at input_pos ((T,) or (B, T)) -> those rows' caches."""
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Rows, kv_len: int) -> tuple[Tensor, Tensor]:
+        """k/v (B, Hkv, T, D) into `rows` at input_pos ((T,) or (B, T)) -> those rows' cache slots
+        [0, kv_len) (gathered rows: a copy of just those)."""
         if isinstance(rows, slice):
             kc, vc = self.k[rows], self.v[rows]
             if input_pos.dim() == 1:
@@ -90,11 +91,11 @@ class KVCache(nn.Module):
                 b = torch.arange(len(input_pos), device=input_pos.device)[:, None]
                 kc[b, :, input_pos] = k.transpose(1, 2)  # indexed (B, T, Hkv, D)
                 vc[b, :, input_pos] = v.transpose(1, 2)
-            return kc, vc
+            return kc[:, :, :kv_len], vc[:, :, :kv_len]
         pos = input_pos if input_pos.dim() == 2 else input_pos.expand(len(rows), -1)
         self.k[rows[:, None], :, pos] = k.transpose(1, 2)
         self.v[rows[:, None], :, pos] = v.transpose(1, 2)
-        return self.k.index_select(0, rows), self.v.index_select(0, rows)
+        return self.k[:, :, :kv_len].index_select(0, rows), self.v[:, :, :kv_len].index_select(0, rows)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -149,8 +150,7 @@ class Attention(nn.Module):
         [0, kv_len) -> (B, T, H*D) before o_proj."""
         B, _, T, _ = q.shape
         if self.kv_cache is not None:
-            k, v = self.kv_cache.update(input_pos, k, v, slice(0, B) if rows is None else rows)
-            k, v = k[:, :, :kv_len], v[:, :, :kv_len]
+            k, v = self.kv_cache.update(input_pos, k, v, slice(0, B) if rows is None else rows, kv_len)
         if T == 1 and mask is not None:
             # One query: attend per KV head with the query heads of its group stacked, i.e. GQA
             # without repeating K/V (SDPA's masked GQA path repeats them and takes the math kernel).
