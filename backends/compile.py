@@ -344,6 +344,8 @@ class GraphTTSRunner(TTSRunner):
         if self.triton is not None and nb == 1:  # row 0 alone: the single-stream step on the Triton kernels
             self.pos_t.copy_(self.ctl[0, :1])
             self.block_eos_t.copy_(self.ctl[1, :1] > 0)
+            if sampled:
+                self.noise_b[:1].copy_(self.noise_calls[self.row_ids[:1], self.ctl[3, :1]])
             self._run_step(sampled)
         elif self.batch is not None:  # attention reads each row's position on the device: no KV buckets
             self.graphs.run(("batch", nb, sampled), lambda: self._batch_step(nb, self.max_len, sampled))

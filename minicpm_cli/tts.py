@@ -76,6 +76,8 @@ class TTSRunner:
         self.prefill_in = torch.zeros(rows, self.L + 3, dtype=torch.long, device=dev)
         self.prefill_upload = Upload((rows, self.L + 3), dev)
         self.spk_b = torch.zeros(rows, c.decoder.dim, dtype=self.dtype, device=dev)
+        # each row's call's noise by step (step FRAMES_PER_CALL: what idle rows read), written once a call
+        self.noise_calls = torch.ones(rows, FRAMES_PER_CALL + 1, c.num_vq, c.num_audio_tokens, device=dev)
         self.calls_out = torch.zeros(rows, FRAMES_PER_CALL + 1, c.num_vq, dtype=torch.long, device=dev)
         self.row_ids = torch.arange(rows, device=dev)
         # Position from which each cache slot is visible (spec §4.1): a text slot s once
@@ -302,9 +304,11 @@ class TTSRunner:
         c = self.config
         q = noise((n_steps, c.num_vq, c.num_audio_tokens), generator, self.device)
         if q is None:
-            self.noise_b[row].fill_(1.0)  # argmax(p / 1) is the greedy choice
+            self.noise_calls[row].fill_(1.0)  # argmax(p / 1) is the greedy choice
+        else:
+            self.noise_calls[row, :n_steps].copy_(q)
         return Call(row, min(n_steps, self.max_len - self.positions[row]), n_steps,
-                    n_steps if not allow_eos else min_new, q)
+                    n_steps if not allow_eos else min_new, q is not None)
 
     def step_calls(self, calls: list["Call"]) -> list["Call"]:
         """Advance each call (one per row) by one step in one batched forward over rows 0..nb-1
@@ -315,12 +319,10 @@ class TTSRunner:
         ctl = [[self.positions[b] for b in range(nb)], [0] * nb, [0] * nb, [FRAMES_PER_CALL] * nb]
         for c in calls:
             ctl[1][c.row], ctl[2][c.row], ctl[3][c.row] = int(c.done < c.min_new), 1, c.done
-            if c.noise is not None:
-                self.noise_b[c.row].copy_(c.noise[c.done])
         ctl[0] = [min(p, self.max_len - 1) for p in ctl[0]]  # (a finished row's position may be the end)
         kv = max(ctl[0][c.row] for c in calls) + 1
         self.ctl_upload(ctl, self.ctl[:, :nb])
-        self._run_batch(nb, kv, any(c.noise is not None for c in calls))
+        self._run_batch(nb, kv, any(c.sampled for c in calls))
         done = []
         for c in calls:
             c.done += 1
@@ -352,6 +354,7 @@ class TTSRunner:
         """A batched step's inputs from `ctl` and the row state -> (embeddings (nb, hidden), positions
         (nb,), BOS (nb, 1), EOS blocked (nb, 1)); positions and EOS blocks also to pos_b, block_b."""
         pos, block = self.ctl[0, :nb], self.ctl[1, :nb, None] > 0
+        self.noise_b[:nb].copy_(self.noise_calls[self.row_ids[:nb], self.ctl[3, :nb]])
         self.pos_b[:nb].copy_(pos)
         self.block_b[:nb].copy_(block)
         bos, last = self.bos_b[:nb], self.last_b[:nb]
@@ -375,7 +378,7 @@ class Call:
     steps: int  # steps it runs (n_steps, or fewer at the end of the cache)
     n_steps: int  # steps asked for
     min_new: int  # EOS blocked in steps 0..min_new-1
-    noise: Tensor | None  # (n_steps, num_vq, V) Exp(1) draws; None when greedy
+    sampled: bool  # its Exp(1) draws are in the runner's noise_calls row (else greedy)
     done: int = 0
     result: tuple[Tensor, bool] | None = None
 
