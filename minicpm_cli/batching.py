@@ -37,6 +37,7 @@ import greenlet
 import torch
 from torch import Tensor
 
+from .llm import LLMSampling, next_token, next_tokens
 from .tts import Call, TTSLane
 
 
@@ -51,7 +52,7 @@ class LLMLane:
     def __init__(self, stage, row: int):
         self.stage, self.row = stage, row
         self.batcher: Callable[[int, list[int]], tuple[Tensor, Tensor]] | None = None
-        self.resolver: Callable[[int, Tensor], int] | None = None
+        self.picker: Callable[[int, tuple], int] | None = None
 
     def reset(self) -> None:
         self.stage.reset_row(self.row)
@@ -62,12 +63,14 @@ class LLMLane:
             return self.batcher(self.row, ids)
         return self.stage.forward_row(self.row, ids, embeds, embed_at)
 
-    def value(self, token: Tensor) -> int:
-        """A token chosen on the device, on the host: with an engine, fetched with every other
-        stream's of the round in one copy (one wait for the device instead of one a stream)."""
-        if self.resolver is None:
-            return int(token)
-        return self.resolver(self.row, token)
+    def pick(self, logits: Tensor, window: list[int], s: LLMSampling, generator, banned, vocab) -> int:
+        """`llm.next_token`'s choice, on the host: with an engine, made together with the other
+        streams' of the round that share its settings, and fetched with all of theirs in one copy
+        (one wait for the device instead of one a stream)."""
+        args = (logits, window, s, generator, banned, vocab)
+        if self.picker is None:
+            return int(next_token(*args))
+        return self.picker(self.row, args)
 
     def save_prefix(self):
         return self.stage.save_prefix_row(self.row)
@@ -135,7 +138,7 @@ class Engine:
                            CodecLane(synth.codec, b, self._decode_wait) if batch_codec else synth.codec)
                       for b in range(self.rows)]
         for lane in self.lanes:
-            lane.tts.batcher, lane.llm.batcher, lane.llm.resolver = self._tts_wait, self._llm_wait, self._value_wait
+            lane.tts.batcher, lane.llm.batcher, lane.llm.picker = self._tts_wait, self._llm_wait, self._pick_wait
             lane.tts.prefiller = self._prefill_wait
         self.free = list(range(self.rows))  # lowest first: batched steps run over rows 0..max
         self.queued: deque[Stream] = deque()
@@ -143,7 +146,7 @@ class Engine:
         self.tts_calls: dict[int, tuple[greenlet.greenlet, Call]] = {}
         self.llm_tokens: dict[int, tuple[greenlet.greenlet, int]] = {}
         self.llm_prompts: dict[int, tuple[greenlet.greenlet, list[int]]] = {}
-        self.values: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # chosen tokens to bring to the host
+        self.picks: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # LLM tokens to choose (LLMLane.pick)
         self.tts_prefills: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # (ids, begin, spk)
         self.decodes: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # codes to decode
         self.batch_prompts = hasattr(synth.llm, "prefill_rows")
@@ -184,14 +187,11 @@ class Engine:
                     g.switch()
                 else:
                     g.switch(value)
-            if not (self.values or self.tts_prefills or self.decodes):
+            if not (self.picks or self.tts_prefills or self.decodes):
                 break
-            if self.values:  # the tokens the streams chose, to the host in one copy
-                rows = sorted(self.values)
-                chosen = torch.stack([self.values[r][1].reshape(()) for r in rows]).tolist()
-                for r, t in zip(rows, chosen):
-                    self.ready.append((self.values.pop(r)[0], t))
             with torch.inference_mode():
+                if self.picks:
+                    self._pick()
                 if self.tts_prefills:
                     self._prefill_text()
                 if self.decodes:
@@ -222,6 +222,21 @@ class Engine:
         outs = llm.prefill_rows(rows, prompts) if len(rows) > 1 else [llm.forward_row(rows[0], prompts[0])]
         for r, out in zip(rows, outs):
             self.ready.append((self.llm_prompts.pop(r)[0], out))
+
+    def _pick(self) -> None:
+        """The LLM tokens the streams are choosing: one `next_tokens` for each group of the same
+        settings, and all the chosen ids to the host in one copy."""
+        groups: dict[tuple, list[int]] = {}
+        for r, (_, (_, _, s, _, banned, vocab)) in sorted(self.picks.items()):
+            groups.setdefault((s, tuple(banned or ()), vocab), []).append(r)
+        rows, chosen = [], []
+        for (s, banned, vocab), group in groups.items():
+            args = [self.picks[r][1] for r in group]
+            chosen.append(next_tokens(torch.stack([a[0] for a in args]), [a[1] for a in args], s,
+                                      [a[3] for a in args], list(banned), vocab))
+            rows += group
+        for r, t in zip(rows, torch.cat(chosen).tolist()):
+            self.ready.append((self.picks.pop(r)[0], t))
 
     def _prefill_text(self) -> None:
         """The waiting TTS text prefills in one forward (one alone: the single-stream prefill)."""
@@ -280,8 +295,8 @@ class Engine:
         self.decodes[row] = (greenlet.getcurrent(), codes)
         return self.loop.switch()
 
-    def _value_wait(self, row: int, token: Tensor) -> int:
-        self.values[row] = (greenlet.getcurrent(), token)
+    def _pick_wait(self, row: int, args: tuple) -> int:
+        self.picks[row] = (greenlet.getcurrent(), args)
         return self.loop.switch()
 
     def _llm_wait(self, row: int, ids: list[int]) -> tuple[Tensor, Tensor]:

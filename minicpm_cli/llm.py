@@ -58,19 +58,32 @@ def next_token(logits: Tensor, window: list[int], s: LLMSampling, generator: tor
                banned: list[int] | None = None, vocab: int | None = None) -> Tensor:
     """transformers' order: repetition penalty, temperature, top-k, top-p, then a draw (or argmax).
     `banned` ids and ids from `vocab` on are never chosen (forced-length benchmark runs)."""
-    scores = logits.float()[None]
+    return next_tokens(logits[None], [window], s, [generator], banned, vocab)[0]
+
+
+def next_tokens(logits: Tensor, windows: list[list[int]], s: LLMSampling, generators: list,
+                banned: list[int] | None = None, vocab: int | None = None) -> Tensor:
+    """`next_token` for several streams with the same settings at once: logits (n, V), each row with
+    its own window and generator (None: greedy) -> (n,) ids. Every step works row by row."""
+    scores = logits.float()
+    dev = scores.device
     if banned:
-        scores = scores.index_fill(1, to_device(banned, scores.device), float("-inf"))
+        scores = scores.index_fill(1, to_device(banned, dev), float("-inf"))
     if vocab is not None and vocab < scores.shape[1]:
         scores = torch.cat([scores[:, :vocab], torch.full_like(scores[:, vocab:], float("-inf"))], dim=1)
     if s.repetition_penalty != 1.0:
-        ids = to_device(window, scores.device)[None]
+        width = max(len(w) for w in windows)  # (a shorter window repeats its first id: the same penalty)
+        ids = to_device([w + w[:1] * (width - len(w)) for w in windows], dev)
         picked = scores.gather(1, ids)
         picked = torch.where(picked < 0, picked * s.repetition_penalty, picked / s.repetition_penalty)
         scores = scores.scatter(1, ids, picked)
     scores = scores / s.temperature
-    scores = top_p(top_k(scores, s.top_k), s.top_p)
-    return choose(scores.softmax(-1), noise(scores.shape, generator, scores.device))[0]
+    probs = top_p(top_k(scores, s.top_k), s.top_p).softmax(-1)
+    if all(g is None for g in generators):
+        return choose(probs, None)
+    q = [torch.ones(1, probs.shape[1], device=dev) if g is None else noise((1, probs.shape[1]), g, dev)
+         for g in generators]  # (argmax(p / 1) is the greedy choice)
+    return choose(probs, torch.cat(q))
 
 
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,
@@ -82,7 +95,8 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
     system turn (spec §4.4, §4.5; `Synthesizer.voice_context`); the user message then follows as a
     later message."""
     terminators = {tok.im_end_id, tok.endoftext_id}
-    value = getattr(llm, "value", int)  # the chosen id on the host (a batch's lane: with the others')
+    # the chosen id, on the host (a batch's lane: chosen and fetched together with the other streams')
+    pick = getattr(llm, "pick", None) or (lambda *args: int(next_token(*args)))
     banned = sorted(terminators | {tok.tts_eos_id}) if force_length else None
     vocab = len(tok.llm) if force_length else None
     if voice is None:
@@ -103,7 +117,7 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
         new: list[int] = []
         ended = False
         for k in range(TOKENS_PER_PIECE):
-            t = value(next_token(logits, window, s, generator, banned, vocab))
+            t = pick(logits, window, s, generator, banned, vocab)
             new.append(t)
             window.append(t)
             if t in terminators:
