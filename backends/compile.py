@@ -276,12 +276,16 @@ class GraphTTSRunner(TTSRunner):
     """TTSRunner whose steps and prefills replay CUDA graphs. On CUDA a step runs the backbone with
     the Triton decode kernels (backends/kernels/decode.py: five per layer, attention bounded by the
     position read on the device, so one graph serves every position), the code heads on the Triton
-    GEMV and the choice of codes in one kernel; a batched step of nb rows runs the same kernels'
-    batched versions (backends/kernels/batch.py, one graph per nb), which give each row bit for bit
-    what its single step gives it, so a stream's codes do not depend on its batch. On a CPU, the
-    compiled layer halves."""
+    GEMV and the choice of codes in one kernel. A batched step of nb rows (one graph per nb) runs
+    `batch_kernels`: "mma", the projections and code heads as tensor-core products with the rows as
+    M (backends/kernels/mma.py): a row's codes do not depend on the other rows or on nb, but differ
+    from its single step's (row 0 alone) by rounding; or "rows", the single step's kernels applied
+    row by row (backends/kernels/batch.py), bit for bit the single step, some 0.12 ms a row on an
+    H100. On a CPU, the compiled layer halves."""
 
-    def __init__(self, model: ChatTTS, use_triton: bool | None = None, rows: int = 1):
+    def __init__(self, model: ChatTTS, use_triton: bool | None = None, rows: int = 1, batch_kernels: str = "mma"):
+        if batch_kernels not in ("mma", "rows"):
+            raise ValueError(f"batch_kernels must be 'mma' or 'rows', got {batch_kernels!r}")
         model.model.fuse()
         triton = use_triton if use_triton is not None else model.emb_text.weight.device.type == "cuda"
         super().__init__(model, block_fns=None if triton else block_fns(), rows=rows)  # (see CompiledLLM.fns)
@@ -295,6 +299,7 @@ class GraphTTSRunner(TTSRunner):
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
         self.row = torch.zeros(1, dtype=torch.long, device=self.device)
         self.triton = self.batch = None
+        self.batch_kernels = batch_kernels
         if triton:  # (tests: the interpreter)
             c = model.config
             self.triton = _kernels("decode").TritonDecode(model.model, self.visible_from)
@@ -303,11 +308,13 @@ class GraphTTSRunner(TTSRunner):
             self.raw_b = torch.zeros(rows, c.num_vq, c.num_audio_tokens, device=self.device)
             self.probs_b = torch.zeros_like(self.raw_b)
             self.normed, self.raw, self.probs = self.normed_b[0], self.raw_b[0], self.probs_b[0]
-            # the code heads on the Triton GEMV (one K-block), batched rows on `gemv_rows` with the same
-            # blocking: a row's logits do not depend on its batch (cuBLAS's would)
+            # the code heads on the Triton GEMV (one K-block); batched rows on `MMADecode.heads`, or on
+            # `gemv_rows` with the same blocking: a row's logits do not depend on its batch (cuBLAS's would)
             self.heads = _kernels("common").Weight(model.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
             self.heads_cfg = {"rows": 4, "block_k": 1024, "warps": 4}
-            if rows > 1:
+            if rows > 1 and batch_kernels == "mma":
+                self.batch = _kernels("mma").MMADecode(self.triton)
+            elif rows > 1:
                 self.batch = _kernels("batch").BatchDecode(self.triton)
 
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
@@ -363,7 +370,11 @@ class GraphTTSRunner(TTSRunner):
         x, pos, bos, block = self._batch_inputs(nb)
         h = _kernels("norm").rms_norm(self.batch(x, pos, self.vis_b), self.model.model.norm, self.normed_b[:nb],
                                       pdl=pdl)
-        _kernels("batch").gemv_rows(self.heads, h, self.raw_b[:nb].view(nb, -1), **self.heads_cfg, pdl=pdl)
+        raw = self.raw_b[:nb].view(nb, -1)
+        if self.batch_kernels == "mma":
+            self.batch.heads(self.heads, h, raw)
+        else:
+            _kernels("batch").gemv_rows(self.heads, h, raw, **self.heads_cfg, pdl=pdl)
         _kernels("sampling").sample_codes(self.raw_b[:nb], self.temps, bos, block,
                                           self.noise_b[:nb] if sampled else None, self.probs_b[:nb],
                                           self.code_b[:nb], c.top_p, c.top_k, MIN_KEEP)

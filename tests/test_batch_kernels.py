@@ -1,8 +1,10 @@
 """The batched Triton decode step (backends/kernels/batch.py) against the single-stream one: each
 row of a batch, at its own position and with its own visibility, gives bit for bit what
 `TritonDecode` gives it alone (float32 and bfloat16), and so do the final norm, the code heads and
-the choice of codes; the TTS runner's batched steps equal its single steps. Without a GPU the kernels
-run in Triton's interpreter (conftest)."""
+the choice of codes; the TTS runner's batched steps equal its single steps. The tensor-core step
+(backends/kernels/mma.py): each row of a batch gives bit for bit what it gives in a batch of another
+size with other rows, and stays close to the eager decoder. Without a GPU the kernels run in
+Triton's interpreter (conftest)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from minicpm_cli.backends.kernels.batch import BatchDecode, gemv_rows
 from minicpm_cli.backends.kernels.common import Weight
 from minicpm_cli.backends.kernels.decode import TritonDecode, kernels_scratch
 from minicpm_cli.backends.kernels.matvec import gemv
+from minicpm_cli.backends.kernels.mma import MMADecode, mma_rows
 from minicpm_cli.backends.kernels.norm import rms_norm
 from minicpm_cli.backends.kernels.sampling import sample_codes
 from minicpm_cli.models.transformer import Decoder, DecoderConfig
@@ -139,7 +142,7 @@ def test_runner_batched_steps_equal_single_steps(tiny_dir):
         r1.prefill(cond.ids[: cond.n + 3], 0, spk)
         codes, _ = r1.generate(None, n_steps=steps, min_new=steps)
         alone.append((codes, torch.stack([raw for raw, _ in r1.trace])))
-    r = fast(GraphTTSRunner(model, use_triton=True, rows=2))
+    r = fast(GraphTTSRunner(model, use_triton=True, rows=2, batch_kernels="rows"))
     for b, cond in enumerate(conds):
         r.start_row(b, cond.n)
         r.prefill_row(b, cond.ids[: cond.n + 3], 0, spk)
@@ -163,3 +166,118 @@ def fast(runner: GraphTTSRunner) -> GraphTTSRunner:
     runner.triton.block_s = 512
     runner.heads_cfg["rows"] = 256
     return runner
+
+
+# The tensor-core step: several K-blocks in every product, o, down and the heads split over K.
+MMA_CFG = {"qkv": (16, 32, 4), "o": (16, 16, 2, 4), "gate_up": (16, 32, 4), "down": (16, 32, 2, 4),
+           "heads": (16, 32, 2, 4)}
+
+
+def mma_decoder(dtype, rows: int) -> Decoder:
+    """A fused decoder of two heads of 32 (a rotated half head fills a 16-column block) and one KV
+    head, whose KV cache of `rows` rows holds the same random values in every dtype."""
+    torch.manual_seed(0)
+    c = DecoderConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, intermediate=96, rope_theta=10000.0,
+                      norm_eps=1e-6, qkv_bias=True, max_positions=256)
+    d = Decoder(c)
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    d.fuse()
+    d.setup_cache(MAX, torch.float32, "cpu", rows)
+    d.setup_rope(256, "cpu")
+    for layer in d.layers:
+        layer.self_attn.kv_cache.k.normal_()
+        layer.self_attn.kv_cache.v.normal_()
+    return d.to(DEVICE, dtype)
+
+
+def rows_of(d: Decoder, rows: list[int]) -> Decoder:
+    """A copy of d whose KV cache rows are d's rows `rows`, in that order."""
+    one = copy.deepcopy(d)
+    for layer, src in zip(one.layers, d.layers):
+        layer.self_attn.kv_cache.k = src.self_attn.kv_cache.k[rows].clone()
+        layer.self_attn.kv_cache.v = src.self_attn.kv_cache.v[rows].clone()
+    return one
+
+
+def mma_step(d: Decoder, x, pos, vis) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One MMADecode step of d's rows -> (residual streams (nb, dim), the K and V caches)."""
+    single = TritonDecode(d, None)
+    single.block_s = 32  # attention over two cache blocks and splits
+    m = MMADecode(single)
+    m.cfg = MMA_CFG
+    with torch.inference_mode():
+        out = m(x, pos, vis).clone()
+    assert not m.scratch.count.any()  # split counters back to zero
+    return out, [t for layer in d.layers for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)]
+
+
+def mma_inputs(nb: int, dtype, seed: int):
+    """Step rows at their own positions, each with its own visibility (the current slot seen)."""
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.randint(0, MAX, (nb,), generator=gen)
+    vis = torch.where(torch.rand(nb, MAX, generator=gen) < 0.3, 10**6, torch.randint(0, 40, (nb, MAX), generator=gen))
+    vis[torch.arange(nb), pos] = 0
+    return torch.randn(nb, 64, generator=gen).to(DEVICE, dtype), pos.to(DEVICE), vis.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mma_step_rows_do_not_depend_on_batch(dtype):
+    """Rows of a 17-row step (two blocks of 16) against the same rows, same inputs and cache rows,
+    alone and in the middle of 3-row steps with other rows: outputs and cache rows bit for bit."""
+    nb = 17
+    d = mma_decoder(dtype, nb)
+    x, pos, vis = mma_inputs(nb, dtype, 1)
+    out, caches = mma_step(rows_of(d, list(range(nb))), x, pos, vis)
+    ox, opos, ovis = mma_inputs(2, dtype, 2)  # other rows' inputs
+    for b in (6, 16):
+        o1, c1 = mma_step(rows_of(d, [b]), x[b : b + 1], pos[b : b + 1], vis[b : b + 1])
+        rows = [(b + 3) % nb, b, (b + 5) % nb]
+        o3, c3 = mma_step(rows_of(d, rows), torch.stack([ox[0], x[b], ox[1]]), torch.stack([opos[0], pos[b], opos[1]]),
+                          torch.stack([ovis[0], vis[b], ovis[1]]))
+        assert torch.equal(out[b], o1[0]) and torch.equal(out[b], o3[1]), f"row {b}"
+        for c, one, three in zip(caches, c1, c3):
+            assert torch.equal(c[b], one[0]) and torch.equal(c[b], three[1]), f"cache row {b}"
+
+
+def test_mma_step_close_to_eager():
+    """Five rows against the eager decoder's batched step (per-row positions and masks): float32 to
+    its summation order, bfloat16 within a few times the eager bfloat16 step's own error."""
+    nb = 5
+    res = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        d = mma_decoder(dtype, nb)
+        e = copy.deepcopy(d)
+        x, pos, vis = mma_inputs(nb, torch.float32, 3)
+        out, caches = mma_step(d, x.to(dtype), pos, vis)
+        slots = torch.arange(MAX, device=DEVICE)
+        mask = ((vis <= pos[:, None]) & (slots <= pos[:, None]))[:, None, None]  # (nb, 1, 1, MAX)
+        with torch.inference_mode():
+            ref = e(x[:, None].to(dtype), pos[:, None], mask, MAX, rows=slice(0, nb))[:, 0]
+            res[dtype] = (d.norm(out).float(), ref.float(), [t.float() for t in caches],
+                          [t.float() for layer in e.layers for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)])
+    out, ref, caches, ref_caches = res[torch.float32]
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for c, r in zip(caches, ref_caches):
+        torch.testing.assert_close(c, r, rtol=1e-5, atol=1e-5)
+    out16, eager16, caches16, eager_caches16 = res[torch.bfloat16]
+    for mine, eager, f32 in [(out16, eager16, ref), *zip(caches16, eager_caches16, ref_caches)]:
+        assert (mine - f32).abs().max() <= max(3 * (eager - f32).abs().max(), 1e-2 * f32.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mma_rows_do_not_depend_on_batch(dtype):
+    """`mma_rows` (the code heads; split over K too): rows of 17 as alone and among 3, close to torch."""
+    gen = torch.Generator().manual_seed(4)
+    w = Weight(torch.randn(40, 64, generator=gen).to(DEVICE, dtype))
+    y = torch.randn(17, 64, generator=gen).to(DEVICE, dtype)
+    other = torch.randn(2, 64, generator=gen).to(DEVICE, dtype)
+    for split in (1, 2):
+        cfg = {"block_n": 16, "block_k": 16, "split": split}  # 4 K-blocks, 3 column blocks
+        out = mma_rows(w, y, torch.zeros(17, 40, device=DEVICE), **cfg)
+        ref = (y.double() @ w.w.double().T).to(dtype).float()
+        torch.testing.assert_close(out, ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-4)
+        for b in (0, 16):
+            one = mma_rows(w, y[b : b + 1], torch.zeros(1, 40, device=DEVICE), **cfg)
+            three = mma_rows(w, torch.stack([other[0], y[b], other[1]]), torch.zeros(3, 40, device=DEVICE), **cfg)
+            assert torch.equal(out[b], one[0]) and torch.equal(out[b], three[1])

@@ -120,10 +120,15 @@ def test_an_error_in_one_stream_reaches_its_owner_only(synth):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batched_cuda_graphs_equal_the_single_stream_path(tiny_dir, dtype):
     """compile on CUDA: row 0 alone steps on the Triton kernels, TTS batches on their batched versions
-    (backends/kernels/batch.py) in a CUDA graph per batch size; the codes are the same, in bfloat16
-    too (cuBLAS's batched products rounded differently). The LLM's batched tokens still run on
-    cuBLAS, so replies are compared in float32 only."""
+    row by row (backends/kernels/batch.py, the runner's `batch_kernels="rows"`) in a CUDA graph per
+    batch size; the codes are the same, in bfloat16 too (cuBLAS's batched products rounded
+    differently). The LLM's batched tokens still run on cuBLAS, so replies are compared in float32
+    only. (The runner's default tensor-core batches differ from the single step by rounding:
+    tests/test_batch_kernels.py checks that their rows do not depend on the batch.)"""
+    from minicpm_cli.backends.kernels.batch import BatchDecode
+
     synth = Synthesizer.load(str(tiny_dir), device="cuda", dtype=dtype, backend="compile", rows=ROWS)
+    synth.tts.batch, synth.tts.batch_kernels = BatchDecode(synth.tts.triton), "rows"
     llm = LLMSampling(temperature=0.7)
     reqs = [lambda lane, r=r: _read(synth, *r, "stream", lane) for r in READS]
     if dtype == "float32":

@@ -1,16 +1,20 @@
 """Time one batched TTS step per batch size: CUDA-graph replays of `GraphTTSRunner._run_batch` on
 full-size random TTS weights (the ChatTTS head only: no LLM, no codec).
 
-    python tools/batch_step.py [--nb 1 2 4 8 16] [--path kernels|compiled|both] [--pos 600] [--sampled]
-                               [--cfg '{"down": [4, 4, 16]}'] [--json]
+    python tools/batch_step.py [--nb 1 2 4 8 16] [--path kernels mma compiled] [--pos 600] [--sampled]
+                               [--cfg '{"down": [4, 4, 16]}'] [--mma-cfg '{"down": [16, 256, 4, 4]}' ...]
+                               [--check] [--json]
 
-nb = 1 is the single-stream step (the Triton kernels); larger nb run the batched Triton kernels
-(`kernels`, backends/kernels/batch.py) or the torch.compile'd layer halves with cuBLAS (`compiled`,
-the path before them). Rows sit at positions pos, pos+1, ... with a full text mask. Each figure is
-the median over --rounds rounds of --steps replays timed with CUDA events, after the graph's
-capture and --warmup replays; the first run of a shape (Triton and torch.compile compilation,
-capture) is reported apart. `--cfg` overrides `BatchDecode.cfg` entries (weight rows a program,
-warps, step rows a program); `--check` also compares each row's codes against the single step.
+nb = 1 is the single-stream step (the Triton kernels) on the `kernels` and `compiled` paths; larger
+nb run the batched Triton kernels (`kernels`, backends/kernels/batch.py), the tensor-core ones
+(`mma`, backends/kernels/mma.py; at nb = 1 too) or the torch.compile'd layer halves with cuBLAS
+(`compiled`, the path before them). Rows sit at positions pos, pos+1, ... with a full text mask.
+Each figure is the median over --rounds rounds of --steps replays timed with CUDA events, after the
+graph's capture and --warmup replays; the first run of a shape (Triton and torch.compile
+compilation, capture) is reported apart. `--cfg` overrides `BatchDecode.cfg` entries (weight rows a
+program, warps, step rows a program); `--mma-cfg`, `MMADecode.cfg` entries, one variant timed per
+JSON. `--check` also compares each row's codes and raw logits with those of its step alone: the
+single step (`kernels`), or the tensor-core step of one row (`mma`).
 """
 
 from __future__ import annotations
@@ -23,24 +27,38 @@ import time
 import torch
 
 from minicpm_cli.backends.compile import GraphTTSRunner
+from minicpm_cli.backends.kernels.batch import BatchDecode
 from minicpm_cli.pipeline import build_tts
 from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec
 
 
-def time_step(runner: GraphTTSRunner, nb: int, sampled: bool, steps: int, rounds: int, warmup: int) -> dict:
+def stepper(runner: GraphTTSRunner, nb: int, sampled: bool, mma: bool):
+    """One batched step of rows 0..nb-1 as the runner replays it; for one row on `mma` the tensor-core
+    step (the runner takes the single step for row 0 alone)."""
+    if nb == 1 and mma:
+        def step():
+            runner.graphs.run(("batch", 1, sampled), lambda: runner._batch_step(1, runner.max_len, sampled))
+            runner._advance(1)
+        return step
     kv = max(runner.positions[:nb]) + 1
+    return lambda: runner._run_batch(nb, kv, sampled)
+
+
+def time_step(runner: GraphTTSRunner, nb: int, sampled: bool, mma: bool, steps: int, rounds: int,
+              warmup: int) -> dict:
+    step = stepper(runner, nb, sampled, mma)
     t = time.perf_counter()
-    runner._run_batch(nb, kv, sampled)  # compiles and captures
+    step()  # compiles and captures
     torch.cuda.synchronize()
     first = time.perf_counter() - t
     for _ in range(warmup):
-        runner._run_batch(nb, kv, sampled)
+        step()
     per = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
         start.record()
         for _ in range(steps):
-            runner._run_batch(nb, kv, sampled)
+            step()
         end.record()
         end.synchronize()
         per.append(start.elapsed_time(end) / steps)
@@ -61,7 +79,7 @@ def setup_rows(runner: GraphTTSRunner, nb: int, pos: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nb", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--path", choices=("kernels", "compiled", "both"), default="both")
+    ap.add_argument("--path", choices=("kernels", "mma", "compiled"), nargs="+", default=["kernels", "mma"])
     ap.add_argument("--pos", type=int, default=600, help="row 0's position (303 is the first audio frame)")
     ap.add_argument("--sampled", action="store_true", help="draw codes with noise (default greedy)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -69,6 +87,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--cfg", default=None, help="JSON: BatchDecode.cfg entries to override")
+    ap.add_argument("--mma-cfg", nargs="+", default=["{}"], help="JSON: MMADecode.cfg entries, one variant each")
     ap.add_argument("--group", type=int, default=None, help="step rows a program at most, every kernel")
     ap.add_argument("--check", action="store_true", help="compare each row's codes with the single step's")
     ap.add_argument("--json", action="store_true")
@@ -76,26 +95,39 @@ def main() -> None:
     dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     ckpt = RandomCheckpoint(SyntheticSpec.full())
     tts = build_tts(ckpt, ckpt.config, device=dev, dtype=dtype)
-    rows = max(args.nb)
-    runner = GraphTTSRunner(tts, rows=rows)
-    if runner.batch is not None and args.group:
-        runner.batch.cfg = {k: (r, w, args.group) for k, (r, w, _) in runner.batch.cfg.items()}
-    if runner.batch is not None and args.cfg:
-        runner.batch.cfg.update({k: tuple(v) for k, v in json.loads(args.cfg).items()})
-    kernels = runner.batch
-    paths = ["kernels", "compiled"] if args.path == "both" else [args.path]
+    rows = max(*args.nb, 2)  # (a runner of one row has no batched step)
+    runner = GraphTTSRunner(tts, rows=rows, batch_kernels="mma")
+    mma = runner.batch
+    kernels = BatchDecode(runner.triton)
+    if args.group:
+        kernels.cfg = {k: (r, w, args.group) for k, (r, w, _) in kernels.cfg.items()}
+    if args.cfg:
+        kernels.cfg.update({k: tuple(v) for k, v in json.loads(args.cfg).items()})
+    mma_cfg = dict(mma.cfg)
+    runs = [(p, {}) for p in args.path if p != "mma"]
+    runs += [("mma", json.loads(v)) for v in args.mma_cfg] if "mma" in args.path else []
     results = []
-    for path in paths:
-        runner.batch = kernels if path == "kernels" else None
+    single_done = False
+    for path, cfg in runs:
+        runner.graphs.graphs.clear()  # graphs are keyed by nb only
+        runner.batch = {"kernels": kernels, "mma": mma}.get(path)
+        runner.batch_kernels = "mma" if path == "mma" else "rows"
+        mma.cfg = {**mma_cfg, **{k: tuple(v) for k, v in cfg.items()}}
         for nb in args.nb:
+            if nb == 1 and path != "mma" and single_done:
+                continue
             setup_rows(runner, nb, args.pos)
-            r = time_step(runner, nb, args.sampled, args.steps, args.rounds, args.warmup)
-            r["path"] = path if nb > 1 else "single"
-            if args.check and nb > 1:
-                r["rows_equal_single"] = check_rows(runner, nb, args.pos, args.sampled)
+            r = time_step(runner, nb, args.sampled, path == "mma", args.steps, args.rounds, args.warmup)
+            r["path"] = path if nb > 1 or path == "mma" else "single"
+            single_done |= r["path"] == "single"
+            if cfg:
+                r["cfg"] = cfg
+            if args.check and (nb > 1 or path == "mma"):
+                r["rows_equal_alone"] = check_rows(runner, nb, args.pos, args.sampled, path == "mma")
             results.append(r)
             if not args.json:
-                extra = f"  rows equal single: {r['rows_equal_single']}" if "rows_equal_single" in r else ""
+                extra = f"  rows equal alone: {r['rows_equal_alone']}" if "rows_equal_alone" in r else ""
+                extra += f"  cfg {json.dumps(cfg)}" if cfg else ""
                 print(f"{r['path']:8s} nb {nb:3d}: {r['ms']:.3f} ms a step ({r['ms_per_row']:.3f} a row, spread "
                       f"{r['spread']:.3f}; first {r['first_s']:.1f} s){extra}", flush=True)
     if args.json:
@@ -103,9 +135,10 @@ def main() -> None:
                           "pos": args.pos, "results": results}))
 
 
-def check_rows(runner: GraphTTSRunner, nb: int, pos: int, sampled: bool) -> bool:
-    """Each row's codes and raw logits of one batched step equal those of its single step (its cache
-    row copied to row 0 first; rows hold what earlier steps of this tool wrote)."""
+def check_rows(runner: GraphTTSRunner, nb: int, pos: int, sampled: bool, mma: bool) -> bool:
+    """Each row's codes and raw logits of one batched step equal those of its step alone (its cache
+    row copied to row 0 first; rows hold what earlier steps of this tool wrote): the single step, or
+    under `mma` the tensor-core step of one row."""
     setup_rows(runner, nb, pos)
     runner._batch_step(nb, runner.max_len, sampled)
     codes, raw = runner.code_b[:nb].clone(), runner.raw_b[:nb].clone()
@@ -122,7 +155,11 @@ def check_rows(runner: GraphTTSRunner, nb: int, pos: int, sampled: bool) -> bool
         runner.noise_b[0].copy_(runner.noise_b[b])
         runner.pos_t.fill_(pos + b)
         runner.block_eos_t.fill_(False)
-        runner._run_step(sampled)
+        if mma:
+            runner.ctl[:2, 0] = torch.tensor([pos + b, 0])
+            runner._batch_step(1, runner.max_len, sampled)
+        else:
+            runner._run_step(sampled)
         same &= bool(torch.equal(runner.code_b[0], codes[b]) and torch.equal(runner.raw_b[0], raw[b]))
     for a, (k, v) in zip(layers, saved):
         a.self_attn.kv_cache.k[0].copy_(k)

@@ -6,6 +6,8 @@ they compute:
   `cuda_gate_up` (a 4-bit bfloat16 gate/up in CUDA C, backends/q4_decode.cu, on the tensor cores);
 - `batch`: the same step for several rows of the KV cache at once, `BatchDecode` (batched TTS
   steps), each row bit for bit what `TritonDecode` gives it alone, and `gemv_rows`;
+- `mma`: the batched step with its projections on the tensor cores, `MMADecode` (the TTS runner's
+  batched steps), each row independent of its batch but not bit for bit `TritonDecode`, and `mma_rows`;
 - `attention`: single-query attention over the KV cache, split over programs;
 - `matvec`: matrix-vector products with dense or 4-bit weights: the K loop that the decode kernels
   share, and `gemv` (o_proj and down_proj into the residual stream, the LLM's lm_head);

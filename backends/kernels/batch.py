@@ -218,7 +218,8 @@ class BatchDecode:
     not change a row's sums (the K axis keeps its layout). Step rows per program, on an H100
     (tools/batch_step.py --group G, ms a step at nb 4 / 8 / 16): 16 rows - / 1.66 / 4.08, 8 rows
     - / 1.63 / 2.50, 4 rows - / 1.27 / 2.12, 2 rows 0.75 / 1.18 / 1.92, 1 row 0.73 / 1.17 / 1.93: more
-    programs in flight beat reading each tile once per step (a tile read again comes from L2)."""
+    programs in flight beat reading each tile once per step (a tile read again comes from L2).
+    `MMADecode` (mma.py) keeps the step and replaces the projections (`_qkv`, `_gate_up`, `_residual`)."""
 
     def __init__(self, single: TritonDecode, group: int = 1):
         c = single.c
@@ -250,41 +251,48 @@ class BatchDecode:
         s, c, dec = self.single, self.c, self.single.decoder
         nb = x.shape[0]
         if nb > self.rows:
-            raise ValueError(f"BatchDecode runs at most {self.rows} rows, got {nb}")
+            raise ValueError(f"{type(self).__name__} runs at most {self.rows} rows, got {nb}")
         pdl = s.pdl
         D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
         self.x[:nb].copy_(x)
         splits = min(triton.cdiv(s.max_len, s.block_s), s.max_splits)
         kv_row = Hkv * s.max_len * D
-        qk = _launch(s.cfg["qkv"], 4)[1]
-        gk = _launch(s.cfg["gate_up"], 4)[1]
-        qr, qw, qg = self.cfg["qkv"]
-        qr = min(qr, D // 2)
-        qg = _group(nb, qg)
-        gr, gw, gg = self.cfg["gate_up"]
-        gg = _group(nb, gg)
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, s.weights):
             a = layer.self_attn
-            bias = a.qkv_proj.bias
-            _rows_qkv_rope[(H + 2 * Hkv, D // 2 // qr, nb // qg)](
-                self.x, layer.input_layernorm.weight, wqkv.w, bias if bias is not None else self.x, dec.rope_cos,
-                dec.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps, s.max_len, kv_row,
-                DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), RB=qg,
-                PDL=pdl, num_warps=qw, launch_pdl=pdl)
+            self._qkv(layer, wqkv, pos, nb, kv_row)
             _rows_attend[(H, splits, nb)](
                 self.q, a.kv_cache.k, a.kv_cache.v, vis if vis is not None else pos, pos, self.y, self.part,
                 self.count, D**-0.5, s.max_len, kv_row, vis.stride(0) if vis is not None else 1, H=H, SPLITS=splits,
                 GROUP=H // Hkv, D=D, HAS_VIS=vis is not None, BLOCK_S=s.block_s,
                 NB=triton.cdiv(s.max_len, s.block_s), PDL=pdl, num_warps=s.attn_warps, launch_pdl=pdl)
-            self._gemv("o", wo, self.y[:nb])
-            _rows_gate_up[(triton.cdiv(c.intermediate, gr), nb // gg)](
-                self.x, layer.post_attention_layernorm.weight, wgu.w, self.h, layer.post_attention_layernorm.eps,
-                DIM=c.dim, INTER=c.intermediate, BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), RB=gg, PDL=pdl,
-                num_warps=gw, launch_pdl=pdl)
-            self._gemv("down", wdown, self.h[:nb])
+            self._residual("o", wo, self.y[:nb])
+            self._gate_up(layer, wgu, nb)
+            self._residual("down", wdown, self.h[:nb])
         return self.x[:nb]
 
-    def _gemv(self, name: str, w: Weight, y: Tensor) -> None:
+    def _qkv(self, layer, w: Weight, pos: Tensor, nb: int, kv_row: int) -> None:
+        """RMSNorm, q/k/v and rotary of rows 0..nb-1: q to `q`, k and v into their cache rows."""
+        s, c, a = self.single, self.c, layer.self_attn
+        D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
+        bias = a.qkv_proj.bias
+        qr, qw, qg = self.cfg["qkv"]
+        qr, qg = min(qr, D // 2), _group(nb, qg)
+        _rows_qkv_rope[(H + 2 * Hkv, D // 2 // qr, nb // qg)](
+            self.x, layer.input_layernorm.weight, w.w, bias if bias is not None else self.x, s.decoder.rope_cos,
+            s.decoder.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps, s.max_len, kv_row,
+            DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, BLOCK_R=qr,
+            BLOCK_K=w.block_k(_launch(s.cfg["qkv"], 4)[1]), RB=qg, PDL=s.pdl, num_warps=qw, launch_pdl=s.pdl)
+
+    def _gate_up(self, layer, w: Weight, nb: int) -> None:
+        """RMSNorm, gate/up and SiLU(gate) * up of rows 0..nb-1 into `h`."""
+        s, c, norm = self.single, self.c, layer.post_attention_layernorm
+        gr, gw, gg = self.cfg["gate_up"]
+        gg = _group(nb, gg)
+        _rows_gate_up[(triton.cdiv(c.intermediate, gr), nb // gg)](
+            self.x, norm.weight, w.w, self.h, norm.eps, DIM=c.dim, INTER=c.intermediate, BLOCK_R=gr,
+            BLOCK_K=w.block_k(_launch(s.cfg["gate_up"], 4)[1]), RB=gg, PDL=s.pdl, num_warps=gw, launch_pdl=s.pdl)
+
+    def _residual(self, name: str, w: Weight, y: Tensor) -> None:
         """o_proj or down_proj of y (nb, K) added to the residual streams in place."""
         _, k, _, _, sp = _launch(self.single.cfg[name], 5)[:5]
         r, warps, group = self.cfg[name]

@@ -102,8 +102,13 @@ def _qkv_out(acc1, acc2, ss, vz, sc1, z1, sc2, z2, b1, b2, c, s, head, eps, DIM:
     if HAS_BIAS:
         y1 += b1
         y2 += b2
-    y1 = _rnd(y1, dtype)
-    y2 = _rnd(y2, dtype)
+    return _rotate(_rnd(y1, dtype), _rnd(y2, dtype), c, s, head, HQ, HKV, dtype)
+
+
+@triton.jit
+def _rotate(y1, y2, c, s, head, HQ: tl.constexpr, HKV: tl.constexpr, dtype: tl.constexpr):
+    """Paired rows y1, y2 (d and d + D/2) of head `head`, rounded, rotated by (c, s) as the eager
+    code rounds it if a q or k head -> (o1, o2); shared with the tensor-core kernels (mma.py)."""
     if head < HQ + HKV:  # q and k heads rotate: x * cos + rotate_half(x) * sin
         o1 = _rnd(_rnd(y1 * c, dtype) - _rnd(y2 * s, dtype), dtype)
         o2 = _rnd(_rnd(y2 * c, dtype) + _rnd(y1 * s, dtype), dtype)
@@ -154,8 +159,14 @@ def _gate_up_out(acc_g, acc_u, ss, vz, sc_g, z_g, sc_u, z_u, eps, DIM: tl.conste
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     g = _rnd(_row_scale(_total(acc_g, vz, z_g, DIM, BLOCK_R, Q4, GS), sc_g, DIM, Q4, GS) * inv, dtype)
     u = _rnd(_row_scale(_total(acc_u, vz, z_u, DIM, BLOCK_R, Q4, GS), sc_u, DIM, Q4, GS) * inv, dtype)
-    act = _rnd(g / (1.0 + tl.exp(-g)), dtype)
-    return act * u
+    return _silu_mul(g, u, dtype)
+
+
+@triton.jit
+def _silu_mul(g, u, dtype: tl.constexpr):
+    """silu(g) * u of rounded g and u, silu rounded as the eager op's output (float32, before the
+    product's rounding); shared with the tensor-core kernels (mma.py)."""
+    return _rnd(g / (1.0 + tl.exp(-g)), dtype) * u
 
 
 def cuda_gate_up_fits(w: Weight, x: Tensor, chunks: int = 2) -> bool:

@@ -1,0 +1,296 @@
+"""The batched decode step on the tensor cores, `MMADecode`: `BatchDecode`'s step (batch.py) with
+its four projections as matrix products, the step rows the M dimension of `tl.dot`, and
+`mma_rows`, one such product (o_proj and down_proj into the residual streams, the TTS code heads).
+
+A program takes BLOCK_M = 16 step rows (rows past nb masked) and BLOCK_N output columns, loads its
+weight tile, every K-block of it, before `_wait_previous` (as the single-stream kernels do), then
+multiplies its rows' K-blocks in order, float32 accumulation. Fused as decode.py's kernels:
+
+1. `_mma_qkv_rope`: RMSNorm + q/k/v (+ bias) + rotary (the program takes columns d and d + D/2 of
+   a head, which the rotation pairs) + k/v into each row's cache row at its own position;
+2. attention: `_rows_attend` (attention.py), as `BatchDecode`;
+3. `_mma_rows`: o_proj + residual, split over K where asked (partials merged in a fixed order by a
+   row block's last program, as `_gemv`);
+4. `_mma_gate_up`: RMSNorm + gate/up + SiLU(gate) * up;
+5. `_mma_rows`: down_proj + residual.
+
+Batch invariance: a row's results are bit for bit the same whatever nb is and whatever the other
+rows hold. A tensor-core product computes each output from its own row of A, BLOCK_M is 16 at every
+nb, and the K blocking and split are chosen from N and K only (`cfg`), so nb changes only the number
+of row blocks. Unlike `BatchDecode`, a row's results are not those of the single-stream step
+(`TritonDecode`): the RMSNorm's output is rounded to the model dtype before the product, as the
+eager layer rounds it (a tensor-core operand is in that dtype), and the sums run in another order.
+
+Dense weights only (bfloat16 on the tensor cores; float32 as float32 products). In Triton's
+interpreter the products are summed explicitly (`_dot`).
+
+Tests: tests/test_batch_kernels.py (rows of 17- and 5-row steps against the same rows in 1- and
+3-row steps, bit for bit, with their cache writes; against the eager decoder; `mma_rows` likewise).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .batch import BatchDecode
+from .common import SplitScratch, Weight, _arrive_last, _let_next, _rnd, _sum_parts, _wait_previous, split_k
+from .decode import TritonDecode, _qkv_bias, _rotate, _silu_mul
+
+BLOCK_M = 16  # step rows a program, at every nb (batch invariance)
+
+
+@triton.jit
+def _w_tiles(w_ptr, n0, N, k_lo, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KB: tl.constexpr):
+    """W[n0.., k_lo..] of W (N, K) as KB tiles (BLOCK_K, BLOCK_N) of its transpose, the B operands
+    of a program's products (zeros past N and K)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    ws = ()
+    for i in tl.static_range(KB):
+        k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        ws = ws + (tl.load(w_ptr + n[None, :] * K + k[:, None], mask=(n < N)[None, :] & (k < K)[:, None],
+                           other=0.0),)
+    return ws
+
+
+@triton.jit
+def _inv_rms(x_ptr, m, mm, eps, DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / RMS of rows m (mask mm) of x (rows, DIM), float32 (BLOCK_M,)."""
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in tl.static_range(0, DIM, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_ptr + m[:, None] * DIM + k[None, :], mask=mm[:, None] & (k < DIM)[None, :],
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(v * v, 1)
+    return 1.0 / tl.sqrt(ss / DIM + eps)
+
+
+@triton.jit
+def _dot(a, w, acc, DOT: tl.constexpr):
+    """acc += a @ w: on the tensor cores (DOT 0); as float32 products (1: float32 weights); as
+    float32 products summed explicitly (2: Triton's interpreter, whose `tl.dot` multiplies bfloat16
+    tiles as their raw bits and sums a row of float32 ones in an order that depends on its place in
+    the tile: numpy's matmul)."""
+    if DOT == 0:
+        acc = tl.dot(a, w, acc)
+    elif DOT == 1:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    else:
+        acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
+    return acc
+
+
+@triton.jit
+def _dots(acc, acc2, x_ptr, g_ptr, inv, m, mm, ws, ws2, k_lo, K: tl.constexpr, BLOCK_K: tl.constexpr,
+          KB: tl.constexpr, NORM: tl.constexpr, TWO: tl.constexpr, DOT: tl.constexpr):
+    """A program's K loop: acc += A @ ws (and under TWO acc2 += A @ ws2) over its KB K-blocks from
+    k_lo, A the rows m of x (rows, K); under NORM RMSNorm(x) (inv from `_inv_rms`, gain g) rounded
+    as the eager RMSNorm rounds it: the normalised row, then its product with the gain."""
+    dtype = x_ptr.dtype.element_ty
+    for i in tl.static_range(KB):
+        k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
+        km = k < K
+        a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+        if NORM:
+            g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
+            a = (_rnd(a.to(tl.float32) * inv[:, None], dtype) * g[None, :]).to(dtype)
+        acc = _dot(a, ws[i], acc, DOT)
+        if TWO:
+            acc2 = _dot(a, ws2[i], acc2, DOT)
+    return acc, acc2
+
+
+@triton.jit(do_not_specialize=["nb"])
+def _mma_qkv_rope(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, eps, max_len, kv_row,
+                  nb, DIM: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (i, head, j): columns d = j*BLOCK_N.. and d + D/2 of q/k/v head `head` for step rows
+    i*BLOCK_M.. of x (rows, DIM), each at its own position (pos_ptr[row]): q to q (rows, HQ*D), k
+    and v into cache row `row` (kv_row elements apart) at slot pos."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(1)
+    d0 = tl.program_id(2) * BLOCK_N
+    d = d0 + tl.arange(0, BLOCK_N)
+    dtype = x_ptr.dtype.element_ty
+    KB: tl.constexpr = (DIM + BLOCK_K - 1) // BLOCK_K
+    lim = (HQ + 2 * HKV) * D
+    ws = _w_tiles(w_ptr, head * D + d0, lim, 0, DIM, BLOCK_N, BLOCK_K, KB)
+    ws2 = _w_tiles(w_ptr, head * D + D // 2 + d0, lim, 0, DIM, BLOCK_N, BLOCK_K, KB)
+    b1, b2 = _qkv_bias(b_ptr, head * D + d, head * D + D // 2 + d, HAS_BIAS)
+    _wait_previous(PDL)
+    mm = m < nb
+    pos = tl.load(pos_ptr + m, mask=mm, other=0)
+    inv = _inv_rms(x_ptr, m, mm, eps, DIM, BLOCK_M, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc, acc2 = _dots(acc, acc2, x_ptr, nw_ptr, inv, m, mm, ws, ws2, 0, DIM, BLOCK_K, KB, True, True, DOT)
+    _let_next(PDL)
+    c = _rnd(tl.load(cos_ptr + pos[:, None] * D + d[None, :]), dtype)
+    s = _rnd(tl.load(sin_ptr + pos[:, None] * D + d[None, :]), dtype)
+    if HAS_BIAS:
+        acc += b1[None, :]
+        acc2 += b2[None, :]
+    o1, o2 = _rotate(_rnd(acc, dtype), _rnd(acc2, dtype), c, s, head, HQ, HKV, dtype)
+    if head < HQ:
+        base = q_ptr + m[:, None] * (HQ * D) + head * D
+    elif head < HQ + HKV:
+        base = kc_ptr + m[:, None] * kv_row + ((head - HQ) * max_len + pos[:, None]) * D
+    else:
+        base = vc_ptr + m[:, None] * kv_row + ((head - HQ - HKV) * max_len + pos[:, None]) * D
+    tl.store(base + d[None, :], o1.to(q_ptr.dtype.element_ty), mask=mm[:, None])
+    tl.store(base + D // 2 + d[None, :], o2.to(q_ptr.dtype.element_ty), mask=mm[:, None])
+
+
+@triton.jit(do_not_specialize=["nb"])
+def _mma_gate_up(x_ptr, nw_ptr, w_ptr, h_ptr, eps, nb, DIM: tl.constexpr, INTER: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """Program (i, j): h[rows, n] = silu(gate) * up of RMSNorm(x) for step rows i*BLOCK_M.. and
+    columns n = j*BLOCK_N.., W = [gate; up] stacked (2 * INTER, DIM)."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    dtype = x_ptr.dtype.element_ty
+    KB: tl.constexpr = (DIM + BLOCK_K - 1) // BLOCK_K
+    ws = _w_tiles(w_ptr, n0, INTER, 0, DIM, BLOCK_N, BLOCK_K, KB)
+    ws2 = _w_tiles(w_ptr + INTER * DIM, n0, INTER, 0, DIM, BLOCK_N, BLOCK_K, KB)
+    _wait_previous(PDL)
+    mm = m < nb
+    inv = _inv_rms(x_ptr, m, mm, eps, DIM, BLOCK_M, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc, acc2 = _dots(acc, acc2, x_ptr, nw_ptr, inv, m, mm, ws, ws2, 0, DIM, BLOCK_K, KB, True, True, DOT)
+    _let_next(PDL)
+    h = _silu_mul(_rnd(acc, dtype), _rnd(acc2, dtype), dtype)
+    tl.store(h_ptr + m[:, None] * INTER + n[None, :], h.to(dtype), mask=mm[:, None] & (n < INTER)[None, :])
+
+
+@triton.jit(do_not_specialize=["nb"])
+def _mma_rows(y_ptr, w_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, nb, N: tl.constexpr, K: tl.constexpr,
+              RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SPLIT: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (i, j, s): out[rows, n] = y[rows] @ W[n] for step rows i*BLOCK_M.. of y (rows, K) and
+    columns n = j*BLOCK_N.. of W (N, K), rounded to y's dtype, plus x[rows, n] (rounded) under
+    RESIDUAL; out may be x. Split-K (SPLIT > 1): program s takes inputs s*KS.. and leaves its sums
+    in `part`; the row and column block's last program adds them up in a fixed order."""
+    mt = tl.program_id(0)
+    blk = tl.program_id(1)
+    sp = tl.program_id(2)
+    tile = mt * tl.num_programs(1) + blk
+    m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    KB: tl.constexpr = KS // BLOCK_K
+    ws = _w_tiles(w_ptr, blk * BLOCK_N, N, sp * KS, K, BLOCK_N, BLOCK_K, KB)
+    _wait_previous(PDL)
+    mm = m < nb
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc, _ = _dots(acc, acc, y_ptr, y_ptr, 0.0, m, mm, ws, ws, sp * KS, K, BLOCK_K, KB, False, False, DOT)
+    _let_next(PDL)
+    if SPLIT == 1:
+        _rows_out(acc, y_ptr, x_ptr, out_ptr, m, mm, n, N, RESIDUAL)
+    else:
+        off = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(part_ptr + (tile * SPLIT + sp) * BLOCK_M * BLOCK_N + off, acc)
+        if _arrive_last(cnt_ptr + tile, SPLIT):
+            t = _sum_parts(part_ptr + tile * SPLIT * BLOCK_M * BLOCK_N, off, BLOCK_M * BLOCK_N, SPLIT)
+            _rows_out(t, y_ptr, x_ptr, out_ptr, m, mm, n, N, RESIDUAL)
+            tl.store(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _rows_out(t, y_ptr, x_ptr, out_ptr, m, mm, n, N: tl.constexpr, RESIDUAL: tl.constexpr):
+    """`_mma_rows`'s outputs from their sums t: rounding, residual."""
+    dtype = y_ptr.dtype.element_ty
+    msk = mm[:, None] & (n < N)[None, :]
+    o = _rnd(t, dtype)
+    if RESIDUAL:
+        o = _rnd(tl.load(x_ptr + m[:, None] * N + n[None, :], mask=msk, other=0.0).to(tl.float32) + o, dtype)
+    tl.store(out_ptr + m[:, None] * N + n[None, :], o.to(out_ptr.dtype.element_ty), mask=msk)
+
+
+def _dot_mode(y: Tensor) -> int:
+    """`_dot`'s DOT for inputs like y: the interpreter where there is no GPU."""
+    return 2 if y.device.type != "cuda" else int(y.dtype == torch.float32)
+
+
+def mma_rows(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, block_n: int = 16,
+             block_k: int = 256, split: int = 1, warps: int = 4, scratch: SplitScratch | None = None,
+             pdl: bool = False) -> Tensor:
+    """out[b] = W @ y[b] (+ residual[b]) for the rows of y (nb, K) on the tensor cores, rounded to
+    y's dtype; out may be residual. A row's outputs do not depend on nb or on the other rows
+    (`block_n`, `block_k` and `split` fixed). `scratch` for split-K, grown to fit."""
+    if w.q4:
+        raise ValueError("mma_rows takes dense weights only")
+    nb = y.shape[0]
+    bk = w.block_k(block_k)
+    split, ks = split_k(w.k, bk, split)
+    tiles, blocks = triton.cdiv(nb, BLOCK_M), triton.cdiv(w.n, block_n)
+    if split > 1:
+        if scratch is None:
+            scratch = SplitScratch(y.device)
+        scratch.reserve(tiles * blocks * split * BLOCK_M * block_n, tiles * blocks)
+        part, count = scratch.part, scratch.count
+    else:
+        part = count = out
+    _mma_rows[(tiles, blocks, split)](y, w.w, residual if residual is not None else out, out, part, count, nb, N=w.n,
+                                      K=w.k, RESIDUAL=residual is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                                      BLOCK_K=bk, SPLIT=split, KS=ks, DOT=_dot_mode(y), PDL=pdl, num_warps=warps,
+                                      launch_pdl=pdl)
+    return out
+
+
+class MMADecode(BatchDecode):
+    """`BatchDecode`'s step (same `__call__(x, pos, vis)`, buffers and attention) with the
+    projections on the tensor cores (module docstring): a row's results do not depend on its batch,
+    but are not bit for bit those of `single` alone.
+
+    `cfg`: per kernel, (output columns a program, K-block[, programs over K for o, down and the
+    code heads], warps); the qkv kernel's columns are per half head. The split-K scratch is sized
+    here for the most rows (a `cfg` changed later grows it in a graph's warm-up runs, not in its
+    capture)."""
+
+    def __init__(self, single: TritonDecode):
+        super().__init__(single)
+        self.cfg = {"qkv": (16, 256, 4), "o": (16, 256, 1, 4), "gate_up": (16, 256, 4), "down": (16, 256, 4, 4),
+                    "heads": (16, 256, 1, 4)}
+        self.scratch = SplitScratch(self.x.device)
+        tiles = triton.cdiv(self.rows, BLOCK_M)
+        for name, w in (("o", single.weights[0][1]), ("down", single.weights[0][3])):
+            bn, bk, sp, _ = self.cfg[name]
+            sp = split_k(w.k, w.block_k(bk), sp)[0]
+            if sp > 1:
+                self.scratch.reserve(tiles * triton.cdiv(w.n, bn) * sp * BLOCK_M * bn, tiles * triton.cdiv(w.n, bn))
+
+    def _qkv(self, layer, w: Weight, pos: Tensor, nb: int, kv_row: int) -> None:
+        s, c, a = self.single, self.c, layer.self_attn
+        D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
+        bias = a.qkv_proj.bias
+        bn, bk, warps = self.cfg["qkv"]
+        bn = min(bn, D // 2)
+        _mma_qkv_rope[(triton.cdiv(nb, BLOCK_M), H + 2 * Hkv, D // 2 // bn)](
+            self.x, layer.input_layernorm.weight, w.w, bias if bias is not None else self.x, s.decoder.rope_cos,
+            s.decoder.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps, s.max_len, kv_row,
+            nb, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn,
+            BLOCK_K=w.block_k(bk), DOT=_dot_mode(self.x), PDL=s.pdl, num_warps=warps, launch_pdl=s.pdl)
+
+    def _gate_up(self, layer, w: Weight, nb: int) -> None:
+        c, norm, pdl = self.c, layer.post_attention_layernorm, self.single.pdl
+        bn, bk, warps = self.cfg["gate_up"]
+        _mma_gate_up[(triton.cdiv(nb, BLOCK_M), triton.cdiv(c.intermediate, bn))](
+            self.x, norm.weight, w.w, self.h, norm.eps, nb, DIM=c.dim, INTER=c.intermediate, BLOCK_M=BLOCK_M,
+            BLOCK_N=bn, BLOCK_K=w.block_k(bk), DOT=_dot_mode(self.x), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+
+    def _residual(self, name: str, w: Weight, y: Tensor) -> None:
+        bn, bk, sp, warps = self.cfg[name]
+        x = self.x[: y.shape[0]]
+        mma_rows(w, y, x, x, block_n=bn, block_k=bk, split=sp, warps=warps, scratch=self.scratch,
+                 pdl=self.single.pdl)
+
+    def heads(self, w: Weight, y: Tensor, out: Tensor) -> Tensor:
+        """The code heads (`cfg["heads"]`) of rows y (nb, dim) -> out (nb, N), float32."""
+        bn, bk, sp, warps = self.cfg["heads"]
+        return mma_rows(w, y, out, block_n=bn, block_k=bk, split=sp, warps=warps, scratch=self.scratch,
+                        pdl=self.single.pdl)
