@@ -1,6 +1,7 @@
 """Where the time of a batch goes: N reads (or replies) started together, each stage timed.
 
     python tools/batch_profile.py [--streams 16] [--workload read|reply|bulk] [--backend compile] [--cprofile]
+                                  [--timeline]
 
 Full-size random weights, lengths forced as `bench --random-weights` forces them. After a warm-up
 batch, one batch runs with every stage wrapped in a device-synchronised timer (so the total is
@@ -20,8 +21,11 @@ import time
 import torch
 
 from minicpm_cli import bench as b
-from minicpm_cli.batching import Stream
+from minicpm_cli.batching import Engine, Stream
 from minicpm_cli.pipeline import Synthesizer
+
+
+EVENTS: list = []  # (stage, start, end), perf_counter seconds, for --timeline
 
 
 def wrap(obj, name: str, totals: dict, key: str) -> None:
@@ -32,8 +36,10 @@ def wrap(obj, name: str, totals: dict, key: str) -> None:
         t = time.perf_counter()
         out = fn(*args, **kwargs)
         torch.cuda.synchronize()
+        end = time.perf_counter()
         totals[key][0] += 1
-        totals[key][1] += time.perf_counter() - t
+        totals[key][1] += end - t
+        EVENTS.append((key, t, end))
         return out
 
     setattr(obj, name, timed)
@@ -50,12 +56,17 @@ def batch(synth, workload: str, n: int, opts) -> float:
         return time.perf_counter() - t
     engine = synth.batch(n)
     items = b._requests(workload)
+    firsts: list = []  # (stream, time) of every chunk with samples
     for k in range(n):
         engine.submit(Stream(lambda lane, k=k: b._stream(synth, workload, items[k % len(items)], k, opts, lane),
-                             lambda chunk: None))
+                             lambda chunk, k=k: firsts.append((k, time.perf_counter())) if len(chunk.samples) else None))
+    EVENTS.clear()
     t = time.perf_counter()
     engine.run()
     torch.cuda.synchronize()
+    batch.start, batch.firsts = t, {}
+    for k, at in firsts:
+        batch.firsts.setdefault(k, at)
     return time.perf_counter() - t
 
 
@@ -65,6 +76,8 @@ def main() -> None:
     ap.add_argument("--workload", default="read")
     ap.add_argument("--backend", default="compile")
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--timeline", action="store_true", help="the timed batch's stages in order, until the last "
+                    "stream's first audio (ms from the start; gaps are host work)")
     args = ap.parse_args()
     opts = b.BenchOptions(backends=(args.backend,), random_weights=True)
     synth = Synthesizer.load(None, backend=args.backend, random_weights=True, rows=args.streams)
@@ -80,6 +93,7 @@ def main() -> None:
     wrap(synth.llm, "decode_rows", totals, "llm batched token")
     wrap(synth.llm, "forward_row", totals, "llm prefill / single")
     wrap(synth.codec, "decode", totals, "codec")
+    wrap(Engine, "_pick", totals, "llm token choice")
     timed = batch(synth, args.workload, args.streams, opts)
     print(f"{args.streams} x {args.workload} ({args.backend}, {torch.cuda.get_device_name()}): {plain * 1e3:.0f} ms "
           f"untimed, {timed * 1e3:.0f} ms with timers")
@@ -88,6 +102,15 @@ def main() -> None:
         rest -= secs
         print(f"  {key:22s} {count:6d} calls {secs * 1e3:8.1f} ms  {secs / count * 1e3:7.3f} ms/call")
     print(f"  {'rest (host)':22s} {'':6s}       {rest * 1e3:8.1f} ms")
+    if args.timeline and args.workload != "bulk":
+        t0, last = batch.start, max(batch.firsts.values())
+        print(f"  first audio (ms): {sorted(round((at - t0) * 1e3, 1) for at in batch.firsts.values())}")
+        prev = t0
+        for key, start, end in EVENTS:
+            if start > last:
+                break
+            print(f"  {(start - t0) * 1e3:8.1f} +{(start - prev) * 1e3:6.1f} gap  {key:22s} {(end - start) * 1e3:7.2f} ms")
+            prev = end
     if args.cprofile:
         prof = cProfile.Profile()
         prof.enable()
