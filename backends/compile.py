@@ -38,6 +38,7 @@ LLM_BUCKET = 256  # KV length granularity of the LLM graphs
 TTS_BUCKET = 128
 # prefill lengths of the LLM graphs: powers of two, and halfway steps from 256 on (a 10-s voice
 # turn is ~300 tokens: 384 instead of 512 saves a quarter of its prefill)
+GRAPH_PROMPT_TOKENS = 1024  # a batch of prompts up to this many tokens replays a graph (CompiledLLM)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 _compiled: dict[bool, tuple] = {}
 
@@ -235,16 +236,19 @@ class CompiledLLM(Rows):
         self.positions[row] = end
         return logits, hidden[:n]  # static buffers, valid until the next forward (LLMStage)
 
-    def _prompt_len(self, longest: int, last_start: int) -> int | None:
+    def _prompt_shape(self, n: int, longest: int, last_start: int) -> tuple[int, int, bool] | None:
+        """Up to GRAPH_PROMPT_TOKENS tokens, a graph of rows and length rounded up; beyond, the products
+        outlast the launches, and exact shapes save the padding's arithmetic."""
+        if n * longest > GRAPH_PROMPT_TOKENS:
+            return super()._prompt_shape(n, longest, last_start)
         t = next((b for b in PREFILL_BUCKETS if b >= longest), longest)
         if last_start + t > self.max_len:  # padding to the graph's length would run past the cache: exact
             t = longest
-        return super()._prompt_len(t, last_start)
+        return None if last_start + t > self.max_len else (batch_bucket(n, self.rows), t, True)
 
-    def _rows_bucket(self, n: int) -> int:
-        return batch_bucket(n, self.rows)
-
-    def _run_prompts(self, nb: int, T: int, kv: int) -> tuple[Tensor, Tensor]:
+    def _run_prompts(self, nb: int, T: int, kv: int, graph: bool) -> tuple[Tensor, Tensor]:
+        if not graph:
+            return self._prompts(nb, T, kv)
         kv = _bucket(kv, LLM_BUCKET, self.max_len)
         return self.graphs.run(("prompts", nb, T, kv), lambda: self._prompts(nb, T, kv))
 
@@ -386,7 +390,7 @@ class GraphTTSRunner(TTSRunner):
         return super().prefill_len(t, last_begin)
 
     def _run_prefills(self, nb: int, T: int, kv: int) -> None:
-        kv = _bucket(kv, TTS_BUCKET, self.max_len)
+        kv = _bucket(self.L - 1, TTS_BUCKET, self.max_len)  # every text slot (masked): fewer graphs
         self.graphs.run(("prefills", nb, T, kv), lambda: self._prefill_batch(nb, T, kv))
 
     @torch.inference_mode()

@@ -108,10 +108,11 @@ class Rows:
         starts = [self.positions[r] for r in rows]
         for r, n in zip(rows, lens):
             self._check_room(r, n)
-        T = self._prompt_len(max(lens), max(starts))
-        if T is None:  # padding would run past a cache: one at a time
+        n = len(rows)
+        shape = self._prompt_shape(n, max(lens), max(starts))
+        if shape is None:  # padding would run past a cache: one at a time
             return [self.forward_row(r, x) for r, x in zip(rows, ids)]
-        n, nb = len(rows), self._rows_bucket(len(rows))
+        nb, T, graph = shape
         if self.prompt_in is None:
             self.prompt_in = torch.zeros(self.rows, self.max_len + 3, dtype=torch.long, device=self.device)
             self.prompt_upload = Upload((self.rows, self.max_len + 3), self.device)
@@ -119,20 +120,17 @@ class Rows:
         # repeat the first, writing the same values to the same slots
         entries = [[r, s, k - 1] + x + [0] * (T - k) for r, s, k, x in zip(rows, starts, lens, ids)]
         self.prompt_upload(entries + entries[:1] * (nb - n), self.prompt_in[:nb, : T + 3])
-        logits, hidden = self._run_prompts(nb, T, max(starts) + T)
+        logits, hidden = self._run_prompts(nb, T, max(starts) + T, graph)
         for r, k in zip(rows, lens):
             self.positions[r] += k
         return [(logits[i], hidden[i, :k]) for i, k in enumerate(lens)]
 
-    def _prompt_len(self, longest: int, last_start: int) -> int | None:
-        """The padded length of a batch of prompts (backends round it up to their graph sizes); None
-        when the padding would run past a cache."""
-        return longest if last_start + longest <= self.max_len else None
+    def _prompt_shape(self, n: int, longest: int, last_start: int) -> tuple[int, int, bool] | None:
+        """(entries, padded length, run as a graph) of a batch of n prompts (backends round them up to
+        their graphs' sizes); None when the padding would run past a cache."""
+        return (n, longest, False) if last_start + longest <= self.max_len else None
 
-    def _rows_bucket(self, n: int) -> int:
-        return n
-
-    def _run_prompts(self, nb: int, T: int, kv: int) -> tuple[Tensor, Tensor]:
+    def _run_prompts(self, nb: int, T: int, kv: int, graph: bool) -> tuple[Tensor, Tensor]:
         return self._prompts(nb, T, kv)
 
     def _prompts(self, nb: int, T: int, kv: int) -> tuple[Tensor, Tensor]:

@@ -42,7 +42,8 @@ from .tts import Call, TTSLane
 
 
 _START = object()
-PROMPT_TOKENS = 4096  # padded LLM prompt tokens a round prefills at most (one prompt always)
+PROMPT_TOKENS = 4096  # padded LLM prompt tokens a round prefills at most (one group always)
+GROUP_OVERHEAD = 256  # a forward's cost beyond its tokens, in tokens (reading the weights once)
 
 
 class LLMLane:
@@ -209,19 +210,20 @@ class Engine:
                     self.ready.append((self.tts_calls.pop(call.row)[0], None))
 
     def _prefill_prompts(self) -> None:
-        """The waiting LLM prompts in one padded forward, as many (lowest rows first) as fit in
-        PROMPT_TOKENS padded tokens (at least one); the rest wait for the next round."""
-        rows = sorted(self.llm_prompts)
-        take = 1
-        while take < len(rows) and (take + 1) * max(len(self.llm_prompts[r][1]) for r in rows[: take + 1]) \
-                <= PROMPT_TOKENS:
-            take += 1
-        rows = rows[:take]
-        prompts = [self.llm_prompts[r][1] for r in rows]
-        llm = self.synth.llm  # (one prompt alone: exactly the single-stream prefill)
-        outs = llm.prefill_rows(rows, prompts) if len(rows) > 1 else [llm.forward_row(rows[0], prompts[0])]
-        for r, out in zip(rows, outs):
-            self.ready.append((self.llm_prompts.pop(r)[0], out))
+        """The waiting LLM prompts, in groups of similar length (`prompt_groups`), each one padded
+        forward, as many groups (shortest first) as fit in PROMPT_TOKENS padded tokens (at least one);
+        the rest wait for the next round."""
+        llm, budget = self.synth.llm, PROMPT_TOKENS
+        for i, group in enumerate(prompt_groups({r: len(p) for r, (_, p) in self.llm_prompts.items()})):
+            cost = len(group) * max(len(self.llm_prompts[r][1]) for r in group)
+            if i and cost > budget:
+                break
+            budget -= cost
+            prompts = [self.llm_prompts[r][1] for r in group]
+            # (one prompt alone: exactly the single-stream prefill)
+            outs = llm.prefill_rows(group, prompts) if len(group) > 1 else [llm.forward_row(group[0], prompts[0])]
+            for r, out in zip(group, outs):
+                self.ready.append((self.llm_prompts.pop(r)[0], out))
 
     def _pick(self) -> None:
         """The LLM tokens the streams are choosing: one `next_tokens` for each group of the same
@@ -307,6 +309,24 @@ class Engine:
         else:
             return self.synth.llm.forward_row(row, ids)
         return self.loop.switch()
+
+
+def prompt_groups(lengths: dict[int, int], overhead: int = GROUP_OVERHEAD) -> list[list[int]]:
+    """Rows (keys) grouped by prompt length so that the padded tokens of all groups, plus `overhead`
+    tokens' worth for each forward, are fewest (groups of consecutive lengths: a small dynamic
+    program); shortest first, each group's rows in order."""
+    rows = sorted(lengths, key=lambda r: (lengths[r], r))
+    best, cut = [0] + [None] * len(rows), [0] * (len(rows) + 1)
+    for i in range(1, len(rows) + 1):
+        for j in range(i):
+            cost = best[j] + (i - j) * lengths[rows[i - 1]] + overhead
+            if best[i] is None or cost < best[i]:
+                best[i], cut[i] = cost, j
+    groups, i = [], len(rows)
+    while i:
+        groups.append(sorted(rows[cut[i] : i]))
+        i = cut[i]
+    return groups[::-1]
 
 
 def in_order(engine: Engine, jobs: Iterable[Callable[[Lane], Iterable]], window: int) -> Iterator[list]:

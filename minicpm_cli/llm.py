@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sampling import choose, noise, top_k, top_p
+from .sampling import choose, noise, top_p
 from .tensorio import to_device
 from .text import ASSISTANT_TTS_PREFIX, Tokenizers
 
@@ -78,12 +78,16 @@ def next_tokens(logits: Tensor, windows: list[list[int]], s: LLMSampling, genera
         picked = torch.where(picked < 0, picked * s.repetition_penalty, picked / s.repetition_penalty)
         scores = scores.scatter(1, ids, picked)
     scores = scores / s.temperature
-    probs = top_p(top_k(scores, s.top_k), s.top_p).softmax(-1)
+    # top-k as the k best (ids in order of score): top-p and the draw then look at k values a row,
+    # not the whole vocabulary (what top-k masks has probability 0 either way)
+    best, ids = torch.topk(scores, min(max(s.top_k, 1), scores.shape[1]))
+    probs = top_p(best, s.top_p).softmax(-1)
     if all(g is None for g in generators):
-        return choose(probs, None)
-    q = [torch.ones(1, probs.shape[1], device=dev) if g is None else noise((1, probs.shape[1]), g, dev)
+        return ids[:, 0]  # (the argmax of the probabilities: topk puts the best first)
+    V = scores.shape[1]
+    q = [torch.ones(1, V, device=dev) if g is None else noise((1, V), g, dev)
          for g in generators]  # (argmax(p / 1) is the greedy choice)
-    return choose(probs, torch.cat(q))
+    return ids.gather(1, choose(probs, torch.cat(q).gather(1, ids))[:, None])[:, 0]
 
 
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,
