@@ -30,7 +30,7 @@ from minicpm_cli.errors import BackendError
 from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
 from minicpm_cli.tensorio import Upload, to_device
-from minicpm_cli.tts import MIN_KEEP, TTSRunner
+from minicpm_cli.tts import FRAMES_PER_CALL, MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
 
@@ -253,6 +253,19 @@ class CompiledLLM(Rows):
         return self.graphs.run(("prompts", nb, T, kv), lambda: self._prompts(nb, T, kv))
 
     @torch.inference_mode()
+    def warm_batches(self, rows: int) -> None:
+        """Capture the batched token's graphs of every row count up to `rows` (fresh rows' KV size),
+        which a batch otherwise captures mid-run as streams end. Uses rows 0..rows-1 and resets them."""
+        if not self.graphs.cuda:
+            return
+        nb = 2
+        while nb <= min(rows, self.rows):
+            saved = self.positions[:nb]
+            self.decode_rows(list(range(nb)), [0] * nb)
+            self.positions[:nb] = saved
+            nb *= 2
+
+    @torch.inference_mode()
     def decode_rows(self, rows: list[int], ids: list[int]) -> tuple[Tensor, Tensor]:
         """One token for each of `rows` (distinct) in one forward over rows 0..nb-1 (cuBLAS products in
         a CUDA graph per row count and KV bucket) -> (logits (n, vocab), hidden (n, dim)) in that order.
@@ -366,6 +379,24 @@ class GraphTTSRunner(TTSRunner):
             kv = _bucket(kv, TTS_BUCKET, self.max_len)
             self.graphs.run(("batch", nb, kv, sampled), lambda: self._batch_step(nb, kv, sampled))
         self._advance(nb)
+
+    @torch.inference_mode()
+    def warm_batches(self, rows: int) -> None:
+        """Capture, for every row count up to `rows`, the batched step (greedy and sampled) and a short
+        text prefill, which a batch otherwise captures mid-run (tens of ms each) as streams come and
+        go. The steps leave every row as it was (no row takes part); the prefills write text slots of
+        rows 0..rows-1, which every segment's start zeroes."""
+        if self.batch is None:
+            return
+        nb = 2
+        while nb <= min(rows, self.rows):
+            idle = [[min(p, self.max_len - 1) for p in self.positions[:nb]], [0] * nb, [0] * nb,
+                    [FRAMES_PER_CALL] * nb]
+            for sampled in (False, True):
+                self.ctl_upload(idle, self.ctl[:, :nb])
+                self._run_batch(nb, self.max_len, sampled)
+            self.prefill_rows(list(range(nb)), [[0] * PREFILL_BUCKETS[0]] * nb, [0] * nb, [None] * nb)
+            nb *= 2
 
     def _batch_step(self, nb: int, kv: int, sampled: bool) -> None:
         if self.batch is None:

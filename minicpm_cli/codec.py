@@ -94,7 +94,9 @@ class StreamDecoder:
     (2048 samples) is heard twice, as in the reference.
     """
 
-    def __init__(self, codec: Codec, *, hold_first: bool = True, context_frames: int = 4):
+    CONTEXT_FRAMES = 4  # the reference's left context of a chunk
+
+    def __init__(self, codec: Codec, *, hold_first: bool = True, context_frames: int = CONTEXT_FRAMES):
         self.codec, self.hold_first, self.context_frames = codec, hold_first, context_frames
         self.reset()
 

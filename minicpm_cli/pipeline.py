@@ -147,6 +147,7 @@ class Synthesizer:
         self.device = tts.emb_text.weight.device
         self.llm_context = LLM_CONTEXT
         self._load_voices, self._voices = voices, None
+        self._warm_rows = 1  # batches of up to this many rows have their graphs (warm_batches)
         # (voice digest, mode) -> the LLM context of the voice's turn (a backend's saved prefix),
         # least recently used first, at most PREFIX_BYTES in all
         self._prefixes: OrderedDict[tuple[str, str], object] = OrderedDict()
@@ -243,7 +244,28 @@ class Synthesizer:
         """An engine that generates up to `rows` streams at once (default: as many as loaded)."""
         from .batching import Engine
 
-        return Engine(self, rows)
+        engine = Engine(self, rows)
+        self.warm_batches(engine.rows)
+        return engine
+
+    def warm_batches(self, rows: int) -> None:
+        """Capture, once, the CUDA graphs of batches of up to `rows` streams that a batch would
+        otherwise capture mid-run, stalling every stream (backends' `warm_batches`; the codec's first
+        and later chunks). A second call for as many rows or fewer does nothing."""
+        if rows <= self._warm_rows:
+            return
+        for stage in (self.tts, self.llm):
+            warm = getattr(stage, "warm_batches", None)
+            if warm is not None:
+                warm(rows)
+        if self.device.type == "cuda":
+            nb = 2
+            while nb <= rows:
+                for t in (FRAMES_PER_CALL, FRAMES_PER_CALL + StreamDecoder.CONTEXT_FRAMES):
+                    self.codec.decode_batch(torch.zeros(nb, t, self.codec.num_vq, dtype=torch.long,
+                                                        device=self.codec.device))
+                nb *= 2
+        self._warm_rows = rows
 
     def say_many(self, items: Iterable[tuple[str, Sampling]], *, batch: int = 1, voice=None,
                  decode: str = "segment", frames_per_token: int | None = None) -> Iterator[list[AudioChunk]]:

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from minicpm_cli.batching import Stream, in_order
-from minicpm_cli.llm import LLMSampling
+from minicpm_cli.batching import Stream, in_order, prompt_groups
+from minicpm_cli.llm import LLMSampling, next_token, next_tokens
 from minicpm_cli.pipeline import Synthesizer
 from minicpm_cli.sampling import Sampling
 
@@ -70,8 +70,19 @@ def test_say_many_keeps_input_order_and_equals_say(synth):
         np.testing.assert_allclose(np.concatenate([c.samples for c in chunks]), utt.audio, rtol=0, atol=1e-5)
 
 
-def test_replies_and_reads_share_a_batch(synth):
-    """Replies decode their LLM tokens batched (decode_rows) while reads step the TTS alongside."""
+def test_replies_and_reads_share_a_batch(synth, monkeypatch):
+    """Replies decode their LLM tokens batched (decode_rows) and choose them together (next_tokens)
+    while reads step the TTS alongside; prompts and TTS text chunks of a round prefill together."""
+    import minicpm_cli.batching as batching
+
+    sizes = {"prompts": [], "chunks": [], "choices": []}
+    for name, obj, attr in (("prompts", synth.llm, "prefill_rows"), ("chunks", synth.tts, "prefill_rows")):
+        fn = getattr(obj, attr)
+        monkeypatch.setattr(obj, attr, lambda rows, *a, fn=fn, name=name: (sizes[name].append(len(rows)),
+                                                                             fn(rows, *a))[1])
+    choose = batching.next_tokens
+    monkeypatch.setattr(batching, "next_tokens", lambda logits, *a: (sizes["choices"].append(len(logits)),
+                                                                      choose(logits, *a))[1])
     llm = LLMSampling(temperature=0.7)
     reqs = [("reply", "What is your name?", Sampling(greedy=True)),
             ("read", "Good morning.", Sampling(seed=101)),
@@ -88,6 +99,27 @@ def test_replies_and_reads_share_a_batch(synth):
     batched = list(in_order(synth.batch(), jobs, window=ROWS))
     for a, b in zip(alone, batched):
         _same(a, b)
+    assert max(sizes["prompts"]) > 1 and max(sizes["chunks"]) > 1 and max(sizes["choices"]) > 1
+
+
+def test_prompt_groups_pad_least():
+    assert prompt_groups({3: 5}) == [[3]]
+    assert prompt_groups({r: 40 + r for r in range(8)}) == [list(range(8))]  # alike: one forward
+    mixed = {r: (60, 600)[r % 2] for r in range(6)}
+    assert prompt_groups(mixed) == [[0, 2, 4], [1, 3, 5]]  # far apart: short ones not padded to 600
+    assert prompt_groups(mixed, overhead=10**6) == [list(range(6))]
+
+
+def test_next_tokens_chooses_each_row_as_next_token_alone():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300) * 3
+    windows = [[1, 2, 3], [5], [7, 7, 8, 9, 10], [299]]
+    s = LLMSampling(temperature=0.7, top_k=20, repetition_penalty=1.3)
+    gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2), None]
+    together = next_tokens(logits, windows, s, gens, banned=[4], vocab=290)
+    gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2), None]
+    alone = [next_token(logits[i], windows[i], s, gens[i], banned=[4], vocab=290) for i in range(4)]
+    assert together.tolist() == [int(t) for t in alone]
 
 
 def test_a_cancelled_stream_frees_its_row_and_leaves_the_others_alone(synth):
@@ -142,3 +174,15 @@ def test_batched_cuda_graphs_equal_the_single_stream_path(tiny_dir, dtype):
             assert x.text == y.text
             torch.testing.assert_close(x.codes, y.codes, rtol=0, atol=0)
             np.testing.assert_allclose(x.samples, y.samples, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_batched_codec_decodes_each_row_as_alone(tiny_dir):
+    """compile on CUDA: a round's codec decodes of one length run as one batched graph (rows padded to
+    a power of two); each row's audio is its own decode's, up to the rounding of batched convolutions."""
+    synth = Synthesizer.load(str(tiny_dir), device="cuda", dtype="float32", backend="compile", rows=ROWS)
+    torch.manual_seed(0)
+    codes = torch.randint(0, 600, (3, 29, synth.codec.num_vq), device="cuda")
+    together = synth.codec.decode_batch(codes)
+    for row, wav in zip(codes, together):
+        torch.testing.assert_close(wav, synth.codec.decode(row), rtol=0, atol=1e-5)
