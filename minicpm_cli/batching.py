@@ -43,6 +43,7 @@ from .tts import Call, TTSLane
 
 _START = object()
 PROMPT_TOKENS = 4096  # padded LLM prompt tokens a round prefills at most (one group always)
+HELD_WINDOWS = 8  # in_order: ended jobs waiting for an earlier one, at most this many windows' worth
 GROUP_OVERHEAD = 256  # a forward's cost beyond its tokens, in tokens (reading the weights once)
 
 
@@ -330,8 +331,9 @@ def prompt_groups(lengths: dict[int, int], overhead: int = GROUP_OVERHEAD) -> li
 
 
 def in_order(engine: Engine, jobs: Iterable[Callable[[Lane], Iterable]], window: int) -> Iterator[list]:
-    """Run `jobs` with up to `window` in flight; yield each job's items (a list) in submission order,
-    as soon as it and every job before it have ended. A job's error is raised in its turn."""
+    """Run `jobs` with up to `window` running at once; yield each job's items (a list) in submission
+    order, as soon as it and every job before it have ended (those that end early wait, at most
+    HELD_WINDOWS * window of them, without holding a row). A job's error is raised in its turn."""
     if window < 1:
         raise ValueError("the window must be at least 1")
     outputs: deque[tuple[list, list, Stream]] = deque()  # per job in flight: (items, [ended, error], stream)
@@ -347,7 +349,10 @@ def in_order(engine: Engine, jobs: Iterable[Callable[[Lane], Iterable]], window:
 def _in_order(engine, jobs, window, outputs):
     exhausted = False
     while True:
-        while not exhausted and len(outputs) < window:
+        # a job that ended waits for those before it without holding a row: up to `window` jobs run,
+        # and at most HELD_WINDOWS windows' worth wait (a long job ahead must not stall its batch)
+        running = sum(not state[0] for _, state, _ in outputs)
+        while not exhausted and running < window and len(outputs) < HELD_WINDOWS * window:
             job = next(jobs, None)
             if job is None:
                 exhausted = True
@@ -359,6 +364,7 @@ def _in_order(engine, jobs, window, outputs):
                 state[0], state[1] = True, error
 
             outputs.append((items, state, engine.submit(Stream(job, items.append, done))))
+            running += 1
         while outputs and outputs[0][1][0]:
             items, (_, error), _ = outputs.popleft()
             if error is not None:
@@ -366,5 +372,5 @@ def _in_order(engine, jobs, window, outputs):
             yield items
         if exhausted and not outputs:
             return
-        if len(outputs) >= window or exhausted:
+        if running >= window or len(outputs) >= HELD_WINDOWS * window or exhausted:
             engine.round()

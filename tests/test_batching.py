@@ -102,6 +102,20 @@ def test_replies_and_reads_share_a_batch(synth, monkeypatch):
     assert max(sizes["prompts"]) > 1 and max(sizes["chunks"]) > 1 and max(sizes["choices"]) > 1
 
 
+def test_in_order_keeps_rows_busy_behind_a_long_job(synth):
+    """A job that ended waits for the long one before it without holding its row: later jobs start."""
+    log = []
+
+    def job(k, text, forced, lane):
+        log.append(("start", k))
+        yield from _read(synth, text, Sampling(greedy=True), forced, "stream", lane)
+        log.append(("end", k))
+
+    texts = [(LONG, 1), ("One.", None), ("Good morning.", None), ("One.", None)]
+    got = list(in_order(synth.batch(2), [functools.partial(job, k, *t) for k, t in enumerate(texts)], window=2))
+    assert len(got) == 4 and log.index(("start", 3)) < log.index(("end", 0))
+
+
 def test_prompt_groups_pad_least():
     assert prompt_groups({3: 5}) == [[3]]
     assert prompt_groups({r: 40 + r for r in range(8)}) == [list(range(8))]  # alike: one forward
