@@ -2,26 +2,30 @@
 
 A stream is one request's generation (a read or a reply: `Synthesizer.synthesize` or `reply` on a
 `Lane`, its own row of the TTS and LLM KV caches). Each runs as a greenlet on the engine's thread, the
-very code a single stream runs; where it would run a TTS generate() call or decode one LLM token, its
-lane hands the engine a request and waits. The engine runs rounds: admit waiting streams onto free
-lanes, resume the streams whose requests were answered (each runs on until its next request:
-decoding audio, prefilling text, sampling; the LLM tokens they choose on the device come to the host
-for all of them in one copy, and they go on), then one batched LLM token for every stream that asked
-for one (`LLMStage.decode_rows`) and one batched TTS step for every open generate() call
-(`TTSRunner.step_calls`). A stream joins the batch at the next step and leaves when it ends.
+very code a single stream runs; where it would run a TTS generate() call, prefill a TTS text chunk,
+decode audio, choose or decode one LLM token, its lane hands the engine a request and waits. The
+engine runs rounds: admit every waiting stream that has a free lane; resume the streams whose
+requests were answered (each runs on until its next request), doing together, as often as they pile
+up, the round's TTS text prefills (`TTSRunner.prefill_rows`, one padded forward), codec decodes (on
+CUDA, one batched call per length: `Codec.decode_batch`) and LLM token choices (`llm.next_tokens`,
+row by row, one copy of all the chosen ids to the host); then the LLM prompts waiting (in groups of
+similar length, `prompt_groups`, each one padded forward: `LLMStage.prefill_rows`), one batched LLM
+token for every stream that asked for one (`LLMStage.decode_rows`) and one batched TTS step for
+every open generate() call (`TTSRunner.step_calls`). A stream joins the batch at the next step and
+leaves when it ends.
 
-LLM prompts waiting in the same round run as one padded forward (`LLMStage.prefill_rows`): the
-streams admitted together, a reply's generate prompt. TTS text chunks are prefilled per stream,
-between two steps. While streams are generating, a round admits one new stream, so their next step
-waits for at most one admission (its LLM prompt, at most the 4096-token context, and its first TTS
-chunk: tens of milliseconds for a sentence on an H100), against the 533 ms of audio that one
-25-frame call gives every playing stream.
+A round's admissions stall the streams already playing by at most one group of prompts of up to
+PROMPT_TOKENS (4096) padded tokens and one padded TTS prefill (about 0.1 s for 4096 tokens of the 7B
+on an H100; a sentence's prompt is tens of milliseconds), against the 533 ms of audio that one
+25-frame call gives every playing stream; the prompts past the bound wait for the next round.
 
 Every stream keeps its own sampling generator, so a seeded request draws the same noise alone or
 in a batch; the rows of a batched step are computed independently, so results differ from the
 single-stream path only by the rounding of a different product shape (none in float32 on the CPU
-tests, which check codes and samples). Nothing here knows HTTP or files; greenlet is the only
-dependency (no threads: the CUDA state, graphs and torch's modes stay on one thread).
+tests, which check codes and samples; on CUDA the codec's batched convolutions round otherwise,
+about 1e-4 of full scale, which is why the CPU decodes each stream alone). Nothing here knows HTTP
+or files; greenlet is the only dependency (no threads: the CUDA state, graphs and torch's modes stay
+on one thread).
 """
 
 from __future__ import annotations
