@@ -27,8 +27,8 @@ def interrupt(signum, frame):
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, interrupt)
-    try:
+    try:  # (the handler installed inside: a Ctrl-C right after it is installed is caught here too)
+        signal.signal(signal.SIGINT, interrupt)
         from . import trace
 
         trace.mark("start")
