@@ -328,8 +328,13 @@ class TTSRunner:
             c.done += 1
             self.positions[c.row] += 1
             if c.done == c.steps:
-                c.result = self._finish(self.calls_out[c.row, : c.steps].clone(), c.n_steps)
                 done.append(c)
+        if done:  # as `_finish`, with one wait for the device for every call that ends here
+            eos = (self.calls_out[:nb] == self.config.eos_code).any(2).cpu()
+            for c in done:
+                hits = eos[c.row, : c.steps].nonzero()
+                end = int(hits[0]) if len(hits) else c.steps
+                c.result = self.calls_out[c.row, :end].clone(), bool(len(hits)) or c.steps < c.n_steps
         return done
 
     def bucket(self, n: int) -> int:

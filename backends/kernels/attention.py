@@ -16,6 +16,16 @@ from .common import _arrive_last, _let_next, _wait_previous
 
 
 @triton.jit
+def _seen(used, s, pos, vis_ptr, HAS_VIS: tl.constexpr):
+    """The slots s of `used` that a query at pos sees: K/V are loaded for those only (a TTS query sees
+    a few of the 300 text slots; the rest, [PAD]s and text past its chunk, cost no memory traffic).
+    `_attend_block` masks the same slots, so what is not loaded never counts."""
+    if HAS_VIS:
+        used = used & (tl.load(vis_ptr + s, mask=used, other=0) <= pos)
+    return used
+
+
+@triton.jit
 def _attend_block(q, k, v, s, pos, vis_ptr, m, acc, total, scale, HAS_VIS: tl.constexpr):
     """Online softmax over one block of cache slots s (k, v (BLOCK_S, D) float32, zeros past pos)."""
     used = s <= pos
@@ -70,7 +80,7 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
     hk = h // GROUP
     dd = tl.arange(0, D)
     s = j * BLOCK_S + tl.arange(0, BLOCK_S)
-    older = s < tl.where(j < n_used, pos, 0)  # slots before the current one, if this split has any
+    older = _seen(s < tl.where(j < n_used, pos, 0), s, pos, vis_ptr, HAS_VIS)  # slots before the current one
     off = (hk * max_len + s)[:, None] * D + dd[None, :]
     k = tl.load(kc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
     v = tl.load(vc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
@@ -86,7 +96,7 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
             if blk0 + j < n_blocks:
                 s = (blk0 + j) * BLOCK_S + tl.arange(0, BLOCK_S)
                 off = (hk * max_len + s)[:, None] * D + dd[None, :]
-                used = (s <= pos)[:, None]
+                used = _seen(s <= pos, s, pos, vis_ptr, HAS_VIS)[:, None]
                 k = tl.load(kc_ptr + off, mask=used, other=0.0).to(tl.float32)
                 v = tl.load(vc_ptr + off, mask=used, other=0.0).to(tl.float32)
                 m, acc, total = _attend_block(q, k, v, s, pos, vis_ptr, m, acc, total, scale, HAS_VIS)
