@@ -20,6 +20,12 @@ import sys
 import threading
 
 
+# A Ctrl-C leaves by os._exit: CPython 3.11 marks a KeyboardInterrupt raised inside exec'd source
+# (dataclasses and typing build methods that way while modules import) as unhandled even once caught,
+# and an interpreter that exits normally then kills itself with SIGINT (status -2, not 130).
+INTERRUPTED = 130
+
+
 def interrupt(signum, frame):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stderr.write("minicpm: interrupted\n")
@@ -36,13 +42,17 @@ def main() -> None:
 
         trace.mark("cli")
     except KeyboardInterrupt:
-        sys.exit(130)
+        _exit(INTERRUPTED)
     try:
         run()
+        code = None
+    except KeyboardInterrupt:  # (one before the CLI's own error boundary: while click builds its parser)
+        code = INTERRUPTED
     except SystemExit as e:
-        if "torch" in sys.modules or threading.active_count() > 1:
-            raise
-        _exit(e.code)
+        code = e.code
+    if code != INTERRUPTED and ("torch" in sys.modules or threading.active_count() > 1):
+        sys.exit(code)
+    _exit(code)
 
 
 def _exit(code) -> None:
