@@ -29,17 +29,17 @@ from minicpm_cli.checkpoint import Checkpoint
 from minicpm_cli.errors import BackendError
 from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
-from minicpm_cli.tensorio import Upload, to_device
+from minicpm_cli.tensorio import to_device, upload
 from minicpm_cli.tts import FRAMES_PER_CALL, MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
 
 LLM_BUCKET = 256  # KV length granularity of the LLM graphs
 TTS_BUCKET = 128
-# prefill lengths of the LLM graphs: powers of two, and halfway steps from 256 on (a 10-s voice
-# turn is ~300 tokens: 384 instead of 512 saves a quarter of its prefill)
-GRAPH_PROMPT_TOKENS = 1024  # a batch of prompts up to this many tokens replays a graph (CompiledLLM)
+# prefill lengths of the graphs: powers of two, and halfway steps from 256 on (a 10-s voice turn is
+# ~300 tokens: 384 instead of 512 saves a quarter of its prefill)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+GRAPH_PROMPT_TOKENS = 1024  # a batch of prompts up to this many tokens replays a graph (CompiledLLM)
 _compiled: dict[bool, tuple] = {}
 
 
@@ -103,9 +103,21 @@ def _bucket(n: int, step: int, cap: int) -> int:
     return min(-(-n // step) * step, cap)
 
 
+def _padded(n: int, start: int, end: int) -> int:
+    """The length a prefill of n tokens from `start` runs at: the next PREFILL_BUCKETS length (one
+    graph serves many lengths), or n where that padding would run past `end`."""
+    t = next((b for b in PREFILL_BUCKETS if b >= n), n)
+    return t if start + t <= end else n
+
+
 def batch_bucket(n: int, rows: int) -> int:
     """Rows a batched step runs over for rows 0..n-1: a power of two (one CUDA graph each), at most `rows`."""
     return min(1 << (n - 1).bit_length(), rows)
+
+
+def batch_sizes(rows: int) -> list[int]:
+    """The batch buckets above one row, up to `rows` rows: 2, 4, 8, ..."""
+    return [1 << k for k in range(1, rows.bit_length())]
 
 
 class CompiledLLM(Rows):
@@ -123,7 +135,6 @@ class CompiledLLM(Rows):
         self.positions = [0] * rows
         self.slots = torch.arange(max_len, device=dev)
         self.ids = torch.zeros(max_len, dtype=torch.long, device=dev)
-        self.upload = Upload((max_len,), dev)  # prompt ids into `ids`
         self.pos0 = torch.zeros(1, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.row = torch.zeros(1, dtype=torch.long, device=dev)  # the cache row of a prefill of row > 0
@@ -133,7 +144,6 @@ class CompiledLLM(Rows):
         cuda = dev.type == "cuda"
         self.host = torch.zeros(2, dtype=torch.long, pin_memory=cuda)
         self.host_np = self.host.numpy()
-        self.batch_upload = Upload((2, rows), dev)  # a batch's ids and positions into `batch_in`
         self.inp = torch.zeros(2, dtype=torch.long, device=dev)
         self.read = torch.cuda.Event() if cuda else None  # the last decode graph has run
         self.graphs = Graphs(dev)
@@ -204,16 +214,14 @@ class CompiledLLM(Rows):
         n = len(ids)
         end = self._check_room(row, n)
         start = self.positions[row]
-        t = n if n == 1 else next((b for b in PREFILL_BUCKETS if b >= n), n)
-        if start + t > self.max_len:  # padding would run past the cache: exact length
-            t = n
+        t = n if n == 1 else _padded(n, start, self.max_len)
         kv = _bucket(start + t, LLM_BUCKET, self.max_len)
         audio = embeds is not None  # a voice's turn: its own graphs, with the embeddings spliced in
         if audio:
             self._stage_audio(t, embeds, embed_at)
         tag = ("audio",) if audio else ()
         if row > 0:  # another stream's row: the graphs of row 0's shapes, on a gathered row
-            self.upload(ids, self.ids[: len(ids)])
+            upload(ids, self.ids[: len(ids)])
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
             self.row.fill_(row)
@@ -229,7 +237,7 @@ class CompiledLLM(Rows):
             if n == 1:
                 self.ids[:1].fill_(ids[0])  # no host-to-device copy (and no sync) per decoded token
             else:
-                self.upload(ids, self.ids[: len(ids)])
+                upload(ids, self.ids[: len(ids)])
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
             logits, hidden = self.graphs.run((t, kv, *tag), lambda: self._run(t, kv, audio=audio))
@@ -241,9 +249,7 @@ class CompiledLLM(Rows):
         outlast the launches, and exact shapes save the padding's arithmetic."""
         if n * longest > GRAPH_PROMPT_TOKENS:
             return super()._prompt_shape(n, longest, last_start)
-        t = next((b for b in PREFILL_BUCKETS if b >= longest), longest)
-        if last_start + t > self.max_len:  # padding to the graph's length would run past the cache: exact
-            t = longest
+        t = _padded(longest, last_start, self.max_len)
         return None if last_start + t > self.max_len else (batch_bucket(n, self.rows), t, True)
 
     def _run_prompts(self, nb: int, T: int, kv: int, graph: bool) -> tuple[Tensor, Tensor]:
@@ -258,12 +264,10 @@ class CompiledLLM(Rows):
         which a batch otherwise captures mid-run as streams end. Uses rows 0..rows-1 and resets them."""
         if not self.graphs.cuda:
             return
-        nb = 2
-        while nb <= min(rows, self.rows):
+        for nb in batch_sizes(min(rows, self.rows)):
             saved = self.positions[:nb]
             self.decode_rows(list(range(nb)), [0] * nb)
             self.positions[:nb] = saved
-            nb *= 2
 
     @torch.inference_mode()
     def decode_rows(self, rows: list[int], ids: list[int]) -> tuple[Tensor, Tensor]:
@@ -276,7 +280,7 @@ class CompiledLLM(Rows):
         nb = batch_bucket(max(rows) + 1, self.rows)
         tok, pos, kv = self._batch_inputs(rows, ids, nb)
         kv = _bucket(kv, LLM_BUCKET, self.max_len)
-        self.batch_upload((tok, pos), self.batch_in[:, :nb])
+        upload((tok, pos), self.batch_in[:, :nb])
         if self.batch_fns is None and self.compile_batches:
             self.batch_fns = block_fns(dynamic=True)
         logits, hidden = self.graphs.run(("batch", nb, kv), lambda: decode_batch(
@@ -311,7 +315,6 @@ class GraphTTSRunner(TTSRunner):
         model.model.setup_rope(model.config.decoder.max_positions, self.device)
         self.graphs = Graphs(self.device)
         self.ids = torch.zeros(self.L, dtype=torch.long, device=self.device)
-        self.upload = Upload((self.L,), self.device)  # text chunk ids into `ids`
         self.spk = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
         self.row = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -388,15 +391,13 @@ class GraphTTSRunner(TTSRunner):
         rows 0..rows-1, which every segment's start zeroes."""
         if self.batch is None:
             return
-        nb = 2
-        while nb <= min(rows, self.rows):
+        for nb in batch_sizes(min(rows, self.rows)):
             idle = [[min(p, self.max_len - 1) for p in self.positions[:nb]], [0] * nb, [0] * nb,
                     [FRAMES_PER_CALL] * nb]
             for sampled in (False, True):
-                self.ctl_upload(idle, self.ctl[:, :nb])
+                upload(idle, self.ctl[:, :nb])
                 self._run_batch(nb, self.max_len, sampled)
             self.prefill_rows(list(range(nb)), [[0] * PREFILL_BUCKETS[0]] * nb, [0] * nb, [None] * nb)
-            nb *= 2
 
     def _batch_step(self, nb: int, kv: int, sampled: bool) -> None:
         if self.batch is None:
@@ -415,10 +416,7 @@ class GraphTTSRunner(TTSRunner):
                                           self.code_b[:nb], c.top_p, c.top_k, MIN_KEEP)
 
     def prefill_len(self, longest: int, last_begin: int) -> int | None:
-        t = next((b for b in PREFILL_BUCKETS if b >= longest), longest)
-        if last_begin + t > self.L - 1:  # padding to the graph's length would reach [Ptts]: exact
-            t = longest
-        return super().prefill_len(t, last_begin)
+        return super().prefill_len(_padded(longest, last_begin, self.L - 1), last_begin)
 
     def _run_prefills(self, nb: int, T: int, kv: int) -> None:
         kv = _bucket(self.L - 1, TTS_BUCKET, self.max_len)  # every text slot (masked): fewer graphs
@@ -428,7 +426,7 @@ class GraphTTSRunner(TTSRunner):
     def prefill_row(self, row: int, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         t = len(ids)
         kv = _bucket(begin + t, TTS_BUCKET, self.max_len)
-        self.upload(ids, self.ids[: len(ids)])
+        upload(ids, self.ids[: len(ids)])
         self.begin.fill_(begin)
         self.row.fill_(row)
         if spk is not None:
@@ -464,7 +462,7 @@ class GraphCodec:
         """(B, T, num_vq) -> (B, samples), one graph per (B rounded up to a power of two, T); the
         padding rows repeat the first."""
         n, t = codes.shape[:2]
-        nb = 1 << (n - 1).bit_length()
+        nb = batch_bucket(n, n * 2)
         if nb * t > self.MAX_FRAMES:
             return self.batch_eager(codes)
         rows = self.codes[: nb * t].view(nb, t, -1)

@@ -10,8 +10,8 @@ The format (https://github.com/huggingface/safetensors): an 8-byte little-endian
 header {name: {"dtype", "shape", "data_offsets": [begin, end]}} with offsets from the end of the
 header, then the data. Nothing else is interpreted here: names, shapes and checks are the caller's.
 
-`Upload` moves small host values (ids, positions) to the device the same way, through pinned
-buffers, so that the host never waits for the device's queue to send them.
+`to_device` and `upload` move small host values (ids, positions) to the device through pinned
+memory too, so that the host never waits for the device's queue to send them.
 """
 
 from __future__ import annotations
@@ -192,36 +192,15 @@ def _read_cuda(entries: dict[str, Entry], out: dict[str, Tensor], fds: dict[Path
 
 
 def to_device(values, device: torch.device) -> Tensor:
-    """A list of ints as a long tensor on `device`, without waiting for the work queued there (the
-    pinned staging buffer comes from torch's caching host allocator, which keeps it until the copy
-    has run)."""
-    if torch.device(device).type != "cuda":
-        return torch.tensor(values, dtype=torch.long, device=device)
-    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+    """Ints (a list, nested lists) as a long tensor on `device`, without waiting for the work queued
+    there: `torch.tensor(..., device=)` and copies from pageable memory wait for all of it. The values
+    go through pinned memory from torch's caching host allocator, which keeps a block until the copy
+    that reads it has run."""
+    cuda = torch.device(device).type == "cuda"
+    return torch.tensor(values, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=True)
 
 
-class Upload:
-    """Small integer arrays to a device tensor without waiting for the device: `torch.tensor(...,
-    device=)` and a copy from pageable memory wait for all the work queued before them; this writes
-    pinned host buffers of `shape`, taken in turn, each written again only once the copy that read
-    it has run (an event each)."""
-
-    def __init__(self, shape: tuple[int, ...], device: torch.device, ring: int = 4):
-        cuda = torch.device(device).type == "cuda"
-        self.bufs = [torch.zeros(shape, dtype=torch.long, pin_memory=cuda) for _ in range(ring)]
-        self.views = [b.numpy() for b in self.bufs]
-        self.read = [torch.cuda.Event() if cuda else None for _ in range(ring)]
-        self.next = 0
-
-    def __call__(self, values, out: Tensor) -> None:
-        """`values` (nested lists, or an array) into `out`, a slice of the destination that starts
-        at index 0 in every dimension and has their shape."""
-        i = self.next
-        self.next = (i + 1) % len(self.bufs)
-        if self.read[i] is not None:
-            self.read[i].synchronize()
-        at = tuple(slice(0, d) for d in out.shape)
-        self.views[i][at] = values
-        out.copy_(self.bufs[i][at], non_blocking=True)
-        if self.read[i] is not None:
-            self.read[i].record()
+def upload(values, out: Tensor) -> Tensor:
+    """`to_device` into `out`, a tensor of the values' shape (a slice of a static buffer that CUDA
+    graphs read)."""
+    return out.copy_(torch.tensor(values, dtype=torch.long, pin_memory=out.is_cuda), non_blocking=True)
