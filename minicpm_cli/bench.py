@@ -338,7 +338,7 @@ def _voice_entry(synth, workload: str, opts: BenchOptions, clock: Clock) -> dict
     for r in range(opts.runs):
         for item in _requests(workload):
             plain.append(_first_audio(synth, workload, item, r, opts, clock, None))
-            enc.turn(voice, mode)
+            synth.voice_context(synth.llm, voice, mode)  # (kept: encoded and its turn's context saved)
             cached.append(_first_audio(synth, workload, item, r, opts, clock, voice))
             synth.forget_voices()
             new.append(_first_audio(synth, workload, item, r, opts, clock, opts.voice))

@@ -72,8 +72,7 @@ class VoiceEncoder:
         encoding took 18.7 ms with the boolean mask, 7.1 with this one, on an H100)."""
         if not chunked:
             return None
-        visible = chunk_mask(frames, self.config.chunk_frames, self.device)
-        return torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill(~visible, float("-inf"))
+        return chunk_mask(frames, self.config.chunk_frames, self.dtype, self.device)
 
     @torch.inference_mode()
     def encode(self, voice: Voice, chunked: bool) -> Tensor:

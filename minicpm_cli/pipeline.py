@@ -27,7 +27,7 @@ from torch import Tensor
 from . import backends
 
 from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, resolve
-from .cloning import AUDIO_PREFIXES, VoiceEncoder, VoiceTurn, load_voice_encoder
+from .cloning import AUDIO_PREFIXES, VoiceEncoder, load_voice_encoder
 from . import trace
 from .codec import Codec
 from .errors import CheckpointError, DeviceError, UsageError
@@ -211,23 +211,24 @@ class Synthesizer:
             self._voices = self._load_voices()
         return self._voices
 
-    def voice_context(self, llm, voice: Voice, mode: str) -> VoiceTurn:
-        """Start `llm` (the stage or a lane of it) on `voice`'s turn in `mode`: its KV cache put back
-        when kept, else the turn prefilled and its cache kept. Either way the turn is its own forward,
-        so what follows it gives the same result whether the turn was computed now or before."""
+    def voice_context(self, llm, voice: Voice, mode: str) -> int:
+        """Start `llm` (the stage or a lane of it) on `voice`'s turn in `mode` -> the turn's length in
+        tokens: its KV cache put back when kept (nothing encoded), else the turn encoded, prefilled and
+        its cache kept. Either way the turn is its own forward, so what follows it gives the same
+        result whether the turn was computed now or before."""
         key = (voice.digest, mode)
-        turn = self.voices.turn(voice, mode)
-        llm.reset()
         prefix = self._prefixes.get(key)
         if prefix is not None:
             self._prefixes.move_to_end(key)
             llm.load_prefix(prefix)
-            return turn
+            return prefix.length
+        turn = self.voices.turn(voice, mode)
+        llm.reset()
         llm.forward(turn.ids, turn.embeds, turn.embed_at)
         self._prefixes[key] = llm.save_prefix()
         while len(self._prefixes) > 1 and sum(p.nbytes for p in self._prefixes.values()) > PREFIX_BYTES:
             self._prefixes.popitem(last=False)
-        return turn
+        return len(turn.ids)
 
     def forget_voices(self) -> None:
         """Drop every voice's kept encodings and contexts (the next use computes them anew)."""
@@ -300,18 +301,15 @@ class Synthesizer:
         return self.synthesize(text, sampling, decode=decode, voice=voice, frames_per_token=frames_per_token,
                                lane=lane)
 
-    def speaker(self, prompt_ids: list[int], embeds: Tensor | None = None,
-                embed_at: list[int] | None = None, llm=None) -> Tensor:
-        """Run the LLM (`llm`: a lane of it; default the single stream) over a prompt (with a voice:
-        its audio embeddings at `embed_at`); the projected hidden state at its last <|spk|> (hidden,)."""
+    def speaker(self, prompt_ids: list[int], llm=None, reset: bool = True) -> Tensor:
+        """Run the LLM (`llm`: a lane of it; default the single stream) over a prompt, from an empty
+        context (`reset`) or after what it holds (a voice's turn); the projected hidden state at the
+        prompt's last <|spk|> (hidden,)."""
         llm = llm or self.llm
-        spk_pos = len(prompt_ids) - 1 - prompt_ids[::-1].index(self.tokenizers.spk_id)
-        llm.reset()
-        if embeds is None:
-            _, hidden = llm.forward(prompt_ids)
-        else:
-            _, hidden = llm.forward(prompt_ids, embeds, embed_at)
-        return self._project(hidden[spk_pos])
+        if reset:
+            llm.reset()
+        _, hidden = llm.forward(prompt_ids)
+        return self._project(hidden[len(prompt_ids) - 1 - prompt_ids[::-1].index(self.tokenizers.spk_id)])
 
     def _project(self, hidden: Tensor) -> Tensor:
         with torch.inference_mode():
@@ -337,9 +335,7 @@ class Synthesizer:
             return self.speaker(self._read_prompt_ids(text), llm=llm)
         llm = llm or self.llm
         turn = self.voice_context(llm, voice, "read")
-        ids = self._read_prompt_ids(text, reserved=len(turn.ids))
-        _, hidden = llm.forward(ids)
-        return self._project(hidden[len(ids) - 1 - ids[::-1].index(self.tokenizers.spk_id)])
+        return self.speaker(self._read_prompt_ids(text, reserved=turn), llm=llm, reset=False)
 
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
                    first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,

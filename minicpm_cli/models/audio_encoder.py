@@ -127,8 +127,11 @@ class AudioEncoder(nn.Module):
         return self.pool(self.audio_projection_layer(self.apm(features, mask)))
 
 
-def chunk_mask(n: int, chunk: int, device=None) -> Tensor:
-    """(1, 1, n, n) boolean: frame i sees every frame of its own `chunk`-frame chunk and of all
-    earlier chunks (the reference's `subsequent_chunk_mask` with all left chunks)."""
+def chunk_mask(n: int, chunk: int, dtype: torch.dtype, device=None) -> Tensor:
+    """(1, 1, n, n) additive attention bias in `dtype`, 0 or -inf: frame i sees every frame of its own
+    `chunk`-frame chunk and of all earlier chunks (the reference's `subsequent_chunk_mask` with all
+    left chunks). A bias, not a boolean mask: on CUDA scaled_dot_product_attention keeps its fused
+    kernel for it."""
     i = torch.arange(n, device=device)
-    return (i[None, :] < (i[:, None] // chunk + 1) * chunk)[None, None]
+    visible = (i[None, :] < (i[:, None] // chunk + 1) * chunk)[None, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
