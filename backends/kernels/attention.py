@@ -17,21 +17,18 @@ from .common import _arrive_last, _let_next, _wait_previous
 
 @triton.jit
 def _seen(used, s, pos, vis_ptr, HAS_VIS: tl.constexpr):
-    """The slots s of `used` that a query at pos sees: K/V are loaded for those only (a TTS query sees
-    a few of the 300 text slots; the rest, [PAD]s and text past its chunk, cost no memory traffic).
-    `_attend_block` masks the same slots, so what is not loaded never counts."""
+    """The slots s of `used` that a query at pos sees (with `vis`, those visible from pos): K/V are
+    loaded for those only (a TTS query sees a few of its 300 text slots; the rest, [PAD]s and text
+    past its chunk, cost no memory traffic), and `_attend_block` counts those only."""
     if HAS_VIS:
         used = used & (tl.load(vis_ptr + s, mask=used, other=0) <= pos)
     return used
 
 
 @triton.jit
-def _attend_block(q, k, v, s, pos, vis_ptr, m, acc, total, scale, HAS_VIS: tl.constexpr):
-    """Online softmax over one block of cache slots s (k, v (BLOCK_S, D) float32, zeros past pos)."""
-    used = s <= pos
-    seen = used
-    if HAS_VIS:
-        seen = used & (tl.load(vis_ptr + s, mask=used, other=0) <= pos)
+def _attend_block(q, k, v, seen, m, acc, total, scale):
+    """Online softmax over one block of cache slots, those `seen` (`_seen`) counted (k, v (BLOCK_S, D)
+    float32, zeros elsewhere)."""
     sc = tl.where(seen, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
     m_new = tl.maximum(tl.max(sc, 0), m)
     p = tl.exp(sc - m_new)
@@ -80,7 +77,8 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
     hk = h // GROUP
     dd = tl.arange(0, D)
     s = j * BLOCK_S + tl.arange(0, BLOCK_S)
-    older = _seen(s < tl.where(j < n_used, pos, 0), s, pos, vis_ptr, HAS_VIS)  # slots before the current one
+    seen = _seen(s <= tl.where(j < n_used, pos, -1), s, pos, vis_ptr, HAS_VIS)  # (none if the split has none)
+    older = seen & (s != pos)  # the current slot's K/V come from the previous kernel, below
     off = (hk * max_len + s)[:, None] * D + dd[None, :]
     k = tl.load(kc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
     v = tl.load(vc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
@@ -90,16 +88,16 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
         now = (s == pos)[:, None]
         k = tl.where(now, tl.load(kc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], k)
         v = tl.where(now, tl.load(vc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], v)
-        m, acc, total = _attend_block(q, k, v, s, pos, vis_ptr, -1e30, tl.zeros([D], dtype=tl.float32), 0.0, scale,
-                                      HAS_VIS)  # m: finite even when no slot of the split is seen
+        m, acc, total = _attend_block(q, k, v, seen, -1e30, tl.zeros([D], dtype=tl.float32), 0.0,
+                                      scale)  # m: finite even when no slot of the split is seen
         for blk0 in range(SPLITS, NB, SPLITS):  # every SPLITS-th block from j, up to the position's
             if blk0 + j < n_blocks:
                 s = (blk0 + j) * BLOCK_S + tl.arange(0, BLOCK_S)
                 off = (hk * max_len + s)[:, None] * D + dd[None, :]
-                used = _seen(s <= pos, s, pos, vis_ptr, HAS_VIS)[:, None]
-                k = tl.load(kc_ptr + off, mask=used, other=0.0).to(tl.float32)
-                v = tl.load(vc_ptr + off, mask=used, other=0.0).to(tl.float32)
-                m, acc, total = _attend_block(q, k, v, s, pos, vis_ptr, m, acc, total, scale, HAS_VIS)
+                seen = _seen(s <= pos, s, pos, vis_ptr, HAS_VIS)
+                k = tl.load(kc_ptr + off, mask=seen[:, None], other=0.0).to(tl.float32)
+                v = tl.load(vc_ptr + off, mask=seen[:, None], other=0.0).to(tl.float32)
+                m, acc, total = _attend_block(q, k, v, seen, m, acc, total, scale)
         _let_next(PDL)
         base = part_ptr + (h * SPLITS + j) * (D + 2)
         tl.store(base + dd, acc)

@@ -177,7 +177,7 @@ def _group(nb: int, most: int) -> int:
 
 
 def gemv_rows(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, rows: int = 4,
-              block_k: int = 512, warps: int = 4, split: int = 1, group: int = 16,
+              block_k: int = 512, warps: int = 4, split: int = 1, group: int = 1,
               scratch: SplitScratch | None = None, pdl: bool = False) -> Tensor:
     """out[b] = W @ y[b] (+ residual[b]) for each row of y (nb, K), each row bit
     for bit what `gemv` (matvec.py) gives it with the same block_k and split; out may be residual.
@@ -212,7 +212,7 @@ class BatchDecode:
     Positions are read on the device: one CUDA graph per nb serves every position.
 
     `cfg`: per kernel, (weight rows per program, warps, step rows per program at most); the
-    defaults take the single kernels' rows and warps and 1 step row (more unroll in the kernel),
+    defaults take the single kernels' rows and warps and 1 step row (more are unrolled in a program),
     except down's 4 weight rows: a program keeps its whole tile (every K-block) in registers, and
     8 rows of the TTS's 3072 inputs spilled at 16 step rows (ptxas for sm_90); the rows of a tile do
     not change a row's sums (the K axis keeps its layout). Step rows per program, on an H100
