@@ -29,7 +29,7 @@ from minicpm_cli.checkpoint import Checkpoint
 from minicpm_cli.errors import BackendError
 from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
-from minicpm_cli.tensorio import to_device, upload
+from minicpm_cli.tensorio import Upload, to_device
 from minicpm_cli.tts import FRAMES_PER_CALL, MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
@@ -135,6 +135,7 @@ class CompiledLLM(Rows):
         self.positions = [0] * rows
         self.slots = torch.arange(max_len, device=dev)
         self.ids = torch.zeros(max_len, dtype=torch.long, device=dev)
+        self.upload = Upload((max_len,), dev)  # prompt ids into `ids`
         self.pos0 = torch.zeros(1, dtype=torch.long, device=dev)
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.row = torch.zeros(1, dtype=torch.long, device=dev)  # the cache row of a prefill of row > 0
@@ -144,6 +145,7 @@ class CompiledLLM(Rows):
         cuda = dev.type == "cuda"
         self.host = torch.zeros(2, dtype=torch.long, pin_memory=cuda)
         self.host_np = self.host.numpy()
+        self.batch_upload = Upload((2, rows), dev)  # a batch's ids and positions into `batch_in`
         self.inp = torch.zeros(2, dtype=torch.long, device=dev)
         self.read = torch.cuda.Event() if cuda else None  # the last decode graph has run
         self.graphs = Graphs(dev)
@@ -221,7 +223,7 @@ class CompiledLLM(Rows):
             self._stage_audio(t, embeds, embed_at)
         tag = ("audio",) if audio else ()
         if row > 0:  # another stream's row: the graphs of row 0's shapes, on a gathered row
-            upload(ids, self.ids[: len(ids)])
+            self.upload(ids, self.ids[: len(ids)])
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
             self.row.fill_(row)
@@ -237,7 +239,7 @@ class CompiledLLM(Rows):
             if n == 1:
                 self.ids[:1].fill_(ids[0])  # no host-to-device copy (and no sync) per decoded token
             else:
-                upload(ids, self.ids[: len(ids)])
+                self.upload(ids, self.ids[: len(ids)])
             self.pos0.fill_(start)
             self.last.fill_(n - 1)
             logits, hidden = self.graphs.run((t, kv, *tag), lambda: self._run(t, kv, audio=audio))
@@ -280,7 +282,7 @@ class CompiledLLM(Rows):
         nb = batch_bucket(max(rows) + 1, self.rows)
         tok, pos, kv = self._batch_inputs(rows, ids, nb)
         kv = _bucket(kv, LLM_BUCKET, self.max_len)
-        upload((tok, pos), self.batch_in[:, :nb])
+        self.batch_upload((tok, pos), self.batch_in[:, :nb])
         if self.batch_fns is None and self.compile_batches:
             self.batch_fns = block_fns(dynamic=True)
         logits, hidden = self.graphs.run(("batch", nb, kv), lambda: decode_batch(
@@ -315,6 +317,7 @@ class GraphTTSRunner(TTSRunner):
         model.model.setup_rope(model.config.decoder.max_positions, self.device)
         self.graphs = Graphs(self.device)
         self.ids = torch.zeros(self.L, dtype=torch.long, device=self.device)
+        self.upload = Upload((self.L,), self.device)  # text chunk ids into `ids`
         self.spk = torch.zeros(model.config.decoder.dim, dtype=self.dtype, device=self.device)
         self.begin = torch.zeros(1, dtype=torch.long, device=self.device)
         self.row = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -395,7 +398,7 @@ class GraphTTSRunner(TTSRunner):
             idle = [[min(p, self.max_len - 1) for p in self.positions[:nb]], [0] * nb, [0] * nb,
                     [FRAMES_PER_CALL] * nb]
             for sampled in (False, True):
-                upload(idle, self.ctl[:, :nb])
+                self.ctl_upload(idle, self.ctl[:, :nb])
                 self._run_batch(nb, self.max_len, sampled)
             self.prefill_rows(list(range(nb)), [[0] * PREFILL_BUCKETS[0]] * nb, [0] * nb, [None] * nb)
 
@@ -426,7 +429,7 @@ class GraphTTSRunner(TTSRunner):
     def prefill_row(self, row: int, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         t = len(ids)
         kv = _bucket(begin + t, TTS_BUCKET, self.max_len)
-        upload(ids, self.ids[: len(ids)])
+        self.upload(ids, self.ids[: len(ids)])
         self.begin.fill_(begin)
         self.row.fill_(row)
         if spk is not None:

@@ -15,7 +15,7 @@ from minicpm_cli.checkpoint import Checkpoint, load_module
 from minicpm_cli.errors import UsageError
 from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
 from minicpm_cli.models.transformer import causal_mask
-from minicpm_cli.tensorio import to_device, upload
+from minicpm_cli.tensorio import Upload, to_device
 
 
 def decode_batch(model: Qwen2LM, ids: Tensor, pos: Tensor, kv: int, slots: Tensor,
@@ -115,10 +115,11 @@ class Rows:
         nb, T, graph = shape
         if self.prompt_in is None:
             self.prompt_in = torch.zeros(self.rows, self.max_len + 3, dtype=torch.long, device=self.device)
+            self.prompt_upload = Upload((self.rows, self.max_len + 3), self.device)
         # per entry: cache row, first position, index of the last token, ids (padded); entries past n
         # repeat the first, writing the same values to the same slots
         entries = [[r, s, k - 1] + x + [0] * (T - k) for r, s, k, x in zip(rows, starts, lens, ids)]
-        upload(entries + entries[:1] * (nb - n), self.prompt_in[:nb, : T + 3])
+        self.prompt_upload(entries + entries[:1] * (nb - n), self.prompt_in[:nb, : T + 3])
         logits, hidden = self._run_prompts(nb, T, max(starts) + T, graph)
         for r, k in zip(rows, lens):
             self.positions[r] += k

@@ -10,7 +10,7 @@ The format (https://github.com/huggingface/safetensors): an 8-byte little-endian
 header {name: {"dtype", "shape", "data_offsets": [begin, end]}} with offsets from the end of the
 header, then the data. Nothing else is interpreted here: names, shapes and checks are the caller's.
 
-`to_device` and `upload` move small host values (ids, positions) to the device through pinned
+`Upload` and `to_device` move small host values (ids, positions) to the device through pinned
 memory too, so that the host never waits for the device's queue to send them.
 """
 
@@ -200,7 +200,28 @@ def to_device(values, device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=torch.long, pin_memory=cuda).to(device, non_blocking=True)
 
 
-def upload(values, out: Tensor) -> Tensor:
-    """`to_device` into `out`, a tensor of the values' shape (a slice of a static buffer that CUDA
-    graphs read)."""
-    return out.copy_(torch.tensor(values, dtype=torch.long, pin_memory=out.is_cuda), non_blocking=True)
+class Upload:
+    """Small integer arrays to a device tensor without waiting for the device: `torch.tensor(...,
+    device=)` and a copy from pageable memory wait for all the work queued before them; this writes
+    pinned host buffers of `shape`, taken in turn, each written again only once the copy that read
+    it has run (an event each)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device, ring: int = 4):
+        cuda = torch.device(device).type == "cuda"
+        self.bufs = [torch.zeros(shape, dtype=torch.long, pin_memory=cuda) for _ in range(ring)]
+        self.views = [b.numpy() for b in self.bufs]
+        self.read = [torch.cuda.Event() if cuda else None for _ in range(ring)]
+        self.next = 0
+
+    def __call__(self, values, out: Tensor) -> None:
+        """`values` (nested lists, or an array) into `out`, a slice of the destination that starts
+        at index 0 in every dimension and has their shape."""
+        i = self.next
+        self.next = (i + 1) % len(self.bufs)
+        if self.read[i] is not None:
+            self.read[i].synchronize()
+        at = tuple(slice(0, d) for d in out.shape)
+        self.views[i][at] = values
+        out.copy_(self.bufs[i][at], non_blocking=True)
+        if self.read[i] is not None:
+            self.read[i].record()

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .models.chattts import ChatTTS
 from .sampling import choose, noise, top_k, top_p
-from .tensorio import upload
+from .tensorio import Upload
 
 # Per-codebook temperatures hard-coded by every caller in the reference.
 TEMPERATURES = (0.1, 0.3, 0.1, 0.3)
@@ -70,8 +70,10 @@ class TTSRunner:
         # uploaded without waiting (the host prepares a step while the one before runs); the codes of
         # each row's call so far (step FRAMES_PER_CALL is where idle rows write)
         self.ctl = torch.zeros(4, rows, dtype=torch.long, device=dev)
+        self.ctl_upload = Upload((4, rows), dev)
         # batched text prefills' inputs (prefill_rows)
         self.prefill_in = torch.zeros(rows, self.L + 3, dtype=torch.long, device=dev)
+        self.prefill_upload = Upload((rows, self.L + 3), dev)
         self.spk_b = torch.zeros(rows, c.decoder.dim, dtype=self.dtype, device=dev)
         # each row's call's noise by step (step FRAMES_PER_CALL: what idle rows read), written once a call
         self.noise_calls = torch.ones(rows, FRAMES_PER_CALL + 1, c.num_vq, c.num_audio_tokens, device=dev)
@@ -171,7 +173,7 @@ class TTSRunner:
         # per entry: cache row, first slot, speaker vector given, ids (padded); entries past n repeat
         # the first, writing the same values to the same slots
         entries = [[r, b, spk is not None] + x + [0] * (T - len(x)) for r, b, x, spk in zip(rows, begins, ids, spks)]
-        upload(entries + entries[:1] * (nb - n), self.prefill_in[:nb, : T + 3])
+        self.prefill_upload(entries + entries[:1] * (nb - n), self.prefill_in[:nb, : T + 3])
         for i, spk in enumerate(spks + spks[:1] * (nb - n)):
             if spk is not None:
                 self.spk_b[i].copy_(spk)
@@ -318,7 +320,7 @@ class TTSRunner:
             ctl[1][c.row], ctl[2][c.row], ctl[3][c.row] = int(c.done < c.min_new), 1, c.done
         ctl[0] = [min(p, self.max_len - 1) for p in ctl[0]]  # (a finished row's position may be the end)
         kv = max(ctl[0][c.row] for c in calls) + 1
-        upload(ctl, self.ctl[:, :nb])
+        self.ctl_upload(ctl, self.ctl[:, :nb])
         self._run_batch(nb, kv, any(c.sampled for c in calls))
         done = []
         for c in calls:

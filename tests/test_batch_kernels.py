@@ -184,11 +184,12 @@ def mma_decoder(dtype, rows: int) -> Decoder:
         torch.nn.init.normal_(p, std=0.3)
     d.fuse()
     d.setup_cache(MAX, torch.float32, "cpu", rows)
-    d.setup_rope(256, "cpu")
     for layer in d.layers:
         layer.self_attn.kv_cache.k.normal_()
         layer.self_attn.kv_cache.v.normal_()
-    return d.to(DEVICE, dtype)
+    d = d.to(DEVICE, dtype)
+    d.setup_rope(256, DEVICE)  # (plain attributes: `to` leaves them where they are)
+    return d
 
 
 def rows_of(d: Decoder, rows: list[int]) -> Decoder:
