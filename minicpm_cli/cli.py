@@ -129,8 +129,8 @@ class _Local:
         from .sampling import Sampling
 
         sampling = Sampling(greedy=greedy, seed=seed)
-        jobs = ((lambda lane, t=t: self.synth.synthesize(t, sampling, decode=decode, first_chunk=first_chunk,
-                                                         voice=self.voice, lane=lane)) for t in texts)
+        jobs = (self.synth.read_job(t, sampling, voice=self.voice, decode=decode, first_chunk=first_chunk)
+                for t in texts)
         return in_order(self.synth.batch(batch), jobs, batch)
 
     def reply(self, message: str, *, greedy: bool, seed: Optional[int], temperature: float, max_tokens: int,

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +41,9 @@ from .streaming import Frames, NewSegment, StreamingTTS, read_cut, reply_cut
 from .text import Tokenizers, read_pieces, read_prompt
 from .tts import FRAMES_PER_CALL, TTSRunner
 from .voice import Voice, as_voice
+
+if TYPE_CHECKING:
+    from .batching import Job
 
 SAMPLE_RATE = 24000
 BUNDLED_TOKENIZERS = Path(__file__).parent / "data" / "tiny-tokenizers"
@@ -275,11 +279,11 @@ class Synthesizer:
         from .batching import in_order
 
         voice = as_voice(voice)
-        jobs = (functools.partial(self._read_job, text, sampling, voice, decode, frames_per_token)
+        jobs = (self.read_job(text, sampling, voice=voice, decode=decode, frames_per_token=frames_per_token)
                 for text, sampling in items)
         if batch == 1:
             for job in jobs:
-                yield list(job(None))
+                yield list(job.make(None))
             return
         yield from in_order(self.batch(batch), jobs, batch)
 
@@ -289,17 +293,26 @@ class Synthesizer:
 
         if self.rows == 1 or len(requests) == 1:
             return [self.say(text, sampling, voice=voice) for text, sampling, voice in requests]
-        jobs = (functools.partial(self._read_job, text, sampling, as_voice(voice), "segment", None)
-                for text, sampling, voice in requests)
+        jobs = (self.read_job(text, sampling, voice=as_voice(voice)) for text, sampling, voice in requests)
         return [self._utterance(chunks) for chunks in in_order(self.batch(), jobs, self.rows)]
 
     @staticmethod
     def _utterance(chunks: list[AudioChunk]) -> Utterance:
         return Utterance(codes=torch.cat([c.codes for c in chunks]), audio=np.concatenate([c.samples for c in chunks]))
 
-    def _read_job(self, text, sampling, voice, decode, frames_per_token, lane):
-        return self.synthesize(text, sampling, decode=decode, voice=voice, frames_per_token=frames_per_token,
-                               lane=lane)
+    def read_job(self, text: str, sampling: Sampling, *, voice=None, decode: str = "segment",
+                 frames_per_token: int | None = None, first_chunk: int | None = None) -> Job:
+        """`synthesize(text, ...)` as a job of a batch (`batching.in_order`), sized by the text's TTS
+        tokens (the audio's length grows with them)."""
+        from .batching import Job
+
+        kwargs = {"decode": decode, "voice": voice, "frames_per_token": frames_per_token}
+        if first_chunk is not None:
+            kwargs["first_chunk"] = first_chunk
+        return Job(functools.partial(self._read_job, text, sampling, kwargs), len(self.tokenizers.encode_bert(text)))
+
+    def _read_job(self, text, sampling, kwargs, lane):
+        return self.synthesize(text, sampling, lane=lane, **kwargs)
 
     def speaker(self, prompt_ids: list[int], llm=None, reset: bool = True) -> Tensor:
         """Run the LLM (`llm`: a lane of it; default the single stream) over a prompt, from an empty

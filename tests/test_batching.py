@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from minicpm_cli.batching import Stream, in_order, prompt_groups
+from minicpm_cli.batching import LOOKAHEAD, Job, Stream, in_order, prompt_groups
 from minicpm_cli.llm import LLMSampling, next_token, next_tokens
 from minicpm_cli.pipeline import Synthesizer
 from minicpm_cli.sampling import Sampling
@@ -114,6 +114,45 @@ def test_in_order_keeps_rows_busy_behind_a_long_job(synth):
     texts = [(LONG, 1), ("One.", None), ("Good morning.", None), ("One.", None)]
     got = list(in_order(synth.batch(2), [functools.partial(job, k, *t) for k, t in enumerate(texts)], window=2))
     assert len(got) == 4 and log.index(("start", 3)) < log.index(("end", 0))
+
+
+def test_in_order_starts_the_last_jobs_longest_first(synth):
+    """Once the input is all taken, the jobs left start by size, largest first; the outputs keep the
+    input's order and equal the jobs run alone."""
+    started = []
+
+    def job(k, text, lane):
+        started.append(k)
+        return _read(synth, text, Sampling(greedy=True), None, "segment", lane)
+
+    texts = ["One.", "Good morning, how are you today?", "Two.", "Good morning."]
+    sizes = [1, 30, 2, 10]
+    jobs = [Job(functools.partial(job, k, t), size) for k, (t, size) in enumerate(zip(texts, sizes))]
+    got = list(in_order(synth.batch(2), jobs, window=2))
+    assert started == [1, 3, 2, 0]
+    for text, chunks in zip(texts, got):
+        assert [c.text for c in chunks][0] in text
+        utt = synth.say(text, Sampling(greedy=True))
+        torch.testing.assert_close(torch.cat([c.codes for c in chunks]), utt.codes, rtol=0, atol=0)
+
+
+def test_in_order_reads_its_input_a_few_windows_ahead(synth):
+    """Jobs start in input order while more input may come, with no more than LOOKAHEAD windows taken
+    beyond those running; the last ones by size."""
+    taken, started = [], []
+
+    def start(k, lane):
+        started.append((k, len(taken)))
+        return iter(())
+
+    def jobs():
+        for k in range(12):
+            taken.append(k)
+            yield Job(functools.partial(start, k), size=k)
+
+    assert len(list(in_order(synth.batch(2), jobs(), window=2))) == 12
+    assert started[0] == (0, (1 + LOOKAHEAD) * 2)
+    assert [k for k, _ in started] == [0, 1, 2, 3, 4, 5, 6, 7, 11, 10, 9, 8]
 
 
 def test_prompt_groups_pad_least():

@@ -192,6 +192,21 @@ def test_lines_into_files_and_into_one_stream(tiny_dir, tmp_path):
     assert len(q.stdout) == 2 * sum(lengths)
 
 
+def test_lines_in_a_batch_write_the_files_one_at_a_time_writes(tiny_dir, tmp_path):
+    """--batch 3 generates the lines together (the longest of the last ones first): the same files,
+    byte for byte, named in input order."""
+    common = ("--model", str(tiny_dir), "--greedy", "--device", "cpu", "--local")
+    lines = b"Hi.\nThe farmer watches from the old wooden porch.\nGood morning!\nOne.\n"
+    one, many = tmp_path / "one", tmp_path / "many"
+    for out, batch in ((one, "1"), (many, "3")):
+        out.mkdir()
+        p = _run("say", "--lines", "-d", str(out), "--batch", batch, *common, stdin=lines)
+        assert p.returncode == 0, p.stderr.decode()
+        assert [Path(n).name for n in p.stderr.decode().split()] == [f"line-000{k}.wav" for k in range(1, 5)]
+    for k in range(1, 5):
+        assert (many / f"line-000{k}.wav").read_bytes() == (one / f"line-000{k}.wav").read_bytes()
+
+
 def _spawn(args):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     # A child inherits ignored signals, and Python then installs no Ctrl-C handler: start it with

@@ -1,7 +1,7 @@
 """Where the time of a batch goes: N reads (or replies) started together, each stage timed.
 
-    python tools/batch_profile.py [--streams 16] [--workload read|reply|bulk] [--backend compile] [--cprofile]
-                                  [--timeline]
+    python tools/batch_profile.py [--streams 16] [--workload read|reply|bulk] [--lines N] [--backend compile]
+                                  [--cprofile] [--timeline]
 
 Full-size random weights, lengths forced as `bench --random-weights` forces them. After a warm-up
 batch, one batch runs with every stage wrapped in a device-synchronised timer (so the total is
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import cProfile
 import pstats
 import time
@@ -45,12 +46,12 @@ def wrap(obj, name: str, totals: dict, key: str) -> None:
     setattr(obj, name, timed)
 
 
-def batch(synth, workload: str, n: int, opts) -> float:
+def batch(synth, workload: str, n: int, opts, lines: int | None = None) -> float:
     if workload == "bulk":
         from minicpm_cli.sampling import Sampling
 
         t = time.perf_counter()
-        for _ in synth.say_many([(line, Sampling(seed=i)) for i, line in enumerate(b.bulk_lines(4 * n))], batch=n,
+        for _ in synth.say_many([(line, Sampling(seed=i)) for i, line in enumerate(b.bulk_lines(lines or 4 * n))], batch=n,
                                 frames_per_token=b.FORCED_FRAMES_PER_TOKEN):
             pass
         return time.perf_counter() - t
@@ -75,14 +76,19 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--workload", default="read")
     ap.add_argument("--backend", default="compile")
+    ap.add_argument("--lines", type=int, default=None, help="bulk: lines read (default 4 x streams)")
+    ap.add_argument("--fifo", action="store_true", help="bulk: lines start in input order (sizes ignored)")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--timeline", action="store_true", help="the timed batch's stages in order, until the last "
                     "stream's first audio (ms from the start; gaps are host work)")
     args = ap.parse_args()
+    if args.fifo:
+        read_job = Synthesizer.read_job
+        Synthesizer.read_job = lambda *a, **k: dataclasses.replace(read_job(*a, **k), size=0)
     opts = b.BenchOptions(backends=(args.backend,), random_weights=True)
     synth = Synthesizer.load(None, backend=args.backend, random_weights=True, rows=args.streams)
-    batch(synth, args.workload, args.streams, opts)  # warm-up: graphs captured here
-    plain = batch(synth, args.workload, args.streams, opts)
+    batch(synth, args.workload, args.streams, opts, args.lines)  # warm-up: graphs captured here
+    plain = batch(synth, args.workload, args.streams, opts, args.lines)
     totals = collections.defaultdict(lambda: [0, 0.0])
     wrap(synth.tts, "step_calls", totals, "tts batched step")
     wrap(synth.tts, "prefill_row", totals, "tts prefill")
@@ -94,7 +100,7 @@ def main() -> None:
     wrap(synth.llm, "forward_row", totals, "llm prefill / single")
     wrap(synth.codec, "decode", totals, "codec")
     wrap(Engine, "_pick", totals, "llm token choice")
-    timed = batch(synth, args.workload, args.streams, opts)
+    timed = batch(synth, args.workload, args.streams, opts, args.lines)
     print(f"{args.streams} x {args.workload} ({args.backend}, {torch.cuda.get_device_name()}): {plain * 1e3:.0f} ms "
           f"untimed, {timed * 1e3:.0f} ms with timers")
     rest = timed
@@ -114,7 +120,7 @@ def main() -> None:
     if args.cprofile:
         prof = cProfile.Profile()
         prof.enable()
-        batch(synth, args.workload, args.streams, opts)
+        batch(synth, args.workload, args.streams, opts, args.lines)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
