@@ -262,13 +262,17 @@ class CompiledLLM(Rows):
 
     @torch.inference_mode()
     def warm_batches(self, rows: int) -> None:
-        """Capture the batched token's graphs of every row count up to `rows` (fresh rows' KV size),
-        which a batch otherwise captures mid-run as streams end. Uses rows 0..rows-1 and resets them."""
+        """Capture the batched token's graphs of every row count up to `rows` (fresh rows' KV size), and
+        row 0's single token (when it is the only stream choosing one), which a batch otherwise
+        captures mid-run as streams end: 3.4 s on an H200 for the single token's first use, its Triton
+        kernels compiled, every stream waiting. Uses rows 0..rows-1 and resets their positions (the
+        slots written are the next ones each row writes itself)."""
         if not self.graphs.cuda:
             return
-        for nb in batch_sizes(min(rows, self.rows)):
+        for nb in [1] + batch_sizes(min(rows, self.rows)):
             saved = self.positions[:nb]
-            self.decode_rows(list(range(nb)), [0] * nb)
+            if max(saved) < self.max_len:
+                self.decode_rows(list(range(nb)), [0] * nb)
             self.positions[:nb] = saved
 
     @torch.inference_mode()
@@ -388,19 +392,22 @@ class GraphTTSRunner(TTSRunner):
 
     @torch.inference_mode()
     def warm_batches(self, rows: int) -> None:
-        """Capture, for every row count up to `rows`, the batched step (greedy and sampled) and a short
-        text prefill, which a batch otherwise captures mid-run (tens of ms each) as streams come and
-        go. The steps leave every row as it was (no row takes part); the prefills write text slots of
+        """Capture, for every row count up to `rows`, the batched step (greedy and sampled) and text
+        prefills of up to 64 tokens, which a batch otherwise captures mid-run (60-90 ms each on an
+        H200, every stream waiting) as streams come and go; and row 0's single step, which a batch
+        takes when row 0 is the only one stepping (its first use compiles Triton kernels: seconds).
+        The steps leave every row as it was (no row takes part); the prefills write text slots of
         rows 0..rows-1, which every segment's start zeroes."""
         if self.batch is None:
             return
-        for nb in batch_sizes(min(rows, self.rows)):
+        for nb in [1] + batch_sizes(min(rows, self.rows)):
             idle = [[min(p, self.max_len - 1) for p in self.positions[:nb]], [0] * nb, [0] * nb,
                     [FRAMES_PER_CALL] * nb]
             for sampled in (False, True):
                 self.ctl_upload(idle, self.ctl[:, :nb])
                 self._run_batch(nb, self.max_len, sampled)
-            self.prefill_rows(list(range(nb)), [[0] * PREFILL_BUCKETS[0]] * nb, [0] * nb, [None] * nb)
+            for t in PREFILL_BUCKETS[:3] if nb > 1 else ():  # a sentence's chunk: 16-64 tokens
+                self.prefill_rows(list(range(nb)), [[0] * t] * nb, [0] * nb, [None] * nb)
 
     def _batch_step(self, nb: int, kv: int, sampled: bool) -> None:
         if self.batch is None:

@@ -1,13 +1,16 @@
 """Where the time of a batch goes: N reads (or replies) started together, each stage timed.
 
     python tools/batch_profile.py [--streams 16] [--workload read|reply|bulk] [--lines N] [--backend compile]
-                                  [--cprofile] [--timeline]
+                                  [--cprofile] [--timeline] [--stalls RUNS]
 
 Full-size random weights, lengths forced as `bench --random-weights` forces them. After a warm-up
 batch, one batch runs with every stage wrapped in a device-synchronised timer (so the total is
 longer than an untimed run's): the batched TTS steps and LLM tokens, the prefills of each stream
 (LLM prompt, TTS text chunks), the codec, and what is left (host work between them). With
---cprofile, a second batch runs under cProfile (host time by function).
+--cprofile, a second batch runs under cProfile (host time by function). With --stalls RUNS, RUNS
+untimed batches (as bench runs them, seeds moving on) each report their wall time and what paused
+them: CUDA graphs captured mid-run (key and time), frames torch.compile compiled, garbage
+collections over 20 ms.
 """
 
 from __future__ import annotations
@@ -71,6 +74,53 @@ def batch(synth, workload: str, n: int, opts, lines: int | None = None) -> float
     return time.perf_counter() - t
 
 
+def stalls(synth, args, opts) -> None:
+    """args.stalls batches (the workload's seeds moving on as bench's runs do), each with its wall time
+    and the pauses inside it."""
+    import gc
+
+    from minicpm_cli.backends import compile as backend
+    from torch._dynamo.utils import counters
+
+    events: list = []
+    run = backend.Graphs.run
+
+    def timed_run(self, key, fn):
+        if not self.cuda or key in self.graphs:
+            return run(self, key, fn)
+        t = time.perf_counter()
+        out = run(self, key, fn)
+        events.append(f"capture {key!r} {(time.perf_counter() - t) * 1e3:.0f} ms")
+        return out
+
+    backend.Graphs.run = timed_run
+    gc_start: list = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[:] = [time.perf_counter()]
+        elif gc_start and (ms := (time.perf_counter() - gc_start[0]) * 1e3) > 20:
+            events.append(f"gc generation {info['generation']} {ms:.0f} ms")
+
+    gc.callbacks.append(on_gc)
+    clock = b.Clock(torch.device("cuda"))
+    for r in range(args.stalls):
+        events.clear()
+        frames = sum(counters["frames"].values())
+        t = time.perf_counter()
+        if args.workload == "bulk":
+            batch(synth, "bulk", args.streams, opts, args.lines)
+        else:
+            recs = b._streams_together(synth, args.workload, args.streams, (r + 1) * args.streams, opts, clock)
+        wall = time.perf_counter() - t
+        extra = "" if args.workload == "bulk" else \
+            f", RTF max {max(x['rtf'] for x in recs):.3f}, TTFA max {max(x['ttfa_ms'] for x in recs):.0f} ms"
+        compiled = sum(counters["frames"].values()) - frames
+        print(f"run {r + 1}: {wall * 1e3:.0f} ms{extra}; torch.compile frames {compiled}; "
+              f"{'; '.join(events) or 'no captures, no long collections'}", flush=True)
+    gc.callbacks.remove(on_gc)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=16)
@@ -78,6 +128,8 @@ def main() -> None:
     ap.add_argument("--backend", default="compile")
     ap.add_argument("--lines", type=int, default=None, help="bulk: lines read (default 4 x streams)")
     ap.add_argument("--fifo", action="store_true", help="bulk: lines start in input order (sizes ignored)")
+    ap.add_argument("--stalls", type=int, default=0, metavar="RUNS", help="RUNS untimed batches, each with its "
+                    "mid-run graph captures, torch.compile frames and long garbage collections")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--timeline", action="store_true", help="the timed batch's stages in order, until the last "
                     "stream's first audio (ms from the start; gaps are host work)")
@@ -89,6 +141,9 @@ def main() -> None:
     synth = Synthesizer.load(None, backend=args.backend, random_weights=True, rows=args.streams)
     batch(synth, args.workload, args.streams, opts, args.lines)  # warm-up: graphs captured here
     plain = batch(synth, args.workload, args.streams, opts, args.lines)
+    if args.stalls:
+        stalls(synth, args, opts)
+        return
     totals = collections.defaultdict(lambda: [0, 0.0])
     wrap(synth.tts, "step_calls", totals, "tts batched step")
     wrap(synth.tts, "prefill_row", totals, "tts prefill")
