@@ -26,6 +26,7 @@ from torch import Tensor
 
 from minicpm_cli import trace
 from minicpm_cli.checkpoint import Checkpoint
+from minicpm_cli.codec import StreamDecoder
 from minicpm_cli.errors import BackendError
 from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
@@ -115,9 +116,10 @@ def batch_bucket(n: int, rows: int) -> int:
     return min(1 << (n - 1).bit_length(), rows)
 
 
-def batch_sizes(rows: int) -> list[int]:
-    """The batch buckets above one row, up to `rows` rows: 2, 4, 8, ..."""
-    return [1 << k for k in range(1, rows.bit_length())]
+def batch_sizes(rows: int, cap: int) -> list[int]:
+    """The batch buckets (`batch_bucket`, at most `cap` rows) that batches of 2..`rows` rows reach:
+    2, 4, 8, ..., and `cap` itself where it is not a power of two."""
+    return sorted({batch_bucket(n, cap) for n in range(2, rows + 1)})
 
 
 class CompiledLLM(Rows):
@@ -269,7 +271,7 @@ class CompiledLLM(Rows):
         slots written are the next ones each row writes itself)."""
         if not self.graphs.cuda:
             return
-        for nb in [1] + batch_sizes(min(rows, self.rows)):
+        for nb in [1] + batch_sizes(min(rows, self.rows), self.rows):
             saved = self.positions[:nb]
             if max(saved) < self.max_len:
                 self.decode_rows(list(range(nb)), [0] * nb)
@@ -400,7 +402,7 @@ class GraphTTSRunner(TTSRunner):
         rows 0..rows-1, which every segment's start zeroes."""
         if self.batch is None:
             return
-        for nb in [1] + batch_sizes(min(rows, self.rows)):
+        for nb in [1] + batch_sizes(min(rows, self.rows), self.rows):
             idle = [[min(p, self.max_len - 1) for p in self.positions[:nb]], [0] * nb, [0] * nb,
                     [FRAMES_PER_CALL] * nb]
             for sampled in (False, True):
@@ -480,6 +482,13 @@ class GraphCodec:
         rows[n:].copy_(codes[:1].expand(nb - n, -1, -1))
         return self.graphs.run((nb, t), lambda: self.batch_eager(rows))[:n].clone()
 
+    def warm_batches(self, rows: int) -> None:
+        """Capture the batched decodes of a streamed chunk (the first, and a later one with its left
+        context) for every row count a batch of up to `rows` streams reaches."""
+        for nb in batch_sizes(rows, 2 * rows):
+            for t in (FRAMES_PER_CALL, FRAMES_PER_CALL + StreamDecoder.CONTEXT_FRAMES):
+                self.decode_batch(torch.zeros(nb, t, self.codec.num_vq, dtype=torch.long, device=self.codec.device))
+
 
 def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows: int = 1, **options) -> CompiledLLM:
     return CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len, rows=rows)
@@ -490,7 +499,8 @@ def tts_runner(model: ChatTTS, rows: int = 1) -> GraphTTSRunner:
 
 
 def wrap_codec(codec) -> None:
-    """Route `codec.decode` through CUDA graphs (on a CPU nothing changes)."""
+    """Route `codec.decode` and `decode_batch` through CUDA graphs, and give it `warm_batches` (on a
+    CPU nothing changes)."""
     if codec.device.type == "cuda":
         graphs = GraphCodec(codec)
-        codec.decode, codec.decode_batch = graphs.decode, graphs.decode_batch
+        codec.decode, codec.decode_batch, codec.warm_batches = graphs.decode, graphs.decode_batch, graphs.warm_batches

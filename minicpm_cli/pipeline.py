@@ -255,21 +255,15 @@ class Synthesizer:
 
     def warm_batches(self, rows: int) -> None:
         """Capture, once, the CUDA graphs of batches of up to `rows` streams that a batch would
-        otherwise capture mid-run, stalling every stream (backends' `warm_batches`; the codec's first
-        and later chunks). A second call for as many rows or fewer does nothing."""
+        otherwise capture mid-run, stalling every stream (the TTS runner's, the LLM stage's and the
+        codec's `warm_batches`, where a backend gives them). A second call for as many rows or fewer
+        does nothing."""
         if rows <= self._warm_rows:
             return
-        for stage in (self.tts, self.llm):
+        for stage in (self.tts, self.llm, self.codec):
             warm = getattr(stage, "warm_batches", None)
             if warm is not None:
                 warm(rows)
-        if self.device.type == "cuda":
-            nb = 2
-            while nb <= rows:
-                for t in (FRAMES_PER_CALL, FRAMES_PER_CALL + StreamDecoder.CONTEXT_FRAMES):
-                    self.codec.decode_batch(torch.zeros(nb, t, self.codec.num_vq, dtype=torch.long,
-                                                        device=self.codec.device))
-                nb *= 2
         self._warm_rows = rows
 
     def say_many(self, items: Iterable[tuple[str, Sampling]], *, batch: int = 1, voice=None,
@@ -301,18 +295,16 @@ class Synthesizer:
         return Utterance(codes=torch.cat([c.codes for c in chunks]), audio=np.concatenate([c.samples for c in chunks]))
 
     def read_job(self, text: str, sampling: Sampling, *, voice=None, decode: str = "segment",
-                 frames_per_token: int | None = None, first_chunk: int | None = None) -> Job:
+                 frames_per_token: int | None = None, first_chunk: int = FRAMES_PER_CALL) -> Job:
         """`synthesize(text, ...)` as a job of a batch (`batching.in_order`), sized by the text's TTS
         tokens (the audio's length grows with them)."""
         from .batching import Job
 
-        kwargs = {"decode": decode, "voice": voice, "frames_per_token": frames_per_token}
-        if first_chunk is not None:
-            kwargs["first_chunk"] = first_chunk
-        return Job(functools.partial(self._read_job, text, sampling, kwargs), len(self.tokenizers.encode_bert(text)))
+        def make(lane):
+            return self.synthesize(text, sampling, decode=decode, first_chunk=first_chunk,
+                                   frames_per_token=frames_per_token, voice=voice, lane=lane)
 
-    def _read_job(self, text, sampling, kwargs, lane):
-        return self.synthesize(text, sampling, lane=lane, **kwargs)
+        return Job(make, len(self.tokenizers.encode_bert(text)))
 
     def speaker(self, prompt_ids: list[int], llm=None, reset: bool = True) -> Tensor:
         """Run the LLM (`llm`: a lane of it; default the single stream) over a prompt, from an empty

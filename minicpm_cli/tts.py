@@ -286,10 +286,13 @@ class TTSRunner:
             self.pos += 1
         return self._finish(out[:steps], n_steps)
 
-    def _finish(self, out: Tensor, n_steps: int) -> tuple[Tensor, bool]:
-        # One host round trip per call: frames after the first EOS were computed but are dropped;
-        # nothing reads the cache past an EOS.
-        hits = (out == self.config.eos_code).any(1).nonzero()
+    def _finish(self, out: Tensor, n_steps: int, eos: Tensor | None = None) -> tuple[Tensor, bool]:
+        """A call's frames `out` (k, num_vq) -> (those before its first EOS, finished). `eos`: each
+        frame's EOS flag (k,) on the host, where already fetched (else one host round trip here).
+        Frames after the first EOS were computed but are dropped; nothing reads the cache past an EOS."""
+        if eos is None:
+            eos = (out == self.config.eos_code).any(1)
+        hits = eos.nonzero()
         if len(hits):
             return out[: int(hits[0])], True
         return out, len(out) < n_steps
@@ -328,12 +331,10 @@ class TTSRunner:
             self.positions[c.row] += 1
             if c.done == c.steps:
                 done.append(c)
-        if done:  # as `_finish`, with one wait for the device for every call that ends here
+        if done:  # one wait for the device for every call that ends here
             eos = (self.calls_out[:nb] == self.config.eos_code).any(2).cpu()
             for c in done:
-                hits = eos[c.row, : c.steps].nonzero()
-                end = int(hits[0]) if len(hits) else c.steps
-                c.result = self.calls_out[c.row, :end].clone(), bool(len(hits)) or c.steps < c.n_steps
+                c.result = self._finish(self.calls_out[c.row, : c.steps].clone(), c.n_steps, eos[c.row, : c.steps])
         return done
 
     def bucket(self, n: int) -> int:

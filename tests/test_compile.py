@@ -53,3 +53,14 @@ def test_seeded_sampling_matches_eager(compiled, eager):
     a = compiled.say("Good morning! Could you tell me the way?", Sampling(seed=5)).codes
     b = eager.say("Good morning! Could you tell me the way?", Sampling(seed=5)).codes
     assert torch.equal(a, b)
+
+
+def test_warm_ups_cover_every_batch_bucket():
+    """`batch_sizes` lists the graphs' row counts that batches of 2..rows streams reach, so that the
+    warm-ups capture them all: with a capacity that is not a power of two, the capacity itself."""
+    from minicpm_cli.backends.compile import batch_sizes
+
+    assert batch_sizes(16, 16) == [2, 4, 8, 16]
+    assert batch_sizes(6, 6) == [2, 4, 6]
+    assert batch_sizes(6, 12) == [2, 4, 8]
+    assert batch_sizes(1, 1) == []

@@ -258,8 +258,7 @@ class MMADecode(BatchDecode):
         # qkv 0.93 / 2.03 / 3.67, 16 for all 0.91 / 2.18 / 3.98, 32 for qkv too 0.96 / 1.99 / 3.64)
         self.cfg = {"qkv": (16, 256, 4), "o": (32, 256, 2, 4), "gate_up": (32, 256, 4), "down": (32, 256, 4, 4),
                     "heads": (32, 256, 1, 4)}
-        self.scratch = SplitScratch(self.x.device)
-        tiles = triton.cdiv(self.rows, BLOCK_M)
+        tiles = triton.cdiv(self.rows, BLOCK_M)  # (the split-K scratch: BatchDecode's, grown to fit)
         for name, w in (("o", single.weights[0][1]), ("down", single.weights[0][3])):
             bn, bk, sp, _ = self.cfg[name]
             sp = split_k(w.k, w.block_k(bk), sp)[0]
