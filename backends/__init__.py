@@ -28,7 +28,7 @@ from minicpm_cli.errors import BackendError
 if TYPE_CHECKING:
     import torch
 
-    from minicpm_cli.checkpoint import Checkpoint
+    from ..engine.checkpoint import Checkpoint
 
 
 class LLMStage(Protocol):
@@ -95,7 +95,7 @@ class Backend:
         streams at once."""
         make = getattr(importlib.import_module(self.module), "tts_runner", None)
         if make is None:
-            from minicpm_cli.tts import TTSRunner
+            from ..engine.tts import TTSRunner
 
             return TTSRunner(model, rows=rows)
         return make(model, rows)

@@ -25,13 +25,13 @@ import torch
 from torch import Tensor
 
 from minicpm_cli import trace
-from minicpm_cli.checkpoint import Checkpoint
-from minicpm_cli.codec import StreamDecoder
+from ..engine.checkpoint import Checkpoint
+from ..engine.codec import StreamDecoder
 from minicpm_cli.errors import BackendError
 from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
-from minicpm_cli.tensorio import Upload, to_device
-from minicpm_cli.tts import FRAMES_PER_CALL, MIN_KEEP, TTSRunner
+from ..engine.tensorio import Upload, to_device
+from ..engine.tts import FRAMES_PER_CALL, MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
 

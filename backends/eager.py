@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from minicpm_cli.checkpoint import Checkpoint, load_module
+from ..engine.checkpoint import Checkpoint, load_module
 from minicpm_cli.errors import UsageError
 from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
 from minicpm_cli.models.transformer import causal_mask
-from minicpm_cli.tensorio import Upload, to_device
+from ..engine.tensorio import Upload, to_device
 
 
 def decode_batch(model: Qwen2LM, ids: Tensor, pos: Tensor, kv: int, slots: Tensor,

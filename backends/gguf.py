@@ -1,12 +1,12 @@
 """`gguf`: llama.cpp runs the LLM stage from a GGUF file; the TTS head, DVAE and Vocos stay ours.
 
 The GGUF holds MiniCPM-o 2.6's LLM as a `qwen2` model (OpenBMB's files, or ones written by
-`minicpm_cli.gguf_export`). Token ids come from our tokenizer, so every backend sees the same ids.
+`minicpm_cli.engine.gguf_export`). Token ids come from our tokenizer, so every backend sees the same ids.
 Each `forward` appends the ids to llama.cpp's KV cache in one batch and reads back the last token's
 logits and every token's output embedding, which for a causal model is the post-final-norm hidden
 state (what the TTS takes its speaker vector from). A voice's audio embeddings go in as batches of
 input embeddings (llama.cpp's `embd`) between the batches of token ids around them. Sampling stays in
-`minicpm_cli.llm`, so `--greedy` and the sampling options mean the same on every backend.
+`minicpm_cli.engine.llm`, so `--greedy` and the sampling options mean the same on every backend.
 llama-cpp-python is imported when the backend is created (the `gguf` extra).
 
 Cost: the `gguf` extra (llama-cpp-python; a CUDA build for the GPU) and a GGUF file (Q4_K_M: 4.7 GB);
@@ -42,7 +42,7 @@ def resolve_gguf(spec: str | None) -> Path:
             raise ModelNotFound(f"GGUF file not found: {spec}")
         return path
     repo, _, name = spec.partition(":")
-    from minicpm_cli.checkpoint import hub_file
+    from ..engine.checkpoint import hub_file
 
     return hub_file(repo, name or DEFAULT_FILE)
 

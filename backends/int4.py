@@ -23,10 +23,10 @@ import json
 import torch
 
 from minicpm_cli import trace
-from minicpm_cli.checkpoint import Checkpoint, load_module
+from ..engine.checkpoint import Checkpoint, load_module
 from minicpm_cli.errors import BackendError, CheckpointError
 from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
-from minicpm_cli.synthetic import RandomCheckpoint
+from ..engine.synthetic import RandomCheckpoint
 
 from . import compile as compiled
 from .gptq import Int4Linear, Q4Linear, quantize

@@ -60,7 +60,7 @@ def codec():
     """The tiny checkpoint's DVAE decoder (bf16 in the file, upcast) and Vocos, float32 on the CPU."""
     from safetensors import safe_open
 
-    from minicpm_cli.codec import Codec
+    from minicpm_cli.engine.codec import Codec
 
     prefix = "tts.dvae."
     with safe_open(TINY / "model.safetensors", framework="pt") as f:
@@ -107,7 +107,7 @@ def voice_dir(tmp_path_factory) -> Path:
 def assert_read_golden(goldens, manifest):
     """assert_read_golden(synth, tag, atol): a greedy read of the manifest's text `tag` gives the
     reference's codes exactly and its waveform within `atol`."""
-    from minicpm_cli.sampling import Sampling
+    from minicpm_cli.engine.sampling import Sampling
 
     def check(synth, tag: str, atol: float) -> None:
         text = next(e for e in manifest["read"] if e["tag"] == tag)["text"]

@@ -25,8 +25,8 @@ from minicpm_cli.backends.kernels.mma import MMADecode, mma_rows
 from minicpm_cli.backends.kernels.norm import rms_norm
 from minicpm_cli.backends.kernels.sampling import sample_codes
 from minicpm_cli.models.transformer import Decoder, DecoderConfig
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.tts import MIN_KEEP
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.tts import MIN_KEEP
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX = 48

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from minicpm_cli.batching import LOOKAHEAD, Job, Stream, in_order, prompt_groups
-from minicpm_cli.llm import LLMSampling, next_token, next_tokens
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.sampling import Sampling
+from minicpm_cli.engine.batching import LOOKAHEAD, Job, Stream, in_order, prompt_groups
+from minicpm_cli.engine.llm import LLMSampling, next_token, next_tokens
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.sampling import Sampling
 
 ROWS = 3
 # (text, sampling, frames per text token or None): short texts whose random-weight speech ends soon,
@@ -73,7 +73,7 @@ def test_say_many_keeps_input_order_and_equals_say(synth):
 def test_replies_and_reads_share_a_batch(synth, monkeypatch):
     """Replies decode their LLM tokens batched (decode_rows) and choose them together (next_tokens)
     while reads step the TTS alongside; prompts and TTS text chunks of a round prefill together."""
-    import minicpm_cli.batching as batching
+    import minicpm_cli.engine.batching as batching
 
     sizes = {"prompts": [], "chunks": [], "choices": []}
     for name, obj, attr in (("prompts", synth.llm, "prefill_rows"), ("chunks", synth.tts, "prefill_rows")):

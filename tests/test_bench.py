@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.sampling import Sampling
-from minicpm_cli.synthetic import SyntheticSpec
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.sampling import Sampling
+from minicpm_cli.engine.synthetic import SyntheticSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,8 +107,8 @@ def test_bench_voice(voice_dir, tmp_path, monkeypatch):
     the default voice's, for read and reply."""
     from typer.testing import CliRunner
 
-    from minicpm_cli import bench
-    from minicpm_cli.cli import app
+    from minicpm_cli.cli.commands import bench
+    from minicpm_cli.cli.commands.commands import app
 
     from conftest import FIXTURES
 
@@ -142,8 +142,8 @@ def test_bench_random_weights_voice(tmp_path, monkeypatch):
     voice, timed as its load; encode is features + encoder + projection + pooling of the file."""
     from typer.testing import CliRunner
 
-    from minicpm_cli import bench
-    from minicpm_cli.cli import app
+    from minicpm_cli.cli.commands import bench
+    from minicpm_cli.cli.commands.commands import app
 
     from conftest import FIXTURES
 

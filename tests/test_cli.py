@@ -39,7 +39,7 @@ def assert_one_line_error(p, *needles: str):
 
 def test_help_does_not_import_torch():
     code = (
-        "import sys\nsys.argv = ['minicpm', '--help']\nfrom minicpm_cli.cli import main\n"
+        "import sys\nsys.argv = ['minicpm', '--help']\nfrom minicpm_cli.cli.commands import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch imported by --help'\nprint('ok', file=sys.stderr)\n"
     )
@@ -65,7 +65,7 @@ def test_say_reproduces_golden_waveform(tiny_dir, goldens, manifest, tmp_path):
 
 def _streamed(codec, codes):
     """The reference's streamed decode of `codes` (25-frame steps, crossfaded), concatenated."""
-    from minicpm_cli.codec import StreamDecoder
+    from minicpm_cli.engine.codec import StreamDecoder
 
     dec = StreamDecoder(codec, hold_first=False)
     parts = [dec.feed(torch.as_tensor(codes[i : i + 25])) for i in range(0, len(codes), 25)]
@@ -171,7 +171,7 @@ def test_vision_and_audio_weights_are_never_read(tiny_dir, tmp_path):
     never opened (the index alone tells which shards hold llm.* and tts.*)."""
     import json as _json
 
-    from minicpm_cli.synthetic import SyntheticSpec, write_checkpoint
+    from minicpm_cli.engine.synthetic import SyntheticSpec, write_checkpoint
 
     ckpt = write_checkpoint(tmp_path / "ckpt", SyntheticSpec.tiny(), tokenizer_from=tiny_dir,
                             max_shard_bytes=4 << 20, include_vision_audio=True)
@@ -242,7 +242,7 @@ def test_a_16_bit_wav_is_written_as_libsndfile_writes_it(tmp_path):
 @pytest.mark.parametrize("code, status, stderr", [("None", 0, ""), ("3", 3, ""), ("'bye'", 1, "bye\n")])
 def test_leaving_without_teardown_keeps_the_status_and_the_output(code, status, stderr):
     """Without torch the CLI leaves by os._exit (entry._exit): sys.exit's status and everything written."""
-    script = ("import sys\nfrom minicpm_cli.entry import _exit\n"
+    script = ("import sys\nfrom minicpm_cli.cli.entry import _exit\n"
               f"sys.stdout.write('out')\nsys.stdout.buffer.write(b' raw')\n_exit({code})\n")
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert (p.returncode, p.stdout, p.stderr.decode()) == (status, b"out raw", stderr)

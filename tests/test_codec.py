@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from minicpm_cli.codec import StreamDecoder
+from minicpm_cli.engine.codec import StreamDecoder
 from minicpm_cli.models.dvae import DVAEConfig
 from minicpm_cli.models.vocos import VocosConfig
 

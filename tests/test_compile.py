@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from minicpm_cli.llm import LLMSampling, reply_pieces
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.sampling import Sampling
+from minicpm_cli.engine.llm import LLMSampling, reply_pieces
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.sampling import Sampling
 
 
 @pytest.fixture(scope="module")

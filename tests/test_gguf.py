@@ -9,11 +9,11 @@ import torch
 
 pytest.importorskip("llama_cpp", reason="the gguf extra (llama-cpp-python) is not installed")
 
-from minicpm_cli import gguf_export  # noqa: E402
-from minicpm_cli.checkpoint import Checkpoint, read_config  # noqa: E402
-from minicpm_cli.pipeline import Synthesizer  # noqa: E402
-from minicpm_cli.sampling import Sampling  # noqa: E402
-from minicpm_cli.text import read_prompt  # noqa: E402
+from minicpm_cli.engine import gguf_export  # noqa: E402
+from minicpm_cli.engine.checkpoint import Checkpoint, read_config  # noqa: E402
+from minicpm_cli.engine.pipeline import Synthesizer  # noqa: E402
+from minicpm_cli.engine.sampling import Sampling  # noqa: E402
+from minicpm_cli.engine.text import read_prompt  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_speaker_vector_matches_eager(tiny_dir, ggufs, eager, goldens, manifest,
 
 
 def test_f32_read_codes_and_reply_tokens_equal_eager(tiny_dir, ggufs, eager, goldens, manifest):
-    from minicpm_cli.llm import LLMSampling, reply_pieces
+    from minicpm_cli.engine.llm import LLMSampling, reply_pieces
 
     s = _synth(tiny_dir, ggufs["F32"])
     for e in manifest["read"]:

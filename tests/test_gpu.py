@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.sampling import Sampling
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.sampling import Sampling
 
 pytestmark = pytest.mark.gpu
 
@@ -58,7 +58,7 @@ def voice_synth(voice_dir):
 
 def test_voice_parity_on_cuda(voice_synth, goldens_voice, manifest_voice):
     """A voice's audio embeddings enter a prefill outside the CUDA graphs; the rest replays them."""
-    from minicpm_cli.voice import Voice
+    from minicpm_cli.voices.reference import Voice
 
     voice = Voice(goldens_voice["ref_a_samples"])
     for e in manifest_voice["voice_read"]:
@@ -74,7 +74,7 @@ def test_voice_parity_on_cuda(voice_synth, goldens_voice, manifest_voice):
 
 @pytest.mark.parametrize("backend", ["compile", "int4"])
 def test_voice_runs_in_bf16(voice_dir, goldens_voice, backend):
-    from minicpm_cli.voice import Voice
+    from minicpm_cli.voices.reference import Voice
 
     s = Synthesizer.load(str(voice_dir), backend=backend, device="cuda", dtype="bfloat16")
     voice = Voice(goldens_voice["ref_a_samples"])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from minicpm_cli.backends.gptq import Int4Linear, dequantize, pack_rows, quantize, unpack, unpack_rows
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.sampling import Sampling
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.sampling import Sampling
 from minicpm_cli.backends.gptq import write_gptq_checkpoint
 
 

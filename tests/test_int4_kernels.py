@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 from minicpm_cli.backends import int4
 from minicpm_cli.backends.compile import CompiledLLM
 from minicpm_cli.backends.gptq import Q4Linear, dequantize, quantize
-from minicpm_cli.checkpoint import Checkpoint, read_config
-from minicpm_cli.pipeline import Synthesizer
+from minicpm_cli.engine.checkpoint import Checkpoint, read_config
+from minicpm_cli.engine.pipeline import Synthesizer
 from minicpm_cli.backends.gptq import write_gptq_checkpoint
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

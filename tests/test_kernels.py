@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 from minicpm_cli.backends.compile import CompiledLLM, GraphTTSRunner
 from minicpm_cli.backends.kernels.decode import TritonDecode, kernels_scratch
 from minicpm_cli.models.transformer import Decoder, DecoderConfig
-from minicpm_cli.pipeline import Synthesizer
+from minicpm_cli.engine.pipeline import Synthesizer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MAX = 96
@@ -91,7 +91,7 @@ def test_decode_step_bfloat16_within_eager_rounding():
 
 def test_tts_steps_on_kernels_match_eager_runner(tiny_dir):
     """Greedy frames and step logits of the kernel-backed runner equal the eager runner's (float32)."""
-    from minicpm_cli.tts import TTSRunner
+    from minicpm_cli.engine.tts import TTSRunner
 
     s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
     cond = s.tokenizers.condition("Hello there, how are you doing today?", s.tts_model.config.streaming_text_reserved_len)
@@ -133,7 +133,7 @@ def test_llm_decode_on_kernels_matches_eager(tiny_dir):
 def test_code_sampling_kernel_matches_torch(tiny_dir, bos, block_eos, sampled):
     """Temperature, top-p, top-k, EOS block, softmax and the draw: the same probabilities and codes."""
     from minicpm_cli.backends.kernels.sampling import sample_codes
-    from minicpm_cli.tts import MIN_KEEP, TTSRunner
+    from minicpm_cli.engine.tts import MIN_KEEP, TTSRunner
 
     s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
     r = TTSRunner(s.tts_model)

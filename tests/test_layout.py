@@ -13,9 +13,157 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minicpm_cli"
-# The composition layer: the modules that put a backend together with the model code (and the CLI
-# over them). Every other module of minicpm_cli is model code and must not import the backends.
-COMPOSERS = {"pipeline", "cli", "bench"}
+BACKENDS = ROOT / "backends"
+
+# The house: which part may import which (docs/design.md, and each folder's __init__ docstring). The
+# shared leaves (errors, trace, protocol, audio) import nothing of ours but each other.
+LEAVES = {"errors", "trace", "protocol", "audio"}
+MAY_IMPORT = {
+    "leaves": {"leaves"},
+    "models": {"models"},
+    "voices": {"voices", "leaves"},
+    "backends": {"backends", "models", "engine", "leaves"},
+    "engine": {"engine", "models", "voices", "backends", "leaves"},
+    "serving": {"serving", "engine", "models", "voices", "backends", "leaves"},
+    "scale": {"scale", "serving", "engine", "models", "voices", "backends", "leaves"},
+    "cli": {"cli", "scale", "serving", "engine", "models", "voices", "backends", "leaves"},
+    "package": {"engine"},  # minicpm_cli/__init__.py: the public API's lazy names
+    "__main__": {"cli"},  # python -m minicpm_cli
+}
+# The engine's modules that put a backend together with the rest; every other engine module is model
+# code and must not import the backends (a backend wraps or transforms the model, never the reverse).
+COMPOSERS = {"minicpm_cli.engine.pipeline", "minicpm_cli.engine.loading"}
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of the installed namespace: name -> (file, is a package)."""
+    found = {}
+    for base, prefix in ((PACKAGE, ("minicpm_cli",)), (BACKENDS, ("minicpm_cli", "backends"))):
+        for path in sorted(base.rglob("*.py")):
+            parts = prefix + path.relative_to(base).with_suffix("").parts
+            is_pkg = parts[-1] == "__init__"
+            found[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return found
+
+
+def _part(module: str) -> str:
+    """The part of the house a module belongs to (a MAY_IMPORT key)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "package"
+    if parts[1] in LEAVES:
+        return "leaves"
+    return parts[1]
+
+
+def _imports_of(path: Path, module: str, is_pkg: bool, modules) -> dict[str, set[str]]:
+    """The modules of ours that `module` imports (anywhere in it, lazily too) -> the names it takes
+    from each ('' for the module itself)."""
+    package = module if is_pkg else module.rsplit(".", 1)[0]
+    found: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in modules:
+                    found.setdefault(a.name, set()).add("")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                if f"{mod}.{a.name}" in modules:
+                    found.setdefault(f"{mod}.{a.name}", set()).add("")
+                elif mod in modules:
+                    found.setdefault(mod, set()).add(a.name)
+    return found
+
+
+def _graph():
+    modules = _modules()
+    return {m: _imports_of(p, m, pkg, modules) for m, (p, pkg) in modules.items()}
+
+
+def _cycles(graph: dict[str, dict]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), and self-imports."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _edges(graph):
+    """module -> the modules it imports, a package's __init__ not counted as imported by its own
+    modules (`from . import x` names the sibling x, which _imports_of already resolves)."""
+    return {m: {t for t in ts if not (m.startswith(t + ".") and t != "minicpm_cli")} for m, ts in graph.items()}
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_edges(_graph()))
+    assert not cycles, cycles
+
+
+def test_the_cycle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_parts_import_only_what_they_may():
+    offenders = []
+    for module, targets in _graph().items():
+        part = _part(module)
+        for target in targets:
+            if target == "minicpm_cli" and module != "minicpm_cli":
+                continue  # (the package itself: its __version__)
+            if _part(target) not in MAY_IMPORT[part] and target != module:
+                offenders.append(f"{module} -> {target}")
+    assert not offenders, offenders
+
+
+def test_model_code_does_not_import_the_backends():
+    offenders = []
+    for module, targets in _graph().items():
+        if _part(module) in ("engine", "models", "voices") and module not in COMPOSERS:
+            bad = sorted(t for t in targets if t.startswith("minicpm_cli.backends"))
+            if bad:
+                offenders.append(f"{module}: {bad}")
+    assert not offenders, offenders
+
+
+def test_the_graph_resolves_relative_and_absolute_imports(tmp_path):
+    """The rules above are only as good as `_imports_of`: it must resolve both forms, lazy ones too."""
+    f = tmp_path / "m.py"
+    f.write_text("from .. import backends\nfrom ..backends.gptq import _q\nimport minicpm_cli.errors\n"
+                 "def f():\n    from ..serving import client\n")
+    modules = _modules()
+    found = _imports_of(f, "minicpm_cli.engine.m", False, modules)
+    assert found["minicpm_cli.backends"] == {""}
+    assert found["minicpm_cli.backends.gptq"] == {"_q"}
+    assert "minicpm_cli.errors" in found and "minicpm_cli.serving.client" in found
 
 
 def test_wheel_installs_one_namespace(tmp_path):
@@ -42,45 +190,6 @@ def test_wheel_installs_one_namespace(tmp_path):
     assert "minicpm_cli/backends/kernels/decode.py" in names
     assert "minicpm_cli/data/tiny-tokenizers/tokenizer.json" in names  # bundled for --random-weights
     assert not any(n.startswith("backends/") for n in names)
-
-
-def _imports(path: Path, package: str) -> set[str]:
-    """Absolute names of the modules `path` (a module of `package`) imports, relative ones resolved."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            found.add(mod)
-            found.update(f"{mod}.{a.name}" for a in node.names)
-    return found
-
-
-def test_model_code_does_not_import_the_backends():
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).with_suffix("")
-        if rel.parts[0] in COMPOSERS:
-            continue
-        package = ".".join(("minicpm_cli",) + rel.parts[:-1])  # a module's package (an __init__'s: itself)
-        bad = {m for m in _imports(path, package)
-               if m == "backends" or m.startswith("backends.") or m.startswith("minicpm_cli.backends")}
-        if bad:
-            offenders.append(f"{path.relative_to(ROOT)}: {sorted(bad)}")
-    assert not offenders, offenders
-
-
-def test_the_checker_sees_an_import_of_the_backends(tmp_path):
-    """The rule above is only as good as `_imports`: it must resolve relative and absolute forms."""
-    f = tmp_path / "m.py"
-    f.write_text("from . import backends\nfrom .backends.gptq import quantize\nimport minicpm_cli.backends\n")
-    found = _imports(f, "minicpm_cli")
-    assert {"minicpm_cli.backends", "minicpm_cli.backends.gptq", "minicpm_cli.backends"} <= found
 
 
 def test_version_is_the_distributions():

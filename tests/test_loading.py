@@ -7,10 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minicpm_cli.checkpoint import Checkpoint
+from minicpm_cli.engine.checkpoint import Checkpoint
 from minicpm_cli.errors import CheckpointError
-from minicpm_cli.synthetic import SyntheticSpec, write_checkpoint
-from minicpm_cli.tensorio import _chunks, read_header
+from minicpm_cli.engine.synthetic import SyntheticSpec, write_checkpoint
+from minicpm_cli.engine.tensorio import _chunks, read_header
 
 
 def _oracle(root) -> dict[str, torch.Tensor]:
@@ -81,7 +81,7 @@ def test_truncated_file_is_a_checkpoint_error(tiny_dir, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["tiny", "sharded"])
 def test_prefetch_equals_safetensors_on_the_gpu(which, tiny_dir, sharded, monkeypatch):
-    import minicpm_cli.tensorio as tio
+    import minicpm_cli.engine.tensorio as tio
 
     monkeypatch.setattr(tio, "CHUNK", 4096)  # many chunks: tensors split across reads and buffers
     root = tiny_dir if which == "tiny" else sharded

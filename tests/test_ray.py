@@ -31,7 +31,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from minicpm_cli import bulk
+from minicpm_cli.scale import bulk
 from minicpm_cli.errors import OptionError, UsageError
 
 from conftest import FIXTURES, TINY
@@ -60,7 +60,7 @@ def _env(**extra) -> dict:
 
 def minicpm(*args: str, stdin: bytes = b"", env: dict | None = None, prelude: str = "", timeout: float = 300):
     """The command as a user runs it (`prelude`: Python run first, in the same process)."""
-    code = f"{prelude}import sys\nsys.argv = ['minicpm', *sys.argv[1:]]\nfrom minicpm_cli.entry import main\nmain()\n"
+    code = f"{prelude}import sys\nsys.argv = ['minicpm', *sys.argv[1:]]\nfrom minicpm_cli.cli.entry import main\nmain()\n"
     return subprocess.run([sys.executable, "-c", code, *args], input=stdin, capture_output=True,
                           env=env or _env(), timeout=timeout, cwd=ROOT)
 
@@ -352,7 +352,7 @@ class FakeSynth:
 
 
 def test_the_speaker_maps_a_batch_through_one_function_and_fails_only_the_bad_item(monkeypatch):
-    from minicpm_cli.sampling import Sampling
+    from minicpm_cli.engine.sampling import Sampling
 
     synth = FakeSynth()
     speaker = bulk.Speaker(lambda: synth)
@@ -416,7 +416,7 @@ def test_run_writes_what_arrives_shows_progress_and_leaves_failed_items_for_the_
 
 
 def test_serve_args_and_deployment_options(monkeypatch):
-    from minicpm_cli import ray_serve
+    from minicpm_cli.scale import ray_serve
 
     monkeypatch.setenv("MINICPM_API_KEY", "from-env")  # (read by each replica, not put into Serve's config)
     args = ray_serve.ServeArgs.from_args({"model": "/m", "replicas": "2-6", "device": "cuda"})
@@ -439,7 +439,7 @@ def test_serve_args_and_deployment_options(monkeypatch):
 def test_replicas_that_cannot_start_are_one_line():
     """What Serve reports of a failed deployment becomes our error's one line (the replica's own error
     where it raised one of ours: `serve --ray --model /no/such/dir` says the directory is not found)."""
-    from minicpm_cli import ray_serve
+    from minicpm_cli.scale import ray_serve
     from minicpm_cli.errors import MinicpmError
 
     report = ("Deploying application minicpm failed: Failed to update the deployments ['Speech'].\n"

@@ -306,14 +306,14 @@ def test_the_client_path_imports_no_torch(served, tmp_path):
     out = tmp_path / "x.wav"
     code = ("import os, sys, atexit\n"
             "def check():\n"
-            "    bad = [m for m in ('torch', 'minicpm_cli.pipeline', 'minicpm_cli.models') if m in sys.modules]\n"
+            "    bad = [m for m in ('torch', 'minicpm_cli.engine.pipeline', 'minicpm_cli.models') if m in sys.modules]\n"
             "    sys.stderr.write(f'IMPORTED {bad}' if bad else 'CLEAN')\n"
             "    sys.stderr.flush()\n"
             "atexit.register(check)\n"
             "leave = os._exit\n"
             "os._exit = lambda status: (check(), leave(status))  # (without torch the CLI skips the atexit handlers)\n"
             f"sys.argv = ['minicpm', 'say', 'Hi there.', '--model', {str(TINY)!r}, '--greedy', '-o', {str(out)!r}]\n"
-            "from minicpm_cli.entry import main\nmain()\n")
+            "from minicpm_cli.cli.entry import main\nmain()\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=_env(MINICPM_SERVER=served.url), timeout=120)
     assert p.returncode == 0 and p.stderr.decode().endswith("CLEAN"), p.stderr.decode()
     assert sf.info(out).frames > 0
@@ -604,14 +604,14 @@ def test_serve_usage_errors():
 
 
 def test_serve_help_does_not_import_torch():
-    code = ("import sys\nsys.argv = ['minicpm', 'serve', '--help']\nfrom minicpm_cli.cli import main\n"
+    code = ("import sys\nsys.argv = ['minicpm', 'serve', '--help']\nfrom minicpm_cli.cli.commands import main\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=_env())
     assert p.returncode == 0 and b"--api-key" in p.stdout, p.stderr.decode()
 
 
 def test_protocol_frames_per_call_is_the_tts_one():
-    from minicpm_cli.tts import FRAMES_PER_CALL
+    from minicpm_cli.engine.tts import FRAMES_PER_CALL
 
     assert protocol.FRAMES_PER_CALL == FRAMES_PER_CALL
 
@@ -671,7 +671,7 @@ def in_process(synth, requests: list | None = None, store=None, voice_uploads: b
     """The server's application over `synth` on a free port; `requests` collects (method, path) of each."""
     import uvicorn
 
-    from minicpm_cli import server
+    from minicpm_cli.serving import server
 
     service = server.Service(lambda: server.Loaded(synth, model="fake", backend="fake", device="cpu",
                                                    dtype="float32", **loaded), warm_up=False, store=store)
@@ -836,7 +836,7 @@ def test_say_through_a_server_imports_no_numpy(tmp_path):
             "    leave(status)\n"
             "os._exit = check\n"
             "sys.argv = ['minicpm', *sys.argv[1:]]\n"
-            "from minicpm_cli.entry import main\nmain()\n")
+            "from minicpm_cli.cli.entry import main\nmain()\n")
     with in_process(FakeSynth()) as url:
         out = tmp_path / "x.wav"
         for args in (["say", "hello n=2", "-o", "-"], ["say", "hello n=2", "-o", str(out)],
@@ -849,7 +849,7 @@ def test_say_through_a_server_imports_no_numpy(tmp_path):
 
 def test_read_and_reply_send_their_request_before_a_chunk_is_asked_for():
     """The server works on a request while the command opens its sink (which loads numpy, libsndfile)."""
-    from minicpm_cli.client import Remote
+    from minicpm_cli.serving.client import Remote
 
     synth = FakeSynth()
     with in_process(synth) as url:
@@ -913,7 +913,7 @@ def _samples_b64(samples: np.ndarray) -> str:
 
 
 def _ref_samples() -> np.ndarray:
-    from minicpm_cli.voice import load_reference
+    from minicpm_cli.voices.reference import load_reference
 
     return load_reference(REF)
 
@@ -923,8 +923,8 @@ def test_voice_requests_in_process_resolve_names_samples_and_limits(tmp_path):
     `default` and OpenAI's names unless one is saved, the thin client's samples; unknown names are a
     400 that lists the voices. voice_samples of 30 s pass the body limit, other fields do not get to
     use it."""
-    from minicpm_cli.voice import Voice
-    from minicpm_cli.voice_store import VoiceStore
+    from minicpm_cli.voices.reference import Voice
+    from minicpm_cli.voices.store import VoiceStore
 
     store = VoiceStore(tmp_path)
     store.add("alice", REF)
@@ -984,7 +984,7 @@ def upload(url: str, fields: dict, file: tuple[str, bytes] | None, headers: dict
 def test_voice_uploads_in_process(tmp_path):
     """POST /v1/voices: the checks of `minicpm voice add`, 409 for a taken name unless force, and none
     at all where the server refuses uploads (reachable from other machines without a key)."""
-    from minicpm_cli.voice_store import VoiceStore
+    from minicpm_cli.voices.store import VoiceStore
 
     store = VoiceStore(tmp_path / "voices")
     wav = REF.read_bytes()
@@ -1018,9 +1018,9 @@ def test_voice_uploads_in_process(tmp_path):
 
 
 def test_an_older_server_without_voices_is_an_error_not_the_default_voice():
-    from minicpm_cli.client import Remote
+    from minicpm_cli.serving.client import Remote
     from minicpm_cli.errors import UsageError
-    from minicpm_cli.voice import Voice
+    from minicpm_cli.voices.reference import Voice
 
     remote = Remote("http://127.0.0.1:1", {"sample_rate": 24000, "model": "m"}, None)
     with pytest.raises(UsageError, match="does not take voices"):
@@ -1036,8 +1036,8 @@ VTEXT = "Hello world."
 @pytest.fixture(scope="module")
 def voice_data(tmp_path_factory):
     """(the server's XDG_DATA_HOME: alice = REF, alloy = REF at half level; the client's: carol = REF)"""
-    from minicpm_cli.voice import Voice
-    from minicpm_cli.voice_store import VoiceStore
+    from minicpm_cli.voices.reference import Voice
+    from minicpm_cli.voices.store import VoiceStore
 
     server_data, client_data = tmp_path_factory.mktemp("server-data"), tmp_path_factory.mktemp("client-data")
     store = VoiceStore(server_data / "minicpm" / "voices")
@@ -1139,7 +1139,7 @@ def test_voice_upload_then_speak(voiced, voice_local, voice_data):
 
 
 def test_protocol_voice_limits_are_the_voice_modules():
-    from minicpm_cli import voice
+    from minicpm_cli.voices import reference as voice
 
     assert protocol.MAX_VOICE_SECONDS == voice.MAX_SECONDS
     longest = base64.b64encode(np.zeros(int(voice.MAX_SECONDS * voice.SAMPLE_RATE), "<f4").tobytes())

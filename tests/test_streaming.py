@@ -16,11 +16,11 @@ import pytest
 import soundfile as sf
 import torch
 
-from minicpm_cli.llm import LLMSampling, reply_pieces
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.sampling import Sampling
-from minicpm_cli.streaming import sentence_end, spell_numbers
-from minicpm_cli.text import read_pieces
+from minicpm_cli.engine.llm import LLMSampling, reply_pieces
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.sampling import Sampling
+from minicpm_cli.engine.streaming import sentence_end, spell_numbers
+from minicpm_cli.engine.text import read_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 REPLIES = ["name", "fine", "long"]
@@ -87,7 +87,7 @@ def test_reply_command_reproduces_golden(tiny_dir, goldens, manifest, tmp_path):
 def test_exclamation_marks_are_kept(synth):
     """Deliberate difference: the reference's _decode_text drops every id 0 (taking it for padding),
     which in the Qwen2 vocabulary is "!"; we keep it. The goldens have no id 0 in generated text."""
-    from minicpm_cli.llm import _decode
+    from minicpm_cli.engine.llm import _decode
 
     tok = synth.tokenizers
     bang = tok.encode_llm("!")
@@ -255,7 +255,7 @@ def test_memory_does_not_grow_with_text_length(tiny_dir, tmp_path):
     for words in (500, 2000):
         text = tmp_path / f"t{words}.txt"
         text.write_text(long_text(words))
-        code = ("import resource, sys; from minicpm_cli.cli import main; sys.argv = sys.argv[1:]\n"
+        code = ("import resource, sys; from minicpm_cli.cli.commands import main; sys.argv = sys.argv[1:]\n"
                 "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -12,14 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from minicpm_cli.synthetic import (
-    SyntheticSpec,
-    parameter_count,
-    random_tensors,
-    random_vocos_state,
-    tensor_plan,
-    write_checkpoint,
-)
+from minicpm_cli.engine.synthetic import SyntheticSpec, parameter_count, random_tensors, random_vocos_state, tensor_plan, write_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-minicpmo"
 VOICE_EXTRA = FIXTURE.parent / "tiny-minicpmo-voice-extra"
@@ -163,7 +156,7 @@ def test_large_tensors_are_drawn_in_slices_into_the_target_dtype(monkeypatch):
     """Over DRAW_CHUNK elements a tensor is drawn slice by slice straight into its dtype (a
     full-size embedding never exists whole in float32); the checkpoint writer and the on-demand
     random checkpoint still give the same values, with the same statistics."""
-    from minicpm_cli import synthetic
+    from minicpm_cli.engine import synthetic
 
     monkeypatch.setattr(synthetic, "DRAW_CHUNK", 1000)
     spec = SyntheticSpec.tiny()
@@ -223,7 +216,7 @@ def test_audio_encoder_values_have_realistic_scales():
 def test_random_checkpoint_serves_the_audio_encoder():
     """The on-demand checkpoint has the encoder: keys, shapes, the values write_checkpoint writes
     (same seed, same tensors; another seed, others) and a config whose audio_config fits them."""
-    from minicpm_cli import synthetic
+    from minicpm_cli.engine import synthetic
     from minicpm_cli.models.audio_encoder import AudioEncoderConfig
 
     spec = SyntheticSpec.tiny()

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from minicpm_cli.text import Tokenizers, read_prompt
+from minicpm_cli.engine.text import Tokenizers, read_prompt
 
 pytest.importorskip("transformers")
 

@@ -13,14 +13,14 @@ import pytest
 import soundfile as sf
 import torch
 
-from minicpm_cli.cloning import AUDIO_PREFIXES
+from minicpm_cli.engine.cloning import AUDIO_PREFIXES
 from minicpm_cli.errors import UsageError, VoiceError
-from minicpm_cli.features import FeatureConfig, log_mel, mel_filters
-from minicpm_cli.llm import LLMSampling, later_user_turn, reply_pieces
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.sampling import Sampling
-from minicpm_cli.text import voice_assistant_turn, voice_clone_turn
-from minicpm_cli.voice import Voice, as_voice, load_reference
+from minicpm_cli.engine.features import FeatureConfig, log_mel, mel_filters
+from minicpm_cli.engine.llm import LLMSampling, later_user_turn, reply_pieces
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.sampling import Sampling
+from minicpm_cli.engine.text import voice_assistant_turn, voice_clone_turn
+from minicpm_cli.voices.reference import Voice, as_voice, load_reference
 
 from conftest import FIXTURES, TINY, VOICE_EXTRA
 
@@ -201,7 +201,7 @@ def test_without_a_voice_the_base_reply_goldens_hold(voice_ckpt_eager, goldens, 
 
 
 def test_the_audio_encoder_loads_only_when_a_voice_is_used(voice_dir, monkeypatch):
-    import minicpm_cli.pipeline as pipeline
+    import minicpm_cli.engine.pipeline as pipeline
 
     loads = []
     real = pipeline.load_voices
@@ -284,7 +284,7 @@ def test_a_kept_voice_context_serves_every_row_of_a_batch(voice_dir):
 
 def test_voice_contexts_are_kept_within_a_byte_bound(voice_ckpt_eager, monkeypatch):
     """Least recently used contexts go first once they hold more than PREFIX_BYTES."""
-    import minicpm_cli.pipeline as pipeline
+    import minicpm_cli.engine.pipeline as pipeline
 
     synth = voice_ckpt_eager
     synth.forget_voices()
@@ -342,10 +342,10 @@ def test_the_random_audio_encoder_loads_through_load_voice_encoder():
     """The tiny spec's random encoder loads as a checkpoint's does; its embeddings have one row per
     `pool` encoder frames (conv2 halves the feature frames, rounding up; pooling rounds down); the
     same seed gives the same embeddings."""
-    from minicpm_cli.cloning import load_voice_encoder
-    from minicpm_cli.pipeline import BUNDLED_TOKENIZERS
-    from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec
-    from minicpm_cli.text import Tokenizers
+    from minicpm_cli.engine.cloning import load_voice_encoder
+    from minicpm_cli.engine.pipeline import BUNDLED_TOKENIZERS
+    from minicpm_cli.engine.synthetic import RandomCheckpoint, SyntheticSpec
+    from minicpm_cli.engine.text import Tokenizers
 
     tok, voice = Tokenizers(BUNDLED_TOKENIZERS), Voice.load(REF)
 
@@ -369,9 +369,9 @@ def test_the_random_audio_encoder_loads_through_load_voice_encoder():
 def test_a_written_random_checkpoint_encodes_as_the_drawn_one(tmp_path):
     """write_checkpoint(include_audio=True) writes the encoder RandomCheckpoint draws (bf16, same seed):
     a checkpoint directory loads it for voices and encodes bit for bit alike."""
-    from minicpm_cli.pipeline import load_voices
-    from minicpm_cli.synthetic import SyntheticSpec, write_checkpoint
-    from minicpm_cli.text import Tokenizers
+    from minicpm_cli.engine.pipeline import load_voices
+    from minicpm_cli.engine.synthetic import SyntheticSpec, write_checkpoint
+    from minicpm_cli.engine.text import Tokenizers
 
     spec = SyntheticSpec.tiny()
     out = write_checkpoint(tmp_path / "ckpt", spec, tokenizer_from=TINY, seed=2, include_audio=True)
@@ -385,7 +385,7 @@ def test_a_written_random_checkpoint_encodes_as_the_drawn_one(tmp_path):
 def test_random_weights_speak_with_a_voice_and_draw_the_encoder_only_for_one(monkeypatch):
     """Synthesizer.load(random_weights=True): reads and replies without a voice draw no tensor of the
     audio encoder; the first voice draws it (once), and the voice changes what is spoken."""
-    from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec
+    from minicpm_cli.engine.synthetic import RandomCheckpoint, SyntheticSpec
 
     drawn = []
     real = RandomCheckpoint.tensor
@@ -600,8 +600,8 @@ def test_features_of_the_reference_are_the_goldens(goldens_voice):
 
 def test_gguf_takes_a_voice(voice_dir, goldens_voice, manifest_voice, tmp_path):
     pytest.importorskip("llama_cpp", reason="the gguf extra (llama-cpp-python) is not installed")
-    from minicpm_cli import gguf_export
-    from minicpm_cli.checkpoint import Checkpoint, read_config
+    from minicpm_cli.engine import gguf_export
+    from minicpm_cli.engine.checkpoint import Checkpoint, read_config
 
     path = gguf_export.from_checkpoint(Checkpoint(TINY), read_config(TINY), TINY / "tokenizer.json",
                                        tmp_path / "tiny-f32.gguf")

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from minicpm_cli import voice_store
+from minicpm_cli.voices import store as voice_store
 from minicpm_cli.errors import OptionError, VoiceError
-from minicpm_cli.voice import load_reference
-from minicpm_cli.voice_store import VoiceExists, VoiceStore, default_dir, resolve
+from minicpm_cli.voices.reference import load_reference
+from minicpm_cli.voices.store import VoiceExists, VoiceStore, default_dir, resolve
 
 from conftest import FIXTURES
 

@@ -15,11 +15,11 @@ import argparse
 
 import torch
 
-from minicpm_cli import bench as b
-from minicpm_cli.batching import Stream
-from minicpm_cli.llm import LLMSampling
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.sampling import Sampling
+from minicpm_cli.cli.commands import bench as b
+from minicpm_cli.engine.batching import Stream
+from minicpm_cli.engine.llm import LLMSampling
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.sampling import Sampling
 
 
 def request(synth, kind: str, text: str, lane=None):

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from minicpm_cli import bench as b
-from minicpm_cli.batching import Engine, Stream
-from minicpm_cli.pipeline import Synthesizer
+from minicpm_cli.cli.commands import bench as b
+from minicpm_cli.engine.batching import Engine, Stream
+from minicpm_cli.engine.pipeline import Synthesizer
 
 
 EVENTS: list = []  # (stage, start, end), perf_counter seconds, for --timeline
@@ -51,7 +51,7 @@ def wrap(obj, name: str, totals: dict, key: str) -> None:
 
 def batch(synth, workload: str, n: int, opts, lines: int | None = None) -> float:
     if workload == "bulk":
-        from minicpm_cli.sampling import Sampling
+        from minicpm_cli.engine.sampling import Sampling
 
         t = time.perf_counter()
         for _ in synth.say_many([(line, Sampling(seed=i)) for i, line in enumerate(b.bulk_lines(lines or 4 * n))], batch=n,

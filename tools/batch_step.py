@@ -28,8 +28,8 @@ import torch
 
 from minicpm_cli.backends.compile import GraphTTSRunner
 from minicpm_cli.backends.kernels.batch import BatchDecode
-from minicpm_cli.pipeline import build_tts
-from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec
+from minicpm_cli.engine.pipeline import build_tts
+from minicpm_cli.engine.synthetic import RandomCheckpoint, SyntheticSpec
 
 
 def stepper(runner: GraphTTSRunner, nb: int, sampled: bool, mma: bool):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minicpm_cli.backends.eager import build  # noqa: E402
 from minicpm_cli.models.transformer import causal_mask  # noqa: E402
-from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec  # noqa: E402
+from minicpm_cli.engine.synthetic import RandomCheckpoint, SyntheticSpec  # noqa: E402
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

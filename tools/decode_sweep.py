@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from minicpm_cli import backends  # noqa: E402
-from minicpm_cli.pipeline import LLM_CONTEXT  # noqa: E402
-from minicpm_cli.synthetic import RandomCheckpoint, SyntheticSpec  # noqa: E402
+from minicpm_cli.engine.pipeline import LLM_CONTEXT  # noqa: E402
+from minicpm_cli.engine.synthetic import RandomCheckpoint, SyntheticSpec  # noqa: E402
 
 
 def ints(text: str) -> list[int]:

@@ -50,27 +50,27 @@ def _probe(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, IN
     dtype = x_ptr.dtype.element_ty
     pre = matvec._words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, True, True)
     if MODE == 1:  # loads only
-        common._wait_previous(PDL)
+        common.wait_previous(PDL)
         acc = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.int32)
         for i in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
             nxt = matvec._words(w_ptr, row0, row0 + INTER, INTER, i + BLOCK_K, DIM, BLOCK_R, BLOCK_K, True, True)
             acc = acc ^ pre[0] ^ pre[1]
             pre = nxt
-        common._let_next(PDL)
+        common.let_next(PDL)
         t = tl.reshape(tl.xor_sum(acc, 0), [BLOCK_R])
         tl.store(h_ptr + rows, t.to(tl.int16).to(dtype, bitcast=True), mask=rm)
     else:
-        sc_g, z_g = matvec._row_params(s_ptr, z_ptr, rows, rm, DIM, True, GS)
-        sc_u, z_u = matvec._row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, True, GS)
-        common._wait_previous(PDL)
-        acc_g, acc_u, ss, vz = matvec._k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0,
+        sc_g, z_g = matvec.row_params(s_ptr, z_ptr, rows, rm, DIM, True, GS)
+        sc_u, z_u = matvec.row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, True, GS)
+        common.wait_previous(PDL)
+        acc_g, acc_u, ss, vz = matvec.k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0,
                                               DIM, DIM, BLOCK_R, BLOCK_K, VW, True, GS, True, True, STAGES, PDL, False)
         inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-        g = common._rnd(matvec._row_scale(matvec._total(acc_g, vz, z_g, DIM, BLOCK_R, True, GS), sc_g, DIM, True, GS)
+        g = common.round_to(matvec.row_scale(matvec.row_totals(acc_g, vz, z_g, DIM, BLOCK_R, True, GS), sc_g, DIM, True, GS)
                         * inv, dtype)
-        u = common._rnd(matvec._row_scale(matvec._total(acc_u, vz, z_u, DIM, BLOCK_R, True, GS), sc_u, DIM, True, GS)
+        u = common.round_to(matvec.row_scale(matvec.row_totals(acc_u, vz, z_u, DIM, BLOCK_R, True, GS), sc_u, DIM, True, GS)
                         * inv, dtype)
-        act = common._rnd(g / (1.0 + tl.exp(-g)), dtype)
+        act = common.round_to(g / (1.0 + tl.exp(-g)), dtype)
         tl.store(h_ptr + rows, (act * u).to(dtype), mask=rm)
 
 
@@ -124,12 +124,12 @@ def _probe_lean(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, eps, DIM: tl.c
     dtype = x_ptr.dtype.element_ty
     if STAGES == 0:
         pre = _words_even(w_ptr, row0, row0 + INTER, 0, DIM, BLOCK_R, BLOCK_K)
-    sc_g, z_g = matvec._row_params(s_ptr, z_ptr, rows, rows >= 0, DIM, True, DIM)
-    sc_u, z_u = matvec._row_params(s_ptr, z_ptr, rows + INTER, rows >= 0, DIM, True, DIM)
+    sc_g, z_g = matvec.row_params(s_ptr, z_ptr, rows, rows >= 0, DIM, True, DIM)
+    sc_u, z_u = matvec.row_params(s_ptr, z_ptr, rows + INTER, rows >= 0, DIM, True, DIM)
     if PREF:  # the program's weights into L2 before the wait (a slice of each half a thread)
         _l2_prefetch(w_ptr, row0 // 4 * (DIM // 2), BLOCK_R * DIM // 2)
         _l2_prefetch(w_ptr, (row0 + INTER) // 4 * (DIM // 2), BLOCK_R * DIM // 2)
-    common._wait_previous(PDL)
+    common.wait_previous(PDL)
     acc = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
@@ -143,16 +143,16 @@ def _probe_lean(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, eps, DIM: tl.c
             nxt = _words_even(w_ptr, row0, row0 + INTER, (i + BLOCK_K) % DIM, DIM, BLOCK_R, BLOCK_K)
             acc, acc2, ss, vz = _mac_lean(acc, acc2, ss, vz, pre[0], pre[1], x_ptr, nw_ptr, u_ptr, i, BLOCK_K, UVEC)
             pre = nxt
-    common._let_next(PDL)
+    common.let_next(PDL)
     if UVEC:
         ss = tl.load(u_ptr + DIM + tl.arange(0, BLOCK_K // 8)) * 0.0 + 1.0
         vz = ss
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    g = common._rnd(matvec._row_scale(matvec._total(acc, vz, z_g, DIM, BLOCK_R, True, DIM), sc_g, DIM, True, DIM)
+    g = common.round_to(matvec.row_scale(matvec.row_totals(acc, vz, z_g, DIM, BLOCK_R, True, DIM), sc_g, DIM, True, DIM)
                     * inv, dtype)
-    u = common._rnd(matvec._row_scale(matvec._total(acc2, vz, z_u, DIM, BLOCK_R, True, DIM), sc_u, DIM, True, DIM)
+    u = common.round_to(matvec.row_scale(matvec.row_totals(acc2, vz, z_u, DIM, BLOCK_R, True, DIM), sc_u, DIM, True, DIM)
                     * inv, dtype)
-    act = common._rnd(g / (1.0 + tl.exp(-g)), dtype)
+    act = common.round_to(g / (1.0 + tl.exp(-g)), dtype)
     tl.store(h_ptr + rows, (act * u).to(dtype))
 
 
@@ -177,8 +177,8 @@ def _probe_gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < N
     k_lo = tl.program_id(1) * KS
-    scale, zero = matvec._row_params(s_ptr, z_ptr, rows, rm, K, True, K)
-    common._wait_previous(PDL)
+    scale, zero = matvec.row_params(s_ptr, z_ptr, rows, rm, K, True, K)
+    common.wait_previous(PDL)
     res = tl.load(x_ptr + rows).to(tl.float32)
     quad = tl.arange(0, BLOCK_R // 4)[None, :, None]
     lane = tl.arange(0, 4)[None, None, :]
@@ -192,19 +192,19 @@ def _probe_gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N
             iacc = iacc ^ words
         else:
             acc, vz = _mac1(acc, vz, words, y_ptr, k_lo + i, K, BLOCK_K)
-    common._let_next(PDL)
+    common.let_next(PDL)
     if MODE == 1:
         t = tl.reshape(tl.xor_sum(iacc, 0), [BLOCK_R]).to(tl.float32)
     else:
-        t = matvec._total(acc, vz, zero, K, BLOCK_R, True, K)
+        t = matvec.row_totals(acc, vz, zero, K, BLOCK_R, True, K)
     if SPLIT == 1:
-        matvec._gemv_out(t, scale, res, out_ptr, rows, rm, K, True, True, K, y_ptr.dtype.element_ty)
+        matvec.gemv_out(t, scale, res, out_ptr, rows, rm, K, True, True, K, y_ptr.dtype.element_ty)
     else:
         r = tl.arange(0, BLOCK_R)
         tl.store(part_ptr + (blk * SPLIT + tl.program_id(1)) * BLOCK_R + r, t)
-        if common._arrive_last(cnt_ptr + blk, SPLIT):
-            t = common._sum_parts(part_ptr + blk * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
-            matvec._gemv_out(t, scale, res, out_ptr, rows, rm, K, True, True, K, y_ptr.dtype.element_ty)
+        if common.arrive_last(cnt_ptr + blk, SPLIT):
+            t = common.sum_parts(part_ptr + blk * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
+            matvec.gemv_out(t, scale, res, out_ptr, rows, rm, K, True, True, K, y_ptr.dtype.element_ty)
             tl.store(cnt_ptr + blk, 0)
 
 

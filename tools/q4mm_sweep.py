@@ -95,12 +95,12 @@ def candidates(m: int, decode: bool, wide: bool = False) -> list[tuple]:
 
 def resolve(cfg: tuple, m: int, w) -> tuple:
     """A candidate with its split made concrete: 1 - split programs per SM when split <= 0."""
-    from minicpm_cli.backends.kernels.common import _sm_count
+    from minicpm_cli.backends.kernels.common import sm_count
     from minicpm_cli.backends.kernels.q4 import q4_mm_split
 
     bn, bt, bk, warps, stages, split = cfg
     if split <= 0:
-        split = q4_mm_split(m, w, bn, bt, bk, (1 - split) * _sm_count(w.w.device))
+        split = q4_mm_split(m, w, bn, bt, bk, (1 - split) * sm_count(w.w.device))
     return bn, bt, bk, warps, stages, split
 
 

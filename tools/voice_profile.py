@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from minicpm_cli.bench import READ_TEXTS
-from minicpm_cli.pipeline import Synthesizer
-from minicpm_cli.voice import Voice
+from minicpm_cli.cli.commands.bench import READ_TEXTS
+from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.voices.reference import Voice
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from minicpm_cli.backends.gptq import write_gptq_checkpoint  # noqa: E402
-from minicpm_cli.synthetic import SyntheticSpec, write_checkpoint  # noqa: E402
+from minicpm_cli.engine.synthetic import SyntheticSpec, write_checkpoint  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Single-query attention for one-token steps (`_attend`, launched by `TritonDecode`, decode.py):
+"""Single-query attention for one-token steps (`attention_kernel`, launched by `TritonDecode`, decode.py):
 a query head against the KV cache's slots up to the position, which is read on the device (one
 CUDA graph serves every position), masked causally or by per-slot "visible from" positions (the
 TTS chunk mask); the slots are split over programs and merged by the last one to finish.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import _arrive_last, _let_next, _wait_previous
+from .common import arrive_last, let_next, wait_previous
 
 
 @triton.jit
@@ -37,7 +37,7 @@ def _attend_block(q, k, v, seen, m, acc, total, scale):
 
 
 @triton.jit
-def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len,
+def attention_kernel(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len,
             SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
             BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):
     """Program (h, j): query head h against the cache blocks j, j + SPLITS, ... of BLOCK_S slots
@@ -47,18 +47,18 @@ def _attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr,
 
     Only q and the current slot's k/v come from the previous kernel (the q/k/v projection): the
     position (written before the step's first kernel) and the program's first block of older slots
-    are loaded before `_wait_previous`, so under PDL those loads overlap the previous kernel."""
+    are loaded before `wait_previous`, so under PDL those loads overlap the previous kernel."""
     _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, tl.program_id(0),
                  tl.program_id(1), SPLITS, GROUP, D, HAS_VIS, BLOCK_S, NB, PDL)
 
 
 @triton.jit
-def _rows_attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, kv_row, vis_row,
+def rows_attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, kv_row, vis_row,
                  H: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
                  BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):
-    """`_attend` for several rows of the KV cache at once: program (h, j, b) is program (h, j) of
+    """`attention_kernel` for several rows of the KV cache at once: program (h, j, b) is program (h, j) of
     row b alone (its q, output, cache row, position, "visible from" row, partials and counters), so
-    each row's attention is exactly what `_attend` gives it. kv_row, vis_row: elements between
+    each row's attention is exactly what `attention_kernel` gives it. kv_row, vis_row: elements between
     two cache rows and two rows of `vis`."""
     b = tl.program_id(2)
     _attend_head(q_ptr + b * H * D, kc_ptr + b * kv_row, vc_ptr + b * kv_row, vis_ptr + b * vis_row, pos_ptr + b,
@@ -70,7 +70,7 @@ def _rows_attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
 def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, h, j,
                  SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
                  BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
-    """The body of `_attend`'s program (h, j)."""
+    """The body of `attention_kernel`'s program (h, j)."""
     pos = tl.load(pos_ptr)
     n_blocks = pos // BLOCK_S + 1
     n_used = tl.minimum(n_blocks, SPLITS)
@@ -82,7 +82,7 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
     off = (hk * max_len + s)[:, None] * D + dd[None, :]
     k = tl.load(kc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
     v = tl.load(vc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
-    _wait_previous(PDL)
+    wait_previous(PDL)
     if j < n_used:
         q = tl.load(q_ptr + h * D + dd).to(tl.float32)
         now = (s == pos)[:, None]
@@ -98,12 +98,12 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
                 k = tl.load(kc_ptr + off, mask=seen[:, None], other=0.0).to(tl.float32)
                 v = tl.load(vc_ptr + off, mask=seen[:, None], other=0.0).to(tl.float32)
                 m, acc, total = _attend_block(q, k, v, seen, m, acc, total, scale)
-        _let_next(PDL)
+        let_next(PDL)
         base = part_ptr + (h * SPLITS + j) * (D + 2)
         tl.store(base + dd, acc)
         tl.store(base + D, m)
         tl.store(base + D + 1, total)
-        if _arrive_last(cnt_ptr + h, n_used):
+        if arrive_last(cnt_ptr + h, n_used):
             js = tl.arange(0, triton.next_power_of_2(SPLITS))
             jm = js < n_used
             rows = part_ptr + (h * SPLITS + js) * (D + 2)

@@ -2,12 +2,12 @@
 five launches a layer (decode.py) for nb streams, each at its own position with its own "visible
 from" row; and `gemv_rows`, the same for one product.
 
-A projection program loads its weight tile, every K-block of it, before `_wait_previous`, then
+A projection program loads its weight tile, every K-block of it, before `wait_previous`, then
 applies it to its step rows one after another (`tl.static_range`; one row a program by default,
 which measured fastest: the tiles the other rows' programs read again come from L2) with exactly the arithmetic of the
-single-stream kernel: the same K-blocks and products (`_dense_mac`), the same sums, split-K merge
-and roundings, the same epilogues (`_qkv_out`, `_gate_up_out`, `_gemv_out`). Attention runs
-`_attend`'s programs for each row (`_rows_attend`). So a row's results are bit for bit those
+single-stream kernel: the same K-blocks and products (`dense_mac`), the same sums, split-K merge
+and roundings, the same epilogues (`qkv_out`, `gate_up_out`, `gemv_out`). Attention runs
+`attention_kernel`'s programs for each row (`rows_attend`). So a row's results are bit for bit those
 `TritonDecode` gives it alone, whatever else is in the batch, as long as the two share their K
 blocking (`BatchDecode` takes it from the single step's `cfg`): in bfloat16 a batched stream speaks
 exactly as it does alone.
@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention import _rows_attend
-from .common import SplitScratch, Weight, _arrive_last, _let_next, _rnd, _sum_parts, _wait_previous, split_k
-from .decode import TritonDecode, _gate_up_out, _launch, _qkv_bias, _qkv_out, _qkv_store
-from .matvec import _dense_mac, _gemv_out, _tile, _total, _vec
+from .attention import rows_attend
+from .common import SplitScratch, Weight, arrive_last, let_next, round_to, sum_parts, wait_previous, split_k
+from .decode import TritonDecode, gate_up_out, launch_shape, load_qkv_bias, qkv_out, qkv_store
+from .matvec import dense_mac, gemv_out, dense_tile, row_totals, vec
 
 
 @triton.jit
@@ -40,9 +40,9 @@ def _tiles(w_ptr, row0, row02, LIM, k_lo, K: tl.constexpr, BLOCK_R: tl.constexpr
     ws = ()
     ws2 = ()
     for i in tl.static_range(KB):
-        ws = ws + (_tile(w_ptr, row0, row0, LIM, k_lo + i * BLOCK_K, K, BLOCK_R, BLOCK_K),)
+        ws = ws + (dense_tile(w_ptr, row0, row0, LIM, k_lo + i * BLOCK_K, K, BLOCK_R, BLOCK_K),)
         if TWO:
-            ws2 = ws2 + (_tile(w_ptr, row02, row0, LIM, k_lo + i * BLOCK_K, K, BLOCK_R, BLOCK_K),)
+            ws2 = ws2 + (dense_tile(w_ptr, row02, row0, LIM, k_lo + i * BLOCK_K, K, BLOCK_R, BLOCK_K),)
     if not TWO:
         ws2 = ws
     return ws, ws2
@@ -51,7 +51,7 @@ def _tiles(w_ptr, row0, row02, LIM, k_lo, K: tl.constexpr, BLOCK_R: tl.constexpr
 @triton.jit
 def _row_k(ws, ws2, v_ptr, g_ptr, k_lo, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
            KB: tl.constexpr, GAIN: tl.constexpr, TWO: tl.constexpr):
-    """The dense `_k_loop` of one step row (inputs at v_ptr) over a program's tiles -> (acc, acc2,
+    """The dense `k_loop` of one step row (inputs at v_ptr) over a program's tiles -> (acc, acc2,
     ss), element for element what the single-stream loop accumulates."""
     acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
     acc2 = acc
@@ -60,10 +60,10 @@ def _row_k(ws, ws2, v_ptr, g_ptr, k_lo, K: tl.constexpr, BLOCK_R: tl.constexpr, 
     ss = tl.zeros([BLOCK_K], dtype=tl.float32)
     for i in tl.static_range(KB):
         cols = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K)
-        v, ss = _vec(v_ptr, g_ptr, cols, cols < K, ss, GAIN)
-        acc = _dense_mac(acc, ws[i], v)
+        v, ss = vec(v_ptr, g_ptr, cols, cols < K, ss, GAIN)
+        acc = dense_mac(acc, ws[i], v)
         if TWO:
-            acc2 = _dense_mac(acc2, ws2[i], v)
+            acc2 = dense_mac(acc2, ws2[i], v)
     return acc, acc2, ss
 
 
@@ -83,19 +83,19 @@ def _rows_qkv_rope(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr
     row0 = head * D + j * BLOCK_R
     r1 = row0 + tl.arange(0, BLOCK_R)
     ws, ws2 = _tiles(w_ptr, row0, row0 + D // 2, (HQ + 2 * HKV) * D, 0, DIM, BLOCK_R, BLOCK_K, KB, True)
-    b1, b2 = _qkv_bias(b_ptr, r1, r1 + D // 2, HAS_BIAS)
-    _wait_previous(PDL)
+    b1, b2 = load_qkv_bias(b_ptr, r1, r1 + D // 2, HAS_BIAS)
+    wait_previous(PDL)
     for i in tl.static_range(RB):
         b = b0 + i
         pos = tl.load(pos_ptr + b)
-        c = _rnd(tl.load(cos_ptr + pos * D + d), dtype)
-        s = _rnd(tl.load(sin_ptr + pos * D + d), dtype)
+        c = round_to(tl.load(cos_ptr + pos * D + d), dtype)
+        s = round_to(tl.load(sin_ptr + pos * D + d), dtype)
         acc1, acc2, ss = _row_k(ws, ws2, x_ptr + b * DIM, nw_ptr, 0, DIM, BLOCK_R, BLOCK_K, KB, True, True)
-        o1, o2 = _qkv_out(acc1, acc2, ss, ss, 1.0, 0.0, 1.0, 0.0, b1, b2, c, s, head, eps, DIM, HQ, HKV, BLOCK_R,
+        o1, o2 = qkv_out(acc1, acc2, ss, ss, 1.0, 0.0, 1.0, 0.0, b1, b2, c, s, head, eps, DIM, HQ, HKV, BLOCK_R,
                           HAS_BIAS, False, DIM, dtype)
-        _qkv_store(o1, o2, d, head, pos, q_ptr + b * HQ * D, kc_ptr + b * kv_row, vc_ptr + b * kv_row, max_len, HQ,
+        qkv_store(o1, o2, d, head, pos, q_ptr + b * HQ * D, kc_ptr + b * kv_row, vc_ptr + b * kv_row, max_len, HQ,
                    HKV, D)
-    _let_next(PDL)
+    let_next(PDL)
 
 
 @triton.jit
@@ -110,13 +110,13 @@ def _rows_gate_up(x_ptr, nw_ptr, w_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl
     dtype = x_ptr.dtype.element_ty
     KB: tl.constexpr = (DIM + BLOCK_K - 1) // BLOCK_K
     ws, ws2 = _tiles(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, KB, True)
-    _wait_previous(PDL)
+    wait_previous(PDL)
     for i in tl.static_range(RB):
         b = b0 + i
         acc_g, acc_u, ss = _row_k(ws, ws2, x_ptr + b * DIM, nw_ptr, 0, DIM, BLOCK_R, BLOCK_K, KB, True, True)
-        h = _gate_up_out(acc_g, acc_u, ss, ss, 1.0, 0.0, 1.0, 0.0, eps, DIM, BLOCK_R, False, DIM, dtype)
+        h = gate_up_out(acc_g, acc_u, ss, ss, 1.0, 0.0, 1.0, 0.0, eps, DIM, BLOCK_R, False, DIM, dtype)
         tl.store(h_ptr + b * INTER + rows, h.to(dtype), mask=rm)
-    _let_next(PDL)
+    let_next(PDL)
 
 
 @triton.jit
@@ -140,28 +140,28 @@ def _rows_gemv(y_ptr, w_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.constexpr,
     k_lo = sp * KS
     KB: tl.constexpr = KS // BLOCK_K
     ws, _ = _tiles(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, KB, False)
-    _wait_previous(PDL)
+    wait_previous(PDL)
     for i in tl.static_range(RB):
         b = b0 + i
         res = 0.0
         if RESIDUAL:
             res = tl.load(x_ptr + b * N + rows, mask=rm, other=0.0).to(tl.float32)
         acc, _, _ = _row_k(ws, ws, y_ptr + b * K, y_ptr, k_lo, K, BLOCK_R, BLOCK_K, KB, False, False)
-        t = _total(acc, acc, 0.0, K, BLOCK_R, False, K)
+        t = row_totals(acc, acc, 0.0, K, BLOCK_R, False, K)
         if SPLIT == 1:
-            _gemv_out(t, 1.0, res, out_ptr + b * N, rows, rm, K, RESIDUAL, False, K, dtype)
+            gemv_out(t, 1.0, res, out_ptr + b * N, rows, rm, K, RESIDUAL, False, K, dtype)
         else:
             tl.store(part_ptr + ((b * blocks + blk) * SPLIT + sp) * BLOCK_R + r, t)
-    _let_next(PDL)
+    let_next(PDL)
     if SPLIT > 1:
-        if _arrive_last(cnt_ptr + g * blocks + blk, SPLIT):
+        if arrive_last(cnt_ptr + g * blocks + blk, SPLIT):
             for i in tl.static_range(RB):
                 b = b0 + i
                 res = 0.0
                 if RESIDUAL:
                     res = tl.load(x_ptr + b * N + rows, mask=rm, other=0.0).to(tl.float32)
-                t = _sum_parts(part_ptr + (b * blocks + blk) * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
-                _gemv_out(t, 1.0, res, out_ptr + b * N, rows, rm, K, RESIDUAL, False, K, dtype)
+                t = sum_parts(part_ptr + (b * blocks + blk) * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
+                gemv_out(t, 1.0, res, out_ptr + b * N, rows, rm, K, RESIDUAL, False, K, dtype)
             tl.store(cnt_ptr + g * blocks + blk, 0)
 
 
@@ -233,7 +233,7 @@ class BatchDecode:
         self.q = torch.zeros(self.rows, c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.y = torch.zeros(self.rows, c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.h = torch.zeros(self.rows, c.intermediate, dtype=dt, device=dev)
-        self.cfg = {name: (_launch(single.cfg[name], 4)[0], _launch(single.cfg[name], 4)[2], group)
+        self.cfg = {name: (launch_shape(single.cfg[name], 4)[0], launch_shape(single.cfg[name], 4)[2], group)
                     for name in ("qkv", "o", "gate_up", "down")}
         self.cfg["down"] = (min(self.cfg["down"][0], 4),) + self.cfg["down"][1:]
         self.part = torch.zeros(self.rows * c.n_heads * single.max_splits * (c.head_dim + 2), dtype=torch.float32,
@@ -260,7 +260,7 @@ class BatchDecode:
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, s.weights):
             a = layer.self_attn
             self._qkv(layer, wqkv, pos, nb, kv_row)
-            _rows_attend[(H, splits, nb)](
+            rows_attend[(H, splits, nb)](
                 self.q, a.kv_cache.k, a.kv_cache.v, vis if vis is not None else pos, pos, self.y, self.part,
                 self.count, D**-0.5, s.max_len, kv_row, vis.stride(0) if vis is not None else 1, H=H, SPLITS=splits,
                 GROUP=H // Hkv, D=D, HAS_VIS=vis is not None, BLOCK_S=s.block_s,
@@ -281,7 +281,7 @@ class BatchDecode:
             self.x, layer.input_layernorm.weight, w.w, bias if bias is not None else self.x, s.decoder.rope_cos,
             s.decoder.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps, s.max_len, kv_row,
             DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, BLOCK_R=qr,
-            BLOCK_K=w.block_k(_launch(s.cfg["qkv"], 4)[1]), RB=qg, PDL=s.pdl, num_warps=qw, launch_pdl=s.pdl)
+            BLOCK_K=w.block_k(launch_shape(s.cfg["qkv"], 4)[1]), RB=qg, PDL=s.pdl, num_warps=qw, launch_pdl=s.pdl)
 
     def _gate_up(self, layer, w: Weight, nb: int) -> None:
         """RMSNorm, gate/up and SiLU(gate) * up of rows 0..nb-1 into `h`."""
@@ -290,11 +290,11 @@ class BatchDecode:
         gg = _group(nb, gg)
         _rows_gate_up[(triton.cdiv(c.intermediate, gr), nb // gg)](
             self.x, norm.weight, w.w, self.h, norm.eps, DIM=c.dim, INTER=c.intermediate, BLOCK_R=gr,
-            BLOCK_K=w.block_k(_launch(s.cfg["gate_up"], 4)[1]), RB=gg, PDL=s.pdl, num_warps=gw, launch_pdl=s.pdl)
+            BLOCK_K=w.block_k(launch_shape(s.cfg["gate_up"], 4)[1]), RB=gg, PDL=s.pdl, num_warps=gw, launch_pdl=s.pdl)
 
     def _residual(self, name: str, w: Weight, y: Tensor) -> None:
         """o_proj or down_proj of y (nb, K) added to the residual streams in place."""
-        _, k, _, _, sp = _launch(self.single.cfg[name], 5)[:5]
+        _, k, _, _, sp = launch_shape(self.single.cfg[name], 5)[:5]
         r, warps, group = self.cfg[name]
         x = self.x[: y.shape[0]]
         gemv_rows(w, y, x, x, rows=r, block_k=k, warps=warps, split=sp, group=group, scratch=self.scratch,

@@ -1,9 +1,9 @@
-"""What the kernels share: programmatic dependent launch (`_wait_previous`, `_let_next`), split-K
-counting and merging (`_arrive_last`, `_sum_parts`, `SplitScratch`, `split_k`), rounding to the
-model dtype (`_rnd`), the projection weight as the kernels take it (`Weight`) and the GPU's SM count.
+"""What the kernels share: programmatic dependent launch (`wait_previous`, `let_next`), split-K
+counting and merging (`arrive_last`, `sum_parts`, `SplitScratch`, `split_k`), rounding to the
+model dtype (`round_to`), the projection weight as the kernels take it (`Weight`) and the GPU's SM count.
 
 On Hopper and later GPUs the decode step's kernels launch as programmatic dependents: each loads
-what no kernel of the step writes (its first weights), then waits in `_wait_previous`.
+what no kernel of the step writes (its first weights), then waits in `wait_previous`.
 
 Tested through the kernels that use them (tests/test_kernels.py, tests/test_int4_kernels.py).
 """
@@ -20,7 +20,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def _wait_previous(PDL: tl.constexpr):
+def wait_previous(PDL: tl.constexpr):
     """Under programmatic dependent launch (PDL, Hopper and later: a kernel of the step may start
     while the previous one finishes): wait until the previous kernel has finished and its writes
     are visible. Before this a kernel may only read what no kernel of the step writes (weights)."""
@@ -29,15 +29,15 @@ def _wait_previous(PDL: tl.constexpr):
 
 
 @triton.jit
-def _let_next(PDL: tl.constexpr):
+def let_next(PDL: tl.constexpr):
     """Under PDL: once every program of this kernel has come here, the next kernel may start (its
-    programs load their first weights, then wait in `_wait_previous`)."""
+    programs load their first weights, then wait in `wait_previous`)."""
     if PDL:
         gdc_launch_dependents()
 
 
 @triton.jit
-def _arrive_last(cnt_ptr, n):
+def arrive_last(cnt_ptr, n):
     """Split-K: after this program's partial results are stored, count it in at cnt_ptr; True for
     the last of the n programs to arrive, which then merges the partials and resets the count."""
     tl.debug_barrier()  # every thread's partials are written before the count goes up
@@ -45,7 +45,7 @@ def _arrive_last(cnt_ptr, n):
 
 
 @triton.jit
-def _sum_parts(part_ptr, offs, SIZE: tl.constexpr, SPLIT: tl.constexpr):
+def sum_parts(part_ptr, offs, SIZE: tl.constexpr, SPLIT: tl.constexpr):
     """Split-K: the SPLIT partial sums stored at part_ptr + j * SIZE + offs, added in a fixed order
     (read past L1: other programs wrote them)."""
     t = tl.load(part_ptr + offs, cache_modifier=".cg")
@@ -55,7 +55,7 @@ def _sum_parts(part_ptr, offs, SIZE: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _rnd(v, dtype: tl.constexpr):
+def round_to(v, dtype: tl.constexpr):
     """Round a float32 value to the model dtype (and back), as an eager op's output would be."""
     return v.to(dtype).to(tl.float32)
 
@@ -115,7 +115,7 @@ def split_k(k: int, bk: int, split: int) -> tuple[int, int]:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a GPU, which the prefill product aims to fill (132 on an H100
     or H200, also assumed for a CPU: the interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132

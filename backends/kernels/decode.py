@@ -7,7 +7,7 @@ kernels, not by arithmetic or bandwidth, so the layer is fused into five launche
 1. `_rms_qkv_rope` (here): RMSNorm of the residual stream, the fused q/k/v projection (+ bias),
    rotary embedding at the current position, q to a scratch buffer and k/v straight into the KV
    cache;
-2. `_attend` (attention.py): single-query attention over cache slots 0..pos (the position is read
+2. `attention_kernel` (attention.py): single-query attention over cache slots 0..pos (the position is read
    on the device, so one CUDA graph serves every position), masked by per-slot "visible from"
    positions when given (the TTS chunk mask) or causally (the LLM); the slots are split over
    programs and merged by the last one to finish;
@@ -41,9 +41,9 @@ from torch import Tensor
 
 from minicpm_cli.models.transformer import Decoder
 
-from .attention import _attend
-from .common import SplitScratch, Weight, _rnd, _sm_count, _wait_previous, split_k
-from .matvec import _first, _k_loop, _row_params, _row_scale, _total, gemv
+from .attention import attention_kernel
+from .common import SplitScratch, Weight, round_to, sm_count, wait_previous, split_k
+from .matvec import first_block, k_loop, row_params, row_scale, row_totals, gemv
 
 
 @triton.jit
@@ -63,24 +63,24 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     r2 = r1 + D // 2
     every = r1 >= 0
     lim = (HQ + 2 * HKV) * D
-    pre = _first(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True, PIPE)
+    pre = first_block(w_ptr, row0, row0 + D // 2, lim, 0, DIM, BLOCK_R, BLOCK_K, Q4, True, PIPE)
     # before the wait: weights, and the position (written before the step's first kernel)
-    sc1, z1 = _row_params(s_ptr, z_ptr, r1, every, DIM, Q4, GS)
-    sc2, z2 = _row_params(s_ptr, z_ptr, r2, every, DIM, Q4, GS)
-    b1, b2 = _qkv_bias(b_ptr, r1, r2, HAS_BIAS)
+    sc1, z1 = row_params(s_ptr, z_ptr, r1, every, DIM, Q4, GS)
+    sc2, z2 = row_params(s_ptr, z_ptr, r2, every, DIM, Q4, GS)
+    b1, b2 = load_qkv_bias(b_ptr, r1, r2, HAS_BIAS)
     pos = tl.load(pos_ptr)
-    c = _rnd(tl.load(cos_ptr + pos * D + d), dtype)
-    s = _rnd(tl.load(sin_ptr + pos * D + d), dtype)
-    _wait_previous(PDL)
-    acc1, acc2, ss, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, 0, DIM, DIM,
+    c = round_to(tl.load(cos_ptr + pos * D + d), dtype)
+    s = round_to(tl.load(sin_ptr + pos * D + d), dtype)
+    wait_previous(PDL)
+    acc1, acc2, ss, vz = k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, 0, DIM, DIM,
                                  BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL, PIPE)
-    o1, o2 = _qkv_out(acc1, acc2, ss, vz, sc1, z1, sc2, z2, b1, b2, c, s, head, eps, DIM, HQ, HKV, BLOCK_R,
+    o1, o2 = qkv_out(acc1, acc2, ss, vz, sc1, z1, sc2, z2, b1, b2, c, s, head, eps, DIM, HQ, HKV, BLOCK_R,
                       HAS_BIAS, Q4, GS, dtype)
-    _qkv_store(o1, o2, d, head, pos, q_ptr, kc_ptr, vc_ptr, max_len, HQ, HKV, D)
+    qkv_store(o1, o2, d, head, pos, q_ptr, kc_ptr, vc_ptr, max_len, HQ, HKV, D)
 
 
 @triton.jit
-def _qkv_bias(b_ptr, r1, r2, HAS_BIAS: tl.constexpr):
+def load_qkv_bias(b_ptr, r1, r2, HAS_BIAS: tl.constexpr):
     """The q/k/v bias of rows r1 and r2 in float32 (0 without one)."""
     b1 = 0.0
     b2 = 0.0
@@ -91,27 +91,27 @@ def _qkv_bias(b_ptr, r1, r2, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _qkv_out(acc1, acc2, ss, vz, sc1, z1, sc2, z2, b1, b2, c, s, head, eps, DIM: tl.constexpr, HQ: tl.constexpr,
+def qkv_out(acc1, acc2, ss, vz, sc1, z1, sc2, z2, b1, b2, c, s, head, eps, DIM: tl.constexpr, HQ: tl.constexpr,
              HKV: tl.constexpr, BLOCK_R: tl.constexpr, HAS_BIAS: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr,
              dtype: tl.constexpr):
     """`_rms_qkv_rope`'s rows from its K loop (paired rows of a half head): RMSNorm scale, bias,
     rounding, rotation by (c, s) for q and k heads -> (o1, o2); shared with the batched kernel."""
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    y1 = _row_scale(_total(acc1, vz, z1, DIM, BLOCK_R, Q4, GS), sc1, DIM, Q4, GS) * inv
-    y2 = _row_scale(_total(acc2, vz, z2, DIM, BLOCK_R, Q4, GS), sc2, DIM, Q4, GS) * inv
+    y1 = row_scale(row_totals(acc1, vz, z1, DIM, BLOCK_R, Q4, GS), sc1, DIM, Q4, GS) * inv
+    y2 = row_scale(row_totals(acc2, vz, z2, DIM, BLOCK_R, Q4, GS), sc2, DIM, Q4, GS) * inv
     if HAS_BIAS:
         y1 += b1
         y2 += b2
-    return _rotate(_rnd(y1, dtype), _rnd(y2, dtype), c, s, head, HQ, HKV, dtype)
+    return rotate_pair(round_to(y1, dtype), round_to(y2, dtype), c, s, head, HQ, HKV, dtype)
 
 
 @triton.jit
-def _rotate(y1, y2, c, s, head, HQ: tl.constexpr, HKV: tl.constexpr, dtype: tl.constexpr):
+def rotate_pair(y1, y2, c, s, head, HQ: tl.constexpr, HKV: tl.constexpr, dtype: tl.constexpr):
     """Paired rows y1, y2 (d and d + D/2) of head `head`, rounded, rotated by (c, s) as the eager
     code rounds it if a q or k head -> (o1, o2); shared with the tensor-core kernels (mma.py)."""
     if head < HQ + HKV:  # q and k heads rotate: x * cos + rotate_half(x) * sin
-        o1 = _rnd(_rnd(y1 * c, dtype) - _rnd(y2 * s, dtype), dtype)
-        o2 = _rnd(_rnd(y2 * c, dtype) + _rnd(y1 * s, dtype), dtype)
+        o1 = round_to(round_to(y1 * c, dtype) - round_to(y2 * s, dtype), dtype)
+        o2 = round_to(round_to(y2 * c, dtype) + round_to(y1 * s, dtype), dtype)
     else:
         o1 = y1
         o2 = y2
@@ -119,7 +119,7 @@ def _rotate(y1, y2, c, s, head, HQ: tl.constexpr, HKV: tl.constexpr, dtype: tl.c
 
 
 @triton.jit
-def _qkv_store(o1, o2, d, head, pos, q_ptr, kc_ptr, vc_ptr, max_len, HQ: tl.constexpr, HKV: tl.constexpr,
+def qkv_store(o1, o2, d, head, pos, q_ptr, kc_ptr, vc_ptr, max_len, HQ: tl.constexpr, HKV: tl.constexpr,
                D: tl.constexpr):
     """Half-head rows d and d + D/2 of head `head`: q to its buffer, k and v into cache slot pos."""
     if head < HQ:
@@ -141,32 +141,32 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
-    pre = _first(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True, PIPE)
-    sc_g, z_g = _row_params(s_ptr, z_ptr, rows, rm, DIM, Q4, GS)
-    sc_u, z_u = _row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, Q4, GS)
-    _wait_previous(PDL)
-    acc_g, acc_u, ss, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0, DIM, DIM,
+    pre = first_block(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True, PIPE)
+    sc_g, z_g = row_params(s_ptr, z_ptr, rows, rm, DIM, Q4, GS)
+    sc_u, z_u = row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, Q4, GS)
+    wait_previous(PDL)
+    acc_g, acc_u, ss, vz = k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0, DIM, DIM,
                                    BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL, PIPE)
-    h = _gate_up_out(acc_g, acc_u, ss, vz, sc_g, z_g, sc_u, z_u, eps, DIM, BLOCK_R, Q4, GS, dtype)
+    h = gate_up_out(acc_g, acc_u, ss, vz, sc_g, z_g, sc_u, z_u, eps, DIM, BLOCK_R, Q4, GS, dtype)
     tl.store(h_ptr + rows, h.to(dtype), mask=rm)
 
 
 @triton.jit
-def _gate_up_out(acc_g, acc_u, ss, vz, sc_g, z_g, sc_u, z_u, eps, DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+def gate_up_out(acc_g, acc_u, ss, vz, sc_g, z_g, sc_u, z_u, eps, DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                  Q4: tl.constexpr, GS: tl.constexpr, dtype: tl.constexpr):
     """`_rms_gate_up`'s rows from its K loop: RMSNorm scale, rounding, silu(gate) * up (float32,
     before its rounding to the model dtype); shared with the batched kernel."""
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
-    g = _rnd(_row_scale(_total(acc_g, vz, z_g, DIM, BLOCK_R, Q4, GS), sc_g, DIM, Q4, GS) * inv, dtype)
-    u = _rnd(_row_scale(_total(acc_u, vz, z_u, DIM, BLOCK_R, Q4, GS), sc_u, DIM, Q4, GS) * inv, dtype)
-    return _silu_mul(g, u, dtype)
+    g = round_to(row_scale(row_totals(acc_g, vz, z_g, DIM, BLOCK_R, Q4, GS), sc_g, DIM, Q4, GS) * inv, dtype)
+    u = round_to(row_scale(row_totals(acc_u, vz, z_u, DIM, BLOCK_R, Q4, GS), sc_u, DIM, Q4, GS) * inv, dtype)
+    return silu_mul(g, u, dtype)
 
 
 @triton.jit
-def _silu_mul(g, u, dtype: tl.constexpr):
+def silu_mul(g, u, dtype: tl.constexpr):
     """silu(g) * u of rounded g and u, silu rounded as the eager op's output (float32, before the
     product's rounding); shared with the tensor-core kernels (mma.py)."""
-    return _rnd(g / (1.0 + tl.exp(-g)), dtype) * u
+    return round_to(g / (1.0 + tl.exp(-g)), dtype) * u
 
 
 def cuda_gate_up_fits(w: Weight, x: Tensor, chunks: int = 2) -> bool:
@@ -191,11 +191,11 @@ def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, *, w
     k = cuda.kernel("q4_decode.cu", "q4_rms_gate_up", x.device,
                     (("DIM", w.k), ("INTER", inter), ("WARPS", warps), ("CHUNKS", chunks), ("STAGES", stages),
                      ("PDL", int(pdl))))
-    blocks = min(triton.cdiv(inter // 4, warps), _sm_count(x.device) * k.blocks_per_sm(32 * warps))
+    blocks = min(triton.cdiv(inter // 4, warps), sm_count(x.device) * k.blocks_per_sm(32 * warps))
     k((blocks,), 32 * warps, x, gain, w.w, w.scales, w.zeros, h, float(eps), pdl=pdl)
 
 
-def _launch(shape: tuple, n: int) -> tuple:
+def launch_shape(shape: tuple, n: int) -> tuple:
     """A `TritonDecode.cfg` launch shape padded with zeros to n + 1 elements (the optional last ones,
     e.g. PIPE, 0 where absent)."""
     return tuple(shape) + (0,) * (n + 1 - len(shape))
@@ -220,7 +220,7 @@ class TritonDecode:
     stream (dim,), before the final norm, in a static buffer. Capturable in a CUDA graph: no host synchronisation, no
     position-dependent shapes. `visible_from` (slots,): a slot is seen from that position on
     (the TTS mask); None means causal. `pdl`: launch the kernels as programmatic dependents
-    (`_wait_previous`; the default on Hopper and later GPUs, never in Triton's interpreter)."""
+    (`wait_previous`; the default on Hopper and later GPUs, never in Triton's interpreter)."""
 
     def __init__(self, decoder: Decoder, visible_from: Tensor | None = None, pdl: bool | None = None):
         c = decoder.config
@@ -242,7 +242,7 @@ class TritonDecode:
         self.h = torch.zeros(c.intermediate, dtype=dt, device=dev)
         # Launch shapes per kernel: (rows per program, K per iteration, warps, K-blocks whose loads
         # are in flight at once[, programs per row block (split-K) for o and down][, 1: 4-bit
-        # words through Triton's pipelining, see `_k_loop`]); the qkv
+        # words through Triton's pipelining, see `k_loop`]); the qkv
         # kernel's rows are per half head. The best of a sweep on an H200 (docs/journal.md): a
         # small model wants all of K in one iteration (latency), a large one more, shorter programs.
         # "gate_up_cuda": (warps a block, chunks of K, stages) of `cuda_gate_up`, which a 4-bit
@@ -276,12 +276,12 @@ class TritonDecode:
             self.x.copy_(x.reshape(-1))
         vis = self.visible_from if self.visible_from is not None else pos
         splits = min(triton.cdiv(self.max_len, self.block_s), self.max_splits)
-        qr, qk, qw, qs, qp = _launch(cfg["qkv"], 4)
+        qr, qk, qw, qs, qp = launch_shape(cfg["qkv"], 4)
         qr = min(qr, D // 2)
-        gr, gk, gw, gs, gp = _launch(cfg["gate_up"], 4)
-        r_o, k_o, w_o, st_o, sp_o, p_o = _launch(cfg["o"], 5)
-        r_d, k_d, w_d, st_d, sp_d, p_d = _launch(cfg["down"], 5)
-        gc_warps, gc_chunks, gc_stages = _launch(cfg.get("gate_up_cuda", (0,)), 2)
+        gr, gk, gw, gs, gp = launch_shape(cfg["gate_up"], 4)
+        r_o, k_o, w_o, st_o, sp_o, p_o = launch_shape(cfg["o"], 5)
+        r_d, k_d, w_d, st_d, sp_d, p_d = launch_shape(cfg["down"], 5)
+        gc_warps, gc_chunks, gc_stages = launch_shape(cfg.get("gate_up_cuda", (0,)), 2)
         gc = gc_warps > 0 and cuda_gate_up_fits(self.weights[0][2], self.x, gc_chunks)
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, self.weights):
             a = layer.self_attn
@@ -292,7 +292,7 @@ class TritonDecode:
                 self.max_len, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, Q4=wqkv.q4,
                 GS=wqkv.group, BLOCK_R=qr, BLOCK_K=wqkv.block_k(qk), VW=wqkv.vw(qk), STAGES=qs, PDL=pdl,
                 PIPE=bool(qp), num_warps=qw, launch_pdl=pdl)
-            _attend[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
+            attention_kernel[(H, splits)](self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count,
                                  D**-0.5, self.max_len, SPLITS=splits, GROUP=H // Hkv, D=D,
                                  HAS_VIS=self.visible_from is not None, BLOCK_S=self.block_s,
                                  NB=triton.cdiv(self.max_len, self.block_s), PDL=pdl, num_warps=self.attn_warps,

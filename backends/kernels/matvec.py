@@ -1,4 +1,4 @@
-"""Matrix-vector products for one-token steps: the K loop (`_k_loop`, one K-block at a time in
+"""Matrix-vector products for one-token steps: the K loop (`k_loop`, one K-block at a time in
 `_mac`) that the fused decode kernels (decode.py) share, with an RMSNorm's gain folded in and two
 outputs from one input where they ask for it, and the GEMV kernel `_gemv` / `gemv` (o_proj and
 down_proj into the residual stream, optionally split over K; the LLM's lm_head; the one-row
@@ -19,11 +19,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import SplitScratch, Weight, _arrive_last, _let_next, _rnd, _sum_parts, _wait_previous, split_k
+from .common import SplitScratch, Weight, arrive_last, let_next, round_to, sum_parts, wait_previous, split_k
 
 
 @triton.jit
-def _vec(v_ptr, g_ptr, cols, cm, ss, GAIN: tl.constexpr):
+def vec(v_ptr, g_ptr, cols, cm, ss, GAIN: tl.constexpr):
     """Inputs v[cols] in float32; under GAIN, g * v (an RMSNorm's gain) and ss += v^2 (its scale)."""
     v = tl.load(v_ptr + cols, mask=cm, other=0.0).to(tl.float32)
     if GAIN:
@@ -34,7 +34,7 @@ def _vec(v_ptr, g_ptr, cols, cm, ss, GAIN: tl.constexpr):
 
 @triton.jit
 def _vec8(v_ptr, g_ptr, kw, km, ss, GAIN: tl.constexpr):
-    """`_vec` for the inputs of 4-bit words kw, in one 16-byte load per word: (v[8kw], v[8kw+1],
+    """`vec` for the inputs of 4-bit words kw, in one 16-byte load per word: (v[8kw], v[8kw+1],
     ..., v[8kw+7]) as eight (words,) vectors, ss (words,) += their squares under GAIN."""
     cols = kw[:, None] * 8 + tl.arange(0, 8)[None, :]
     v = tl.load(v_ptr + cols, mask=km[:, None], other=0.0).to(tl.float32)
@@ -79,9 +79,9 @@ def _words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def _first(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+def first_block(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
            Q4: tl.constexpr, TWO: tl.constexpr, PIPE: tl.constexpr):
-    """`_words` of the first K-block, which `_k_loop` takes as `pre`; none (a placeholder) under PIPE."""
+    """`_words` of the first K-block, which `k_loop` takes as `pre`; none (a placeholder) under PIPE."""
     if PIPE:
         words = tl.zeros([1], dtype=tl.int32)
         pre = (words, words)
@@ -132,10 +132,10 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
     backends/gptq.py `pair_nibbles`), the words of four
     consecutive rows interleaved, (N/4, K/8, 4), so that one 16-byte load brings a word of each of
     four rows; acc (BLOCK_K/8, BLOCK_R/4, 4), ss (BLOCK_K/8,): the eight values of a word add into
-    one element (`_total` sums up the rows); their words come loaded, `pre` (`_words`: the
+    one element (`row_totals` sums up the rows); their words come loaded, `pre` (`_words`: the
     kernels load the next block's while this one is computed). With groups the zero point and
-    scale are applied here; with one group `_total` takes the zero point's share off each row's
-    total and `_row_scale` applies the scale, once per output."""
+    scale are applied here; with one group `row_totals` takes the zero point's share off each row's
+    total and `row_scale` applies the scale, once per output."""
     if Q4:
         # tile (words, quads, 4 rows): the order makes Triton give each thread whole columns
         # (every row of the block for its words, so the inputs are loaded and scaled once per
@@ -155,7 +155,7 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
             # (patterns below 2^24 read as their integer times 2^-149), so one AND makes the
             # weight and v * 2^(100-sh) turns the product into q * v * 2^-49, exactly (no FTZ:
             # the GPU's FMA keeps denormals). The zero point comes off the row's total, z * sum(v)
-            # * 2^-49 (`_total`, sum(v) from vz); `_row_scale` applies 2^49 with the row's scale.
+            # * 2^-49 (`row_totals`, sum(v) from vz); `row_scale` applies 2^49 with the row's scale.
             vj = _vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
             ss = vj[8]
             vsum = vj[0] + vj[1] + vj[2] + vj[3] + vj[4] + vj[5] + vj[6] + vj[7]
@@ -171,7 +171,7 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
             zero2 = 8388608.0 + tl.load(z_ptr + grp2, mask=m, other=0.0)
             scale2 = tl.load(s_ptr + grp2, mask=m, other=0.0)
             for j in tl.static_range(8):  # nibble j: value 2j (j < 4) or 2j - 7
-                v, ss = _vec(v_ptr, g_ptr, kw * 8 + (2 * j if j < 4 else 2 * j - 7), km, ss, GAIN)
+                v, ss = vec(v_ptr, g_ptr, kw * 8 + (2 * j if j < 4 else 2 * j - 7), km, ss, GAIN)
                 # q with the bits of 2^23 is the float 2^23 + q: minus (2^23 + z) gives q - z
                 w = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - zero
                 acc += w * scale * v[:, None, None]
@@ -180,15 +180,15 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
                     acc2 += w2 * scale2 * v[:, None, None]
     else:
         cols = k0 + tl.arange(0, BLOCK_K)
-        v, ss = _vec(v_ptr, g_ptr, cols, cols < K, ss, GAIN)
-        acc = _dense_mac(acc, _tile(w_ptr, row0, row0, LIM, k0, K, BLOCK_R, BLOCK_K), v)
+        v, ss = vec(v_ptr, g_ptr, cols, cols < K, ss, GAIN)
+        acc = dense_mac(acc, dense_tile(w_ptr, row0, row0, LIM, k0, K, BLOCK_R, BLOCK_K), v)
         if TWO:
-            acc2 = _dense_mac(acc2, _tile(w_ptr, row02, row0, LIM, k0, K, BLOCK_R, BLOCK_K), v)
+            acc2 = dense_mac(acc2, dense_tile(w_ptr, row02, row0, LIM, k0, K, BLOCK_R, BLOCK_K), v)
     return acc, acc2, ss, vz
 
 
 @triton.jit
-def _tile(w_ptr, row0, mrow0, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def dense_tile(w_ptr, row0, mrow0, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Dense W[row0.., k0..] (N, K): a (BLOCK_R, BLOCK_K) tile, zeros past K and where row
     mrow0 + i is not below LIM (the kernels that take two tiles mask both by the first's rows)."""
     rows = row0 + tl.arange(0, BLOCK_R)
@@ -198,7 +198,7 @@ def _tile(w_ptr, row0, mrow0, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, B
 
 
 @triton.jit
-def _dense_mac(acc, w, v):
+def dense_mac(acc, w, v):
     """One dense K-block: acc += w * v elementwise (float32), v the block's inputs. The batched
     kernels (batch.py) apply a tile to each row through this too: their rows' sums are the same."""
     return acc + w.to(tl.float32) * v[None, :]
@@ -215,11 +215,11 @@ def _acc(BLOCK_R: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr):
 
 
 @triton.jit
-def _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k_lo, K: tl.constexpr, KS: tl.constexpr,
+def k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k_lo, K: tl.constexpr, KS: tl.constexpr,
             BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, VW: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr,
             GAIN: tl.constexpr, TWO: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr, PIPE: tl.constexpr):
     """`_mac` over inputs k_lo..k_lo+KS in K-blocks -> (acc, acc2, ss, vz), the kernels' main loop.
-    `pre`: the first block's words (`_first`), which the kernel loads before `_wait_previous`; each
+    `pre`: the first block's words (`first_block`), which the kernel loads before `wait_previous`; each
     next block's are loaded while one is computed. PIPE: the 4-bit words too go through Triton's
     pipelining (STAGES K-blocks in flight, asynchronous copies through shared memory; no `pre`).
     Under PDL the next kernel may start after the loop."""
@@ -238,14 +238,14 @@ def _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k_lo, K: t
             pre = _words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
         acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, cur, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K,
                                  BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
-    _let_next(PDL)
+    let_next(PDL)
     return acc, acc2, ss, vz
 
 
 @triton.jit
-def _row_params(s_ptr, z_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
-    """(scale * 2^49, zero point) of rows of a one-group 4-bit weight for `_total` and `_row_scale`
-    (placeholders otherwise). Weights: the kernels load them before `_wait_previous`, so that they
+def row_params(s_ptr, z_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
+    """(scale * 2^49, zero point) of rows of a one-group 4-bit weight for `row_totals` and `row_scale`
+    (placeholders otherwise). Weights: the kernels load them before `wait_previous`, so that they
     are not a memory round trip at the end of every program."""
     scale = 1.0
     zero = 0.0
@@ -257,9 +257,9 @@ def _row_params(s_ptr, z_ptr, rows, rmask, K: tl.constexpr, Q4: tl.constexpr, GS
 
 
 @triton.jit
-def _total(acc, vz, zero, K: tl.constexpr, BLOCK_R: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
+def row_totals(acc, vz, zero, K: tl.constexpr, BLOCK_R: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
     """`_mac`'s accumulators summed per row: (BLOCK_R,), row0 first; for a one-group 4-bit weight
-    minus the zero point's share, z * sum(v) * 2^-49 (see `_mac`; zero from `_row_params`)."""
+    minus the zero point's share, z * sum(v) * 2^-49 (see `_mac`; zero from `row_params`)."""
     if Q4:
         t = tl.reshape(tl.sum(acc, 0), [BLOCK_R])
         if GS == K:
@@ -270,8 +270,8 @@ def _total(acc, vz, zero, K: tl.constexpr, BLOCK_R: tl.constexpr, Q4: tl.constex
 
 
 @triton.jit
-def _row_scale(y, scale, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
-    """The per-row scale of a one-group 4-bit weight (from `_row_params`, times 2^49, see `_mac`),
+def row_scale(y, scale, K: tl.constexpr, Q4: tl.constexpr, GS: tl.constexpr):
+    """The per-row scale of a one-group 4-bit weight (from `row_params`, times 2^49, see `_mac`),
     applied to the finished row sums."""
     if Q4:
         if GS == K:
@@ -295,33 +295,33 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.c
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < N
     k_lo = tl.program_id(1) * KS  # (0 without a split)
-    scale, zero = _row_params(s_ptr, z_ptr, rows, rm, K, Q4, GS)
-    pre = _first(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False, PIPE)
-    _wait_previous(PDL)
+    scale, zero = row_params(s_ptr, z_ptr, rows, rm, K, Q4, GS)
+    pre = first_block(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False, PIPE)
+    wait_previous(PDL)
     res = 0.0
     if RESIDUAL:  # read now, not at the end of the program
         res = tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32)
-    acc, _, _, vz = _k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k_lo, K, KS, BLOCK_R, BLOCK_K, VW,
+    acc, _, _, vz = k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0, N, y_ptr, y_ptr, k_lo, K, KS, BLOCK_R, BLOCK_K, VW,
                             Q4, GS, False, False, STAGES, PDL, PIPE)
-    t = _total(acc, vz, zero, K, BLOCK_R, Q4, GS)  # row sums over this program's inputs, before the scale
+    t = row_totals(acc, vz, zero, K, BLOCK_R, Q4, GS)  # row sums over this program's inputs, before the scale
     if SPLIT == 1:
-        _gemv_out(t, scale, res, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
+        gemv_out(t, scale, res, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
     else:
         r = tl.arange(0, BLOCK_R)
         tl.store(part_ptr + (blk * SPLIT + tl.program_id(1)) * BLOCK_R + r, t)
-        if _arrive_last(cnt_ptr + blk, SPLIT):
-            t = _sum_parts(part_ptr + blk * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
-            _gemv_out(t, scale, res, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
+        if arrive_last(cnt_ptr + blk, SPLIT):
+            t = sum_parts(part_ptr + blk * SPLIT * BLOCK_R, r, BLOCK_R, SPLIT)
+            gemv_out(t, scale, res, out_ptr, rows, rm, K, RESIDUAL, Q4, GS, y_ptr.dtype.element_ty)
             tl.store(cnt_ptr + blk, 0)
 
 
 @triton.jit
-def _gemv_out(t, scale, res, out_ptr, rows, rm, K: tl.constexpr, RESIDUAL: tl.constexpr, Q4: tl.constexpr,
+def gemv_out(t, scale, res, out_ptr, rows, rm, K: tl.constexpr, RESIDUAL: tl.constexpr, Q4: tl.constexpr,
               GS: tl.constexpr, dtype: tl.constexpr):
     """`_gemv`'s rows from their sums t: scale, rounding, residual (res, float32)."""
-    o = _rnd(_row_scale(t, scale, K, Q4, GS), dtype)
+    o = round_to(row_scale(t, scale, K, Q4, GS), dtype)
     if RESIDUAL:
-        o = _rnd(res + o, dtype)
+        o = round_to(res + o, dtype)
     tl.store(out_ptr + rows, o.to(out_ptr.dtype.element_ty), mask=rm)
 
 
@@ -331,9 +331,9 @@ def gemv(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, r
     """out = W @ y (+ residual) for y (K,); out may be residual (in place). `stages` > 1 pipelines
     the loads of that many K-blocks (asynchronous copies through shared memory): of the inputs, and
     with `pipe` of 4-bit words too (else the next block's words are loaded into registers while one
-    is computed, the first before `_wait_previous`); `split` > 1 shares
+    is computed, the first before `wait_previous`); `split` > 1 shares
     K out over that many programs per row block (sums in `scratch`, which grows to fit); `pdl`:
-    launched as a programmatic dependent of the previous kernel (see `_wait_previous`)."""
+    launched as a programmatic dependent of the previous kernel (see `wait_previous`)."""
     x = residual if residual is not None else out
     split, ks = split_k(w.k, w.block_k(block_k), split)
     blocks = triton.cdiv(w.n, rows)

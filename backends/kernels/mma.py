@@ -3,12 +3,12 @@ its four projections as matrix products, the step rows the M dimension of `tl.do
 `mma_rows`, one such product (o_proj and down_proj into the residual streams, the TTS code heads).
 
 A program takes BLOCK_M = 16 step rows (rows past nb masked) and BLOCK_N output columns, loads its
-weight tile, every K-block of it, before `_wait_previous` (as the single-stream kernels do), then
+weight tile, every K-block of it, before `wait_previous` (as the single-stream kernels do), then
 multiplies its rows' K-blocks in order, float32 accumulation. Fused as decode.py's kernels:
 
 1. `_mma_qkv_rope`: RMSNorm + q/k/v (+ bias) + rotary (the program takes columns d and d + D/2 of
    a head, which the rotation pairs) + k/v into each row's cache row at its own position;
-2. attention: `_rows_attend` (attention.py), as `BatchDecode`;
+2. attention: `rows_attend` (attention.py), as `BatchDecode`;
 3. `_mma_rows`: o_proj + residual, split over K where asked (partials merged in a fixed order by a
    row block's last program, as `_gemv`);
 4. `_mma_gate_up`: RMSNorm + gate/up + SiLU(gate) * up;
@@ -36,8 +36,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .batch import BatchDecode
-from .common import SplitScratch, Weight, _arrive_last, _let_next, _rnd, _sum_parts, _wait_previous, split_k
-from .decode import TritonDecode, _qkv_bias, _rotate, _silu_mul
+from .common import SplitScratch, Weight, arrive_last, let_next, round_to, sum_parts, wait_previous, split_k
+from .decode import TritonDecode, load_qkv_bias, rotate_pair, silu_mul
 
 BLOCK_M = 16  # step rows a program, at every nb (batch invariance)
 
@@ -95,7 +95,7 @@ def _dots(acc, acc2, x_ptr, g_ptr, inv, m, mm, ws, ws2, k_lo, K: tl.constexpr, B
         a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
         if NORM:
             g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
-            a = (_rnd(a.to(tl.float32) * inv[:, None], dtype) * g[None, :]).to(dtype)
+            a = (round_to(a.to(tl.float32) * inv[:, None], dtype) * g[None, :]).to(dtype)
         acc = _dot(a, ws[i], acc, DOT)
         if TWO:
             acc2 = _dot(a, ws2[i], acc2, DOT)
@@ -119,21 +119,21 @@ def _mma_qkv_rope(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr,
     lim = (HQ + 2 * HKV) * D
     ws = _w_tiles(w_ptr, head * D + d0, lim, 0, DIM, BLOCK_N, BLOCK_K, KB)
     ws2 = _w_tiles(w_ptr, head * D + D // 2 + d0, lim, 0, DIM, BLOCK_N, BLOCK_K, KB)
-    b1, b2 = _qkv_bias(b_ptr, head * D + d, head * D + D // 2 + d, HAS_BIAS)
-    _wait_previous(PDL)
+    b1, b2 = load_qkv_bias(b_ptr, head * D + d, head * D + D // 2 + d, HAS_BIAS)
+    wait_previous(PDL)
     mm = m < nb
     pos = tl.load(pos_ptr + m, mask=mm, other=0)
     inv = _inv_rms(x_ptr, m, mm, eps, DIM, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, acc2 = _dots(acc, acc2, x_ptr, nw_ptr, inv, m, mm, ws, ws2, 0, DIM, BLOCK_K, KB, True, True, DOT)
-    _let_next(PDL)
-    c = _rnd(tl.load(cos_ptr + pos[:, None] * D + d[None, :]), dtype)
-    s = _rnd(tl.load(sin_ptr + pos[:, None] * D + d[None, :]), dtype)
+    let_next(PDL)
+    c = round_to(tl.load(cos_ptr + pos[:, None] * D + d[None, :]), dtype)
+    s = round_to(tl.load(sin_ptr + pos[:, None] * D + d[None, :]), dtype)
     if HAS_BIAS:
         acc += b1[None, :]
         acc2 += b2[None, :]
-    o1, o2 = _rotate(_rnd(acc, dtype), _rnd(acc2, dtype), c, s, head, HQ, HKV, dtype)
+    o1, o2 = rotate_pair(round_to(acc, dtype), round_to(acc2, dtype), c, s, head, HQ, HKV, dtype)
     if head < HQ:
         base = q_ptr + m[:, None] * (HQ * D) + head * D
     elif head < HQ + HKV:
@@ -157,14 +157,14 @@ def _mma_gate_up(x_ptr, nw_ptr, w_ptr, h_ptr, eps, nb, DIM: tl.constexpr, INTER:
     KB: tl.constexpr = (DIM + BLOCK_K - 1) // BLOCK_K
     ws = _w_tiles(w_ptr, n0, INTER, 0, DIM, BLOCK_N, BLOCK_K, KB)
     ws2 = _w_tiles(w_ptr + INTER * DIM, n0, INTER, 0, DIM, BLOCK_N, BLOCK_K, KB)
-    _wait_previous(PDL)
+    wait_previous(PDL)
     mm = m < nb
     inv = _inv_rms(x_ptr, m, mm, eps, DIM, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, acc2 = _dots(acc, acc2, x_ptr, nw_ptr, inv, m, mm, ws, ws2, 0, DIM, BLOCK_K, KB, True, True, DOT)
-    _let_next(PDL)
-    h = _silu_mul(_rnd(acc, dtype), _rnd(acc2, dtype), dtype)
+    let_next(PDL)
+    h = silu_mul(round_to(acc, dtype), round_to(acc2, dtype), dtype)
     tl.store(h_ptr + m[:, None] * INTER + n[None, :], h.to(dtype), mask=mm[:, None] & (n < INTER)[None, :])
 
 
@@ -184,18 +184,18 @@ def _mma_rows(y_ptr, w_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, nb, N: tl.constex
     n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     KB: tl.constexpr = KS // BLOCK_K
     ws = _w_tiles(w_ptr, blk * BLOCK_N, N, sp * KS, K, BLOCK_N, BLOCK_K, KB)
-    _wait_previous(PDL)
+    wait_previous(PDL)
     mm = m < nb
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, _ = _dots(acc, acc, y_ptr, y_ptr, 0.0, m, mm, ws, ws, sp * KS, K, BLOCK_K, KB, False, False, DOT)
-    _let_next(PDL)
+    let_next(PDL)
     if SPLIT == 1:
         _rows_out(acc, y_ptr, x_ptr, out_ptr, m, mm, n, N, RESIDUAL)
     else:
         off = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tl.store(part_ptr + (tile * SPLIT + sp) * BLOCK_M * BLOCK_N + off, acc)
-        if _arrive_last(cnt_ptr + tile, SPLIT):
-            t = _sum_parts(part_ptr + tile * SPLIT * BLOCK_M * BLOCK_N, off, BLOCK_M * BLOCK_N, SPLIT)
+        if arrive_last(cnt_ptr + tile, SPLIT):
+            t = sum_parts(part_ptr + tile * SPLIT * BLOCK_M * BLOCK_N, off, BLOCK_M * BLOCK_N, SPLIT)
             _rows_out(t, y_ptr, x_ptr, out_ptr, m, mm, n, N, RESIDUAL)
             tl.store(cnt_ptr + tile, 0)
 
@@ -205,9 +205,9 @@ def _rows_out(t, y_ptr, x_ptr, out_ptr, m, mm, n, N: tl.constexpr, RESIDUAL: tl.
     """`_mma_rows`'s outputs from their sums t: rounding, residual."""
     dtype = y_ptr.dtype.element_ty
     msk = mm[:, None] & (n < N)[None, :]
-    o = _rnd(t, dtype)
+    o = round_to(t, dtype)
     if RESIDUAL:
-        o = _rnd(tl.load(x_ptr + m[:, None] * N + n[None, :], mask=msk, other=0.0).to(tl.float32) + o, dtype)
+        o = round_to(tl.load(x_ptr + m[:, None] * N + n[None, :], mask=msk, other=0.0).to(tl.float32) + o, dtype)
     tl.store(out_ptr + m[:, None] * N + n[None, :], o.to(out_ptr.dtype.element_ty), mask=msk)
 
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import Weight, _arrive_last, _sm_count, _sum_parts, split_k
+from .common import Weight, arrive_last, sm_count, sum_parts, split_k
 from .matvec import gemv
 
 
@@ -158,8 +158,8 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
         tile = pn * tl.num_programs(1) + pt
         cell = tl.arange(0, BLOCK_N)[:, None] * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
         tl.store(part_ptr + (tile * SPLIT + ps) * (BLOCK_N * BLOCK_T) + cell, acc)
-        if _arrive_last(cnt_ptr + tile, SPLIT):
-            acc = _sum_parts(part_ptr + tile * SPLIT * (BLOCK_N * BLOCK_T), cell, BLOCK_N * BLOCK_T, SPLIT)
+        if arrive_last(cnt_ptr + tile, SPLIT):
+            acc = sum_parts(part_ptr + tile * SPLIT * (BLOCK_N * BLOCK_T), cell, BLOCK_N * BLOCK_T, SPLIT)
             _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N, HAS_BIAS, dtype)
             tl.store(cnt_ptr + tile, 0)
 
@@ -184,7 +184,7 @@ def q4_mm_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
     rows against 128 tokens gave wrong sums (Triton 3.6, H100 and H200): the shapes here keep clear
     of them."""
     bt = min(max(16, triton.next_power_of_2(m)), 128)
-    sms = _sm_count(w.w.device)
+    sms = sm_count(w.w.device)
     if triton.cdiv(w.n, 64) * triton.cdiv(m, bt) >= 4 * sms:
         bk, stages, per_sm = 64, 4 if m <= 128 else 3, 1
     elif w.k >= 4 * w.n:

@@ -1,6 +1,6 @@
 """The TTS step's choice of codes in one launch (`sample_codes`): temperature, top-p and top-k as
 transformers' warpers keep them, the EOS block, softmax, and the greedy or drawn code of each
-codebook (see minicpm_cli.sampling.choose).
+codebook (see minicpm_cli.engine.sampling.choose).
 
 Tests: tests/test_kernels.py (`test_code_sampling_kernel_matches_torch`, and the TTS runner on the
 kernels against the eager one).
@@ -20,7 +20,7 @@ def _sample_codes(raw_ptr, temp_ptr, bos_ptr, block_eos_ptr, noise_ptr, probs_pt
     """Program (q, b): codebook q of step row b (one row: b = 0): logits / temperature, then (except
     on the row's BOS step) top-p and top-k as transformers' warpers keep them, EOS (the last code)
     blocked when the row asks, softmax, and the argmax of probs (greedy) or of probs / noise (a draw,
-    see minicpm_cli.sampling.choose). A row's codes are what it gets alone."""
+    see minicpm_cli.engine.sampling.choose). A row's codes are what it gets alone."""
     b = tl.program_id(1)
     row = b * tl.num_programs(0) + tl.program_id(0)
     bos_ptr += b

@@ -4,7 +4,7 @@ A Llama backbone over a fixed layout of condition slots (text, speaker vector) f
 frames. Inputs are embeddings: BERT text ids through `emb_text`, audio frames as the sum of the four
 codebook embeddings, and the LLM speaker hidden state through the projector + L2 normalisation. The
 four weight-normed code heads are folded into one plain weight `(num_vq, num_audio_tokens, hidden)`
-at load time. Generation order, masks and sampling live in `minicpm_cli.tts`, not here.
+at load time. Generation order, masks and sampling live in `minicpm_cli.engine.tts`, not here.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import soundfile as sf
@@ -59,11 +59,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import __version__, protocol
-from .audio import to_pcm, wav_header
-from .errors import MinicpmError, UsageError, VoiceError
-from .voice import Voice
-from .voice_store import VoiceExists, VoiceStore, check_name
+from .. import __version__, protocol
+from ..audio import to_pcm, wav_header
+from ..errors import MinicpmError, UsageError, VoiceError
+from ..voices.reference import Voice
+from ..voices.store import VoiceExists, VoiceStore, check_name
 from .worker import Job, Worker
 
 # -- what is served ------------------------------------------------------------------------------
@@ -84,6 +84,21 @@ class Loaded:
     # random weights (speed work): every request's lengths forced, as `bench --random-weights` forces them
     frames_per_token: int | None = None
     reply_tokens: int | None = None
+
+
+def load_served(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str],
+             random_weights: bool, rows: int = 1):
+    """Load what `serve` serves (here, or in a Ray Serve replica), `rows` requests at once: a Loaded."""
+    from ..engine import loading
+
+    synth, name, model_id = loading.load(model, backend, device, dtype, gguf, rows=rows, random_weights=random_weights)
+    path = Path(model_id).expanduser()
+    return Loaded(synth, model="random-weights" if random_weights else model_id, backend=name,
+                      device=str(synth.device), dtype=str(synth.tts.dtype).removeprefix("torch."),
+                      path=str(path.resolve()) if path.is_dir() and not random_weights else None, gguf=gguf,
+                      environment=loading.environment(synth.device),
+                      frames_per_token=loading.FORCED_FRAMES_PER_TOKEN if random_weights else None,
+                      reply_tokens=loading.FORCED_REPLY_TOKENS if random_weights else None)
 
 
 @dataclass(frozen=True)
@@ -291,9 +306,9 @@ def warm_up(ld: Loaded, engine=None) -> None:
     """One short request down each path (read streamed and per segment, a reply), so that the first
     real request does not pay for compilation or first-use costs; with a batch `engine`, as many of
     them at once as it has rows (and one alone), so its batched steps are ready too."""
-    from .batching import Stream
-    from .llm import LLMSampling
-    from .sampling import Sampling
+    from ..engine.batching import Stream
+    from ..engine.llm import LLMSampling
+    from ..engine.sampling import Sampling
 
     forced = ld.frames_per_token
     works = [lambda lane, d=d: ld.synth.synthesize("Hello.", Sampling(greedy=True), decode=d, frames_per_token=forced,
@@ -422,7 +437,7 @@ def create_app(service: Service, api_key: str | None = None, voice_uploads: bool
                                     frames_per_token=ld.frames_per_token, voice=voice, lane=lane)
 
         job, end = await service.run(request, work)
-        first = await _first(job, end)
+        first = await first_block(job, end)
         # the server's own time to first audio (the worker's queue and hop included), for clients that
         # measure theirs (tools/serve_latency.py)
         timing = {"Server-Timing": f"first-chunk;dur={(time.perf_counter() - t0) * 1e3:.1f}"}
@@ -488,7 +503,7 @@ def create_app(service: Service, api_key: str | None = None, voice_uploads: bool
                            param="temperature")
         if req.max_tokens < 1:
             raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
-        from .llm import LLMSampling
+        from ..engine.llm import LLMSampling
 
         voice = await service.voice(req)
         synth, sampling, frames = ld.synth, _sampling(req), _first_chunk(req)
@@ -499,7 +514,7 @@ def create_app(service: Service, api_key: str | None = None, voice_uploads: bool
                                first_chunk=frames, frames_per_token=ld.frames_per_token, voice=voice, lane=lane)
 
         job, end = await service.run(request, work)
-        first = await _first(job, end)
+        first = await first_block(job, end)
         head = wav_header(synth.sample_rate, "s16") if fmt == "wav" else b""
 
         async def events():
@@ -590,7 +605,7 @@ def _saved_voices(store: VoiceStore) -> list[dict]:
 
 
 def _sampling(req: _AudioRequest):
-    from .sampling import Sampling
+    from ..engine.sampling import Sampling
 
     return Sampling(greedy=req.greedy, seed=req.seed)
 
@@ -599,7 +614,7 @@ def _first_chunk(req: _AudioRequest) -> int:
     return protocol.FRAMES_PER_CALL if req.first_chunk is None else req.first_chunk
 
 
-async def _first(job: Job, end: Callable[[], None]):
+async def first_block(job: Job, end: Callable[[], None]):
     """The first chunk, before the response starts: a request that fails at once (no readable text)
     gets its error status rather than a 200 and a broken stream."""
     try:

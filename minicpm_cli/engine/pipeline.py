@@ -25,22 +25,22 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import backends
+from .. import backends
 
 from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, resolve
 from .cloning import AUDIO_PREFIXES, VoiceEncoder, load_voice_encoder
-from . import trace
+from .. import trace
 from .codec import Codec
-from .errors import CheckpointError, DeviceError, UsageError
+from ..errors import CheckpointError, DeviceError, UsageError
 from .features import FeatureConfig
-from .models.chattts import ChatTTS, TTSConfig, fold_weight_norm
+from ..models.chattts import ChatTTS, TTSConfig, fold_weight_norm
 from .codec import StreamDecoder
 from .llm import LLMSampling, reply_pieces
 from .sampling import Sampling
 from .streaming import Frames, NewSegment, StreamingTTS, read_cut, reply_cut
 from .text import Tokenizers, read_pieces, read_prompt
 from .tts import FRAMES_PER_CALL, TTSRunner
-from .voice import Voice, as_voice
+from ..voices.reference import Voice, as_voice
 
 if TYPE_CHECKING:
     from .batching import Job

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .models.chattts import ChatTTS
+from ..models.chattts import ChatTTS
 from .sampling import choose, noise, top_k, top_p
 from .tensorio import Upload
 

@@ -16,7 +16,7 @@ import importlib
 import logging
 import re
 
-from .errors import OptionError, UsageError
+from ..errors import OptionError, UsageError
 
 AUTO = "auto"
 EXTRA = "pip install 'minicpm-cli[ray]'"

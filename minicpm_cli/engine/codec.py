@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .models.dvae import DVAEConfig, DVAEDecoder
-from .models.vocos import Vocos, VocosConfig
+from ..models.dvae import DVAEConfig, DVAEDecoder
+from ..models.vocos import Vocos, VocosConfig
 
 
 def _decoding_only(dvae_sd: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -44,7 +44,7 @@ class Job:
 
     def stream(self):
         """This job as a stream of a batch (batching.Stream), on the worker thread."""
-        from .batching import Stream
+        from ..engine.batching import Stream
 
         self._stream = Stream(self.work, self._put, lambda error: self._put(_END if error is None else _Failed(error)))
         if self._cancelled.is_set():

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 READ_INSTRUCTION = "Please read the text below."
 ASSISTANT_TTS_PREFIX = "<|im_start|>assistant\n<|spk_bos|><|spk|><|spk_eos|><|tts_bos|>"

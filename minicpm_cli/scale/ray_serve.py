@@ -2,8 +2,8 @@
 
 `app(args)` builds the Serve application from a dict of options (`ServeArgs.from_args`: model,
 backend, gguf, device, dtype, random_weights, api_key, replicas "N" or "MIN-MAX", gpus,
-max_ongoing_requests, target_ongoing_requests), so that `serve run minicpm_cli.ray_serve:app
-model=DIR replicas=1-4` and a KubeRay RayService (`import_path: minicpm_cli.ray_serve:app` with the
+max_ongoing_requests, target_ongoing_requests), so that `serve run minicpm_cli.scale.ray_serve:app
+model=DIR replicas=1-4` and a KubeRay RayService (`import_path: minicpm_cli.scale.ray_serve:app` with the
 same `args`) deploy it; `minicpm serve --ray ADDRESS` deploys it from the command line (`deploy`).
 
 Each replica is a `Speech` actor holding one model: its constructor loads the model and warms it up
@@ -28,8 +28,9 @@ import threading
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from . import cluster, protocol
-from .errors import MinicpmError, OptionError, UsageError
+from . import cluster
+from .. import protocol
+from ..errors import MinicpmError, OptionError, UsageError
 
 serve = cluster.require_ray("serve").serve
 
@@ -142,10 +143,9 @@ class Speech:
     """One replica: the model, loaded and warmed up before the constructor returns."""
 
     def __init__(self, args: ServeArgs):
-        from . import server
-        from .cli import _serving
+        from ..serving import server
 
-        self.service = server.Service(functools.partial(_serving, args.model, args.backend, args.device,
+        self.service = server.Service(functools.partial(server.load_served, args.model, args.backend, args.device,
                                                         args.dtype, args.gguf, args.random_weights, args.batch))
         settled = threading.Event()
         self.service.start(lambda loaded: settled.set(), lambda error: settled.set())
@@ -161,7 +161,7 @@ class Speech:
 
 
 def app(args: dict[str, Any]):
-    """The application builder: `serve run minicpm_cli.ray_serve:app key=value ...`."""
+    """The application builder: `serve run minicpm_cli.scale.ray_serve:app key=value ...`."""
     return application(ServeArgs.from_args(args))
 
 

@@ -19,26 +19,16 @@ import signal
 import sys
 import threading
 
-
-# A Ctrl-C leaves by os._exit: CPython 3.11 marks a KeyboardInterrupt raised inside exec'd source
-# (dataclasses and typing build methods that way while modules import) as unhandled even once caught,
-# and an interpreter that exits normally then kills itself with SIGINT (status -2, not 130).
-INTERRUPTED = 130
-
-
-def interrupt(signum, frame):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.stderr.write("minicpm: interrupted\n")
-    raise KeyboardInterrupt
+from .signals import INTERRUPTED, interrupt
 
 
 def main() -> None:
     try:  # (the handler installed inside: a Ctrl-C right after it is installed is caught here too)
         signal.signal(signal.SIGINT, interrupt)
-        from . import trace
+        from .. import trace
 
         trace.mark("start")
-        from .cli import main as run
+        from .commands import main as run
 
         trace.mark("cli")
     except KeyboardInterrupt:

@@ -45,8 +45,10 @@ from pathlib import Path
 
 import torch
 
-from .llm import LLMSampling
-from .sampling import Sampling
+from ..engine import loading
+from ..engine.llm import LLMSampling
+from ..engine.loading import environment
+from ..engine.sampling import Sampling
 
 READ_TEXTS = (
     "Hi, how are you?",
@@ -61,8 +63,6 @@ REPLY_PROMPTS = ("I'm fine, thank you!", "What's your name?", "My name is John D
 REPLY_WARMUP = "Hi, how are you?"
 BULK_LINES = 256
 REPLY_TEMPERATURE = 0.1  # the original benchmark's streaming_generate(temperature=0.1)
-FORCED_REPLY_TOKENS = 24
-FORCED_FRAMES_PER_TOKEN = 10
 
 
 @dataclass(frozen=True)
@@ -158,12 +158,12 @@ def _requests(workload: str):
 
 
 def _stream(synth, workload: str, item: str, seed: int, opts: BenchOptions, lane=None, voice=None):
-    forced = FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
+    forced = loading.FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
     sampling = Sampling(seed=seed)
     if workload == "read":
         return synth.synthesize(item, sampling, frames_per_token=forced, first_chunk=opts.first_chunk, voice=voice,
                                 lane=lane)
-    tokens = FORCED_REPLY_TOKENS if opts.random_weights else opts.max_tokens
+    tokens = loading.FORCED_REPLY_TOKENS if opts.random_weights else opts.max_tokens
     return synth.reply(item, sampling, llm=LLMSampling(temperature=REPLY_TEMPERATURE), max_tokens=tokens,
                        frames_per_token=forced, first_chunk=opts.first_chunk, voice=voice, lane=lane)
 
@@ -189,30 +189,6 @@ def _one(synth, workload: str, item: str, seed: int, opts: BenchOptions, clock: 
             "audio_s": audio, "rtf": total / audio if audio else None, "frames": frames}
 
 
-def environment(device: torch.device) -> dict:
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": platform.python_version(), "torch": torch.__version__,
-           "cuda": torch.version.cuda, "device": "cpu", "driver": None, "commit": None}
-    if device.type == "cuda":
-        env["device"] = torch.cuda.get_device_name(device)
-        try:
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=10).stdout.split("\n")[0].strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    else:
-        env["device"] = platform.processor() or platform.machine()
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    # a copied tree (e.g. on a remote GPU machine) may have no .git, or a stale one: the caller's
-    # MINICPM_COMMIT, when set, says which commit it is
-    env["commit"] = os.environ.get("MINICPM_COMMIT") or env["commit"] or None
-    return env
-
-
 def _log(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
@@ -220,15 +196,15 @@ def _log(msg: str) -> None:
 def run(opts: BenchOptions) -> dict:
     if opts.server is not None:
         return run_server(opts)
-    from .pipeline import Synthesizer, resolve_device
+    from ..engine.pipeline import Synthesizer, resolve_device
 
     device = resolve_device(opts.device)
     clock = Clock(device)
     result = {"environment": environment(device), "options": {**opts.__dict__},
               "forced_lengths": opts.random_weights, "results": []}
     if opts.random_weights:
-        result["forced_lengths_note"] = (f"random weights: each reply is exactly {FORCED_REPLY_TOKENS} LLM tokens and the "
-                                         f"TTS makes {FORCED_FRAMES_PER_TOKEN} frames per TTS text token (EOS ignored)")
+        result["forced_lengths_note"] = (f"random weights: each reply is exactly {loading.FORCED_REPLY_TOKENS} LLM tokens and the "
+                                         f"TTS makes {loading.FORCED_FRAMES_PER_TOKEN} frames per TTS text token (EOS ignored)")
     for backend in opts.backends:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -291,7 +267,7 @@ def run(opts: BenchOptions) -> dict:
 def _first_audio(synth, workload: str, item: str, seed: int, opts: BenchOptions, clock: Clock, voice) -> float | None:
     """TTFA (ms) of one request in `voice` (a Voice, or a file path read inside the time: a new voice);
     the request is stopped at its first audio (only its start differs from the default voice's)."""
-    from .voice import Voice
+    from ..voices.reference import Voice
 
     clock.sync()
     t0 = clock.now()
@@ -311,7 +287,7 @@ def _voice_entry(synth, workload: str, opts: BenchOptions, clock: Clock) -> dict
     """The voice's costs for one workload (see the module's docstring). The default voice's TTFA,
     set beside the voice's, is taken the same way in the same loop (each request stopped at its
     first audio), one request of each kind in turn."""
-    from .voice import Voice
+    from ..voices.reference import Voice
 
     voice = Voice.load(opts.voice)
     mode, chunked = ("read", True) if workload == "read" else ("reply", False)
@@ -376,7 +352,7 @@ def _one_http(remote, workload: str, item: str, seed: int, opts: BenchOptions) -
 
 def run_server(opts: BenchOptions) -> dict:
     """The workloads over HTTP against the server at `opts.server` (see the module's docstring)."""
-    from .client import Remote
+    from ..serving.client import Remote
 
     remote = Remote.find(opts.server, explicit=True)
     props = remote.props
@@ -414,7 +390,7 @@ def run_server(opts: BenchOptions) -> dict:
 
 def _streams_together(synth, workload: str, n: int, seed: int, opts: BenchOptions, clock: Clock) -> list[dict]:
     """n requests of `workload` started together in one batch -> one record each (times from the start)."""
-    from .batching import Stream
+    from ..engine.batching import Stream
 
     items = _requests(workload)
     engine = synth.batch(n)
@@ -464,13 +440,13 @@ def concurrent(opts: BenchOptions) -> dict:
     n = opts.concurrency
     if opts.server is not None:
         return _concurrent_server(opts)
-    from .pipeline import Synthesizer, resolve_device
+    from ..engine.pipeline import Synthesizer, resolve_device
 
     device = resolve_device(opts.device)
     clock = Clock(device)
     result = {"environment": environment(device), "options": {**opts.__dict__},
               "forced_lengths": opts.random_weights, "concurrency": n, "results": []}
-    forced = FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
+    forced = loading.FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
     for backend in opts.backends:
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -527,7 +503,7 @@ def _concurrent_server(opts: BenchOptions) -> dict:
     """N simultaneous HTTP requests (threads), each timed from the common start."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .client import Remote
+    from ..serving.client import Remote
 
     n = opts.concurrency
     remote = Remote.find(opts.server, explicit=True)
@@ -578,7 +554,7 @@ def concurrency_table(result: dict) -> str:
             f"| {_f(e['audio_s_per_s'], '.1f')} | {_f(e['peak_gpu_gib'], '.1f')} | {e['warmup_s']:.1f} |")
     if result.get("forced_lengths"):
         lines += ["", "Forced lengths (random weights): "
-                  f"{FORCED_REPLY_TOKENS} LLM tokens a reply, {FORCED_FRAMES_PER_TOKEN} frames per TTS text token."]
+                  f"{loading.FORCED_REPLY_TOKENS} LLM tokens a reply, {loading.FORCED_FRAMES_PER_TOKEN} frames per TTS text token."]
     return "\n".join(lines) + "\n"
 
 

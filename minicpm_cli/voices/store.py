@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import OptionError, VoiceError
-from .protocol import DEFAULT_VOICE
-from .voice import SAMPLE_RATE, Voice, load_reference
+from ..errors import OptionError, VoiceError
+from ..protocol import DEFAULT_VOICE
+from .reference import SAMPLE_RATE, Voice, load_reference
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 SUFFIX = ".wav"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .errors import CheckpointError, ModelNotFound
+from ..errors import CheckpointError, ModelNotFound
 from .tensorio import Entry, read_header, read_tensors
 
 DEFAULT_MODEL = "openbmb/MiniCPM-o-2_6"

@@ -46,8 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from . import protocol
-from .errors import MinicpmError, OptionError, UsageError
+from .. import protocol
+from ..errors import MinicpmError, OptionError, UsageError
 
 MANIFEST = "manifest.jsonl"
 FORMATS = ("wav", "flac")
@@ -164,7 +164,7 @@ def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base
 
 def check_voices(items: Iterable[Item]) -> None:
     """Read every distinct reference once here, so that a bad one is an error before anything runs."""
-    from .voice import Voice
+    from ..voices.reference import Voice
 
     for path in sorted({i.voice for i in items if i.voice is not None}):
         Voice.load(path)
@@ -303,13 +303,13 @@ class Speaker:
         if not path:
             return None
         if path not in self.voices:
-            from .voice import Voice
+            from ..voices.reference import Voice
 
             self.voices[path] = Voice.load(path)
         return self.voices[path]
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from .sampling import Sampling
+        from ..engine.sampling import Sampling
 
         requests, errors = [], []
         for text, seed, voice in zip(batch["text"], batch["seed"], batch["voice"]):
@@ -429,7 +429,7 @@ def run(items: Sequence[Item], out: Path, results: Callable[[Sequence[Item]], It
         progress: bool) -> Summary:
     """Speak the items of `items` that are not complete in `out` (resume), writing each file and its
     manifest line as its audio arrives from `results(pending)`."""
-    from . import audio
+    from .. import audio
 
     t0 = time.monotonic()
     with _lock(out):

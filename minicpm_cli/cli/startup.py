@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import UsageError
 
 TEXT = "Hi, how are you?"
 

@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from .errors import VoiceError
+from ..errors import VoiceError
 
 SAMPLE_RATE = 16000  # what the audio encoder's features are computed at
 MIN_SECONDS = 0.5
@@ -61,7 +61,7 @@ def as_voice(voice: "Voice | np.ndarray | None") -> Voice | None:
         return voice
     if isinstance(voice, np.ndarray):
         return Voice(voice)
-    raise VoiceError(f"a voice is a minicpm_cli.voice.Voice or a numpy array of 16 kHz samples, "
+    raise VoiceError(f"a voice is a minicpm_cli.voices.reference.Voice or a numpy array of 16 kHz samples, "
                      f"not {type(voice).__name__}")
 
 

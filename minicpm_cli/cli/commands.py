@@ -30,10 +30,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import __version__, protocol, trace
-from . import backends as registry
-from .entry import interrupt
-from .errors import MinicpmError, OptionError, UsageError
+from .. import __version__, protocol, trace
+from .. import backends as registry
+from .signals import interrupt, terminate
+from ..engine.loading import check_gguf
+from ..errors import MinicpmError, OptionError, UsageError
 
 app = typer.Typer(
     name="minicpm",
@@ -81,27 +82,12 @@ def _root(
 FirstChunkOpt = Annotated[Optional[int], typer.Option("--first-chunk", help="Audio frames (of 21.3 ms) in the first streamed chunk, 1-25 [default: 25].", show_default=False)]
 
 
-def _pick(model: Optional[str], backend: str, device: str, gguf: Optional[str]) -> tuple[str, str]:
-    """(the backend `auto` stands for here, the model to load: the backend's default when none is given)."""
-    _check_gguf(backend, gguf)
-    if backend != registry.AUTO:
-        registry.get(backend).check()
-    from .pipeline import resolve_device
-
-    if backend == registry.AUTO:
-        backend = registry.choose(model, resolve_device(device).type, gguf=gguf)
-    be = registry.get(backend)
-    be.check()
-    return backend, model or be.default_model
-
-
 def _load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None,
           verbose: bool = False, rows: int = 1):
-    backend, model = _pick(model, backend, device, gguf)
-    from .pipeline import Synthesizer
+    from ..engine import loading
 
     trace.mark("imported")
-    synth = Synthesizer.load(model, backend=backend, device=device, dtype=dtype, gguf=gguf, rows=rows)
+    synth, backend, model = loading.load(model, backend, device, dtype, gguf, rows=rows)
     trace.mark("loaded")
     if verbose:
         print(f"minicpm: backend {backend}, device {synth.device}, model {model}", file=sys.stderr)
@@ -118,15 +104,15 @@ class _Local:
 
     def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int,
              pcm: Optional[str] = None):
-        from .sampling import Sampling
+        from ..engine.sampling import Sampling
 
         return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk,
                                      voice=self.voice)
 
     def read_many(self, texts, *, batch: int, greedy: bool, seed: Optional[int], decode: str, first_chunk: int):
         """Each text's chunks (a list), in input order, `batch` of them generated at once."""
-        from .batching import in_order
-        from .sampling import Sampling
+        from ..engine.batching import in_order
+        from ..engine.sampling import Sampling
 
         sampling = Sampling(greedy=greedy, seed=seed)
         jobs = (self.synth.read_job(t, sampling, voice=self.voice, decode=decode, first_chunk=first_chunk)
@@ -135,8 +121,8 @@ class _Local:
 
     def reply(self, message: str, *, greedy: bool, seed: Optional[int], temperature: float, max_tokens: int,
               first_chunk: int, pcm: Optional[str] = None):
-        from .llm import LLMSampling
-        from .sampling import Sampling
+        from ..engine.llm import LLMSampling
+        from ..engine.sampling import Sampling
 
         return self.synth.reply(message, Sampling(greedy=greedy, seed=seed), llm=LLMSampling(temperature=temperature),
                                 max_tokens=max_tokens, first_chunk=first_chunk, voice=self.voice)
@@ -147,7 +133,7 @@ def _voice(ref: Optional[str]):
     for (no torch); None for the model's own."""
     if ref is None:
         return None
-    from .voice_store import resolve
+    from ..voices.store import resolve
 
     return resolve(ref)
 
@@ -169,11 +155,11 @@ def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: 
     unless --local; otherwise the model loaded here. What the server cannot honour is an error."""
     if local and server is not None:
         raise OptionError("--local and --server do not go together")
-    _check_gguf(backend, gguf)
+    check_gguf(backend, gguf)
     if backend != registry.AUTO:
         registry.get(backend)  # an unknown name is the same error either way
     if not local:
-        from .client import Remote, server_url
+        from ..serving.client import Remote, server_url
 
         remote = Remote.find(*server_url(server))
         if remote is not None:
@@ -185,11 +171,6 @@ def _speaker(model: Optional[str], backend: str, device: str, dtype: str, gguf: 
                 print(f"minicpm: {remote.describe()}", file=sys.stderr)
             return remote
     return _Local(_load(model, backend, device, dtype, gguf, verbose, rows))
-
-
-def _check_gguf(backend: str, gguf: Optional[str]) -> None:
-    if gguf is not None and not {"gguf", registry.AUTO} & set(backend.split(",")):
-        raise OptionError("--gguf is for --backend gguf")
 
 
 def _check_sampling(greedy: bool, seed: Optional[int]) -> None:
@@ -303,7 +284,7 @@ def say(
     work when one answers (the same bytes come out); --local loads the model here.
     """
     trace.mark("parsed")
-    from . import audio
+    from .. import audio
 
     frames = _first_chunk(first_chunk)
     if batch < 1:
@@ -397,7 +378,7 @@ def reply(
     The reply text goes to stderr as it is spoken (or to --text-out FILE); audio goes where `say`
     would put it.
     """
-    from . import audio
+    from .. import audio
 
     frames = _first_chunk(first_chunk)
     output = _output(output)
@@ -450,7 +431,7 @@ def _check_ray(ray_address: Optional[str], replicas: Optional[str], gpus: Option
         return None, None
     if gpus is not None and gpus < 0:
         raise OptionError("--gpus-per-replica must be at least 0")
-    from .cluster import check_address, parse_replicas
+    from ..scale.cluster import check_address, parse_replicas
 
     try:
         bounds = None if replicas is None else parse_replicas(replicas)
@@ -484,19 +465,19 @@ def bulk(
     job. Without --ray the model runs in this process; with --ray, Ray Data runs batches on a pool of
     model replicas across the cluster (the files are written here).
     """
-    from . import bulk as b
+    from ..scale import bulk as b
 
     if fmt not in b.FORMATS:
         raise OptionError(f"--format must be wav or flac, not '{fmt}'")
     if batch < 1:
         raise OptionError("--batch must be at least 1")
     _check_sampling(greedy, seed)
-    _check_gguf(backend, gguf)
+    check_gguf(backend, gguf)
     if backend != registry.AUTO:
         registry.get(backend)
     address, bounds = _check_ray(ray_address, replicas, gpus_per_replica)
     if address is not None:
-        from .cluster import require_ray
+        from ..scale.cluster import require_ray
 
         require_ray("data")
     path = Path(input).expanduser()
@@ -527,7 +508,7 @@ def bulk(
         summary = b.run(items, directory, results, progress=sys.stderr.isatty())
     finally:
         if address is not None:
-            from .cluster import disconnect
+            from ..scale.cluster import disconnect
 
             disconnect()
     for item_id, error in summary.failed:
@@ -541,26 +522,6 @@ def bulk(
     if summary.failed:
         raise MinicpmError(f"{len(summary.failed)} of {summary.items} items failed (named above); "
                            f"run the same command again to retry them")
-
-
-def _serving(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str],
-             random_weights: bool, rows: int = 1):
-    """Load what `serve` serves (here, or in a Ray Serve replica), `rows` requests at once: a server.Loaded."""
-    from . import server as srv
-
-    name, model_id = _pick(model, backend, device, gguf)
-    from .bench import FORCED_FRAMES_PER_TOKEN, FORCED_REPLY_TOKENS, environment
-    from .pipeline import Synthesizer
-
-    synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
-                             gguf=gguf, random_weights=random_weights, rows=rows)
-    path = Path(model_id).expanduser()
-    return srv.Loaded(synth, model="random-weights" if random_weights else model_id, backend=name,
-                      device=str(synth.device), dtype=str(synth.tts.dtype).removeprefix("torch."),
-                      path=str(path.resolve()) if path.is_dir() and not random_weights else None, gguf=gguf,
-                      environment=environment(synth.device),
-                      frames_per_token=FORCED_FRAMES_PER_TOKEN if random_weights else None,
-                      reply_tokens=FORCED_REPLY_TOKENS if random_weights else None)
 
 
 @app.command()
@@ -595,22 +556,22 @@ def serve(
         raise OptionError("--batch must be at least 1")
     address, bounds = _check_ray(ray_address, replicas, gpus_per_replica)
     api_key = api_key or None
-    from . import server as srv
+    from ..serving import server as srv
 
     if not srv.is_loopback(host) and api_key is None and not insecure:
         raise OptionError(f"--host {host} can be reached from other machines: give --api-key KEY (or set "
                           f"{protocol.API_KEY_ENV}), or --insecure to serve it without a key")
-    _check_gguf(backend, gguf)
+    check_gguf(backend, gguf)
     if backend != registry.AUTO:
         be = registry.get(backend)
         if address is None:  # (with --ray, what counts is what the replicas have installed)
             be.check()
 
     if address is not None:
-        from . import cluster
+        from ..scale import cluster
 
         cluster.require_ray("serve")
-        from . import ray_serve
+        from ..scale import ray_serve
 
         args = ray_serve.ServeArgs(model=_here(model), backend=backend, gguf=_here(gguf), device=device, dtype=dtype,
                                    random_weights=random_weights, batch=batch, api_key=api_key, replicas=bounds or (1, 1),
@@ -618,7 +579,7 @@ def serve(
         ray_serve.deploy(args, address=address, host=host, port=port)
         return
     srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose),
-            functools.partial(_serving, model, backend, device, dtype, gguf, random_weights, batch))
+            functools.partial(srv.load_served, model, backend, device, dtype, gguf, random_weights, batch))
 
 
 @app.command()
@@ -646,7 +607,7 @@ def bench(
     if voice is not None:
         if startup or server is not None:
             raise OptionError("--voice times voice cloning on a model loaded here: not with --startup or --server")
-        from .voice import Voice
+        from ..voices.reference import Voice
 
         Voice.load(voice)  # (a file that cannot be a voice is refused before anything loads)
     if startup:
@@ -680,7 +641,7 @@ def bench(
         raise UsageError("--backend needs at least one name")
     for name in names:
         registry.get(name).check()
-    _check_gguf(",".join(names), gguf)
+    check_gguf(",".join(names), gguf)
     workloads = {"read": ("read",), "reply": ("reply",), "bulk": ("bulk",),
                  "all": ("read", "reply") + (("bulk",) if concurrency and server is None else ())}.get(workload)
     if workloads is None:
@@ -720,7 +681,7 @@ def voice_add(
 ) -> None:
     """Save a recording's voice as NAME (its 16 kHz samples, as --voice FILE reads them). Clone only
     voices you have the right to use."""
-    from .voice_store import VoiceStore
+    from ..voices.store import VoiceStore
 
     store = VoiceStore()
     saved = store.add(name, file, force=force)
@@ -730,8 +691,8 @@ def voice_add(
 @voice_app.command("list")
 def voice_list() -> None:
     """List the saved voices: name, seconds, when added, what from (a table on stdout)."""
-    from .errors import VoiceError
-    from .voice_store import VoiceStore
+    from ..errors import VoiceError
+    from ..voices.store import VoiceStore
 
     store = VoiceStore()
     rows = []
@@ -755,7 +716,7 @@ def voice_list() -> None:
 @voice_app.command("rm")
 def voice_rm(name: Annotated[str, typer.Argument(help="The saved voice to remove.", show_default=False)]) -> None:
     """Remove a saved voice."""
-    from .voice_store import VoiceStore
+    from ..voices.store import VoiceStore
 
     VoiceStore().remove(name)
 
@@ -769,13 +730,8 @@ def list_backends() -> None:
         typer.echo(f"{'':8s} {b.cost}")
 
 
-def _terminate(signum, frame):
-    # SystemExit unwinds like an exception, so sinks discard their partial files on `kill`.
-    raise SystemExit(128 + signum)
-
-
 def main() -> None:
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, interrupt)  # (typer turns the KeyboardInterrupt into exit status 130)
     try:
         app()

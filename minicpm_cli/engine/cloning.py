@@ -27,11 +27,11 @@ import torch
 from torch import Tensor
 
 from .checkpoint import Checkpoint, load_module
-from .errors import CheckpointError, UsageError
+from ..errors import CheckpointError, UsageError
 from .features import FeatureConfig, log_mel, mel_filters
-from .models.audio_encoder import FRAMES_PER_SECOND, AudioEncoder, AudioEncoderConfig, chunk_mask
+from ..models.audio_encoder import FRAMES_PER_SECOND, AudioEncoder, AudioEncoderConfig, chunk_mask
 from .text import Tokenizers, audio_placeholder, voice_assistant_turn, voice_clone_turn
-from .voice import Voice
+from ..voices.reference import Voice
 
 AUDIO_PREFIXES = ("apm.", "audio_projection_layer.")
 MODES = ("read", "reply")

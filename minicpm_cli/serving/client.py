@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from . import protocol, trace
-from .audio import PCM_BYTES, Pcm
-from .errors import MinicpmError, UsageError
+from .. import protocol, trace
+from ..audio import PCM_BYTES, Pcm
+from ..errors import MinicpmError, UsageError
 
 if TYPE_CHECKING:
     import numpy as np
