@@ -107,8 +107,8 @@ def test_bench_voice(voice_dir, tmp_path, monkeypatch):
     the default voice's, for read and reply."""
     from typer.testing import CliRunner
 
-    from minicpm_cli.cli.commands import bench
-    from minicpm_cli.cli.commands.commands import app
+    from minicpm_cli.cli import bench
+    from minicpm_cli.cli.commands import app
 
     from conftest import FIXTURES
 
@@ -142,8 +142,8 @@ def test_bench_random_weights_voice(tmp_path, monkeypatch):
     voice, timed as its load; encode is features + encoder + projection + pooling of the file."""
     from typer.testing import CliRunner
 
-    from minicpm_cli.cli.commands import bench
-    from minicpm_cli.cli.commands.commands import app
+    from minicpm_cli.cli import bench
+    from minicpm_cli.cli.commands import app
 
     from conftest import FIXTURES
 

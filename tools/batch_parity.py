@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from minicpm_cli.cli.commands import bench as b
+from minicpm_cli.cli import bench as b
 from minicpm_cli.engine.batching import Stream
 from minicpm_cli.engine.llm import LLMSampling
 from minicpm_cli.engine.pipeline import Synthesizer

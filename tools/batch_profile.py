@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from minicpm_cli.cli.commands import bench as b
+from minicpm_cli.cli import bench as b
 from minicpm_cli.engine.batching import Engine, Stream
 from minicpm_cli.engine.pipeline import Synthesizer
 
