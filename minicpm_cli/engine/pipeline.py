@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .batching import Job
 
 SAMPLE_RATE = 24000
-BUNDLED_TOKENIZERS = Path(__file__).parent / "data" / "tiny-tokenizers"
+BUNDLED_TOKENIZERS = Path(__file__).parents[1] / "data" / "tiny-tokenizers"
 LLM_CONTEXT = 4096
 # The voice turns' LLM contexts kept (`voice_context`): a 10-s voice's read turn is ~265 tokens,
 # 15 MB of the 7B's bfloat16 KV cache, so ~34 of them; a 30-s one is ~44 MB.
