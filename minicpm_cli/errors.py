@@ -1,4 +1,4 @@
-"""Exceptions the CLI maps to one-line messages and exit codes (see `minicpm_cli.cli.commands.main`)."""
+"""Exceptions the CLI maps to one-line messages and exit codes (see `minicpm_cli.cli.app.main`)."""
 
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ def test_bench_voice(voice_dir, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from minicpm_cli.cli import bench
-    from minicpm_cli.cli.commands import app
+    from minicpm_cli.cli.app import app
 
     from conftest import FIXTURES
 
@@ -143,7 +143,7 @@ def test_bench_random_weights_voice(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from minicpm_cli.cli import bench
-    from minicpm_cli.cli.commands import app
+    from minicpm_cli.cli.app import app
 
     from conftest import FIXTURES
 

@@ -39,7 +39,7 @@ def assert_one_line_error(p, *needles: str):
 
 def test_help_does_not_import_torch():
     code = (
-        "import sys\nsys.argv = ['minicpm', '--help']\nfrom minicpm_cli.cli.commands import main\n"
+        "import sys\nsys.argv = ['minicpm', '--help']\nfrom minicpm_cli.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch imported by --help'\nprint('ok', file=sys.stderr)\n"
     )

@@ -604,7 +604,7 @@ def test_serve_usage_errors():
 
 
 def test_serve_help_does_not_import_torch():
-    code = ("import sys\nsys.argv = ['minicpm', 'serve', '--help']\nfrom minicpm_cli.cli.commands import main\n"
+    code = ("import sys\nsys.argv = ['minicpm', 'serve', '--help']\nfrom minicpm_cli.cli.app import main\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\nassert 'torch' not in sys.modules\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=_env())
     assert p.returncode == 0 and b"--api-key" in p.stdout, p.stderr.decode()

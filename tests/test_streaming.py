@@ -255,7 +255,7 @@ def test_memory_does_not_grow_with_text_length(tiny_dir, tmp_path):
     for words in (500, 2000):
         text = tmp_path / f"t{words}.txt"
         text.write_text(long_text(words))
-        code = ("import resource, sys; from minicpm_cli.cli.commands import main; sys.argv = sys.argv[1:]\n"
+        code = ("import resource, sys; from minicpm_cli.cli.app import main; sys.argv = sys.argv[1:]\n"
                 "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -28,7 +28,7 @@ def main() -> None:
         from .. import trace
 
         trace.mark("start")
-        from .commands import main as run
+        from .app import main as run
 
         trace.mark("cli")
     except KeyboardInterrupt:

@@ -1,0 +1,92 @@
+"""The `minicpm` command line: a Unix filter with one error boundary.
+
+Audio (the payload) goes to stdout or a file, everything else to stderr. Our exceptions become one
+line `minicpm: error: ...` with their exit status; usage mistakes caught by the parser exit 2;
+`MINICPM_DEBUG=1` re-raises for a traceback. Heavy modules (torch, the pipeline) are imported inside
+the commands so that `--help` stays fast.
+
+The commands live in `cli.commands`, a module each: `say` and `reply` speak (through a running
+server when one answers, else with the model here: `cli.speaker`), `bulk` speaks a file of items,
+`serve` serves the speech API, `bench` measures, `voice` keeps saved voices, `backends` lists the
+backends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Annotated
+
+import typer
+
+from .. import __version__
+from .. import backends as registry
+from ..errors import MinicpmError
+from .commands import bench, bulk, say, serve, voice
+from .signals import interrupt, terminate
+from .streams import ReaderGone
+
+app = typer.Typer(
+    name="minicpm",
+    help="Text to speech on your own GPU with MiniCPM-o 2.6.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts contain [default: ...], which rich would eat as markup
+)
+
+
+def show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"minicpm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: Annotated[bool, typer.Option("--version", callback=show_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """Text to speech on your own GPU with MiniCPM-o 2.6."""
+
+
+def list_backends() -> None:
+    """List the LLM-stage backends: what each is, what it costs, whether it is installed."""
+    for b in registry.REGISTRY.values():
+        state = "" if b.available() else f"  [not installed: pip install 'minicpm-cli[{b.extra}]']"
+        typer.echo(f"{b.name:8s} {b.summary}{state}")
+        typer.echo(f"{'':8s} {b.cost}")
+
+
+app.command()(say.say)
+app.command()(say.reply)
+app.command()(bulk.bulk)
+app.command()(serve.serve)
+app.command()(bench.bench)
+app.add_typer(voice.voice_app, name="voice")
+app.command("backends")(list_backends)
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, interrupt)  # (typer turns the KeyboardInterrupt into exit status 130)
+    try:
+        app()
+    except MinicpmError as e:
+        if os.environ.get("MINICPM_DEBUG"):
+            raise
+        message = " ".join(str(e).split())  # always one line, whatever the exception text holds
+        print(f"minicpm: error: {message}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except (ReaderGone, BrokenPipeError):
+        # The reader went away (e.g. `| head`): not an error. Point stdout at devnull so the
+        # interpreter's final flush does not complain.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(0)
+    finally:
+        # The work is done or undone: an interrupt while the interpreter shuts down has nothing left
+        # to stop, and Python's own handler would be back by then (killed by SIGINT, no message).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,0 +1,101 @@
+"""`minicpm bulk`: a file of items spoken into a directory, one audio file each, resumable
+(scale.bulk), in this process or on Ray Data."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ... import backends as registry
+from ...engine.loading import check_gguf
+from ...errors import MinicpmError, OptionError, UsageError
+from ..options import (BackendOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, GreedyOpt, ModelOpt, RayOpt, ReplicasOpt,
+                       VerboseOpt, absolute_if_here, check_ray, check_sampling)
+from ..speaker import load_here
+
+
+def bulk(
+    input: Annotated[str, typer.Argument(help="The items: a text file (an item each non-empty line), .jsonl or .parquet (a text column; optional id, voice, seed).", show_default=False)],
+    out: Annotated[str, typer.Option("--out", help="Directory for the audio files and manifest.jsonl (made if missing).", show_default=False)],
+    ray_address: RayOpt = None,
+    replicas: ReplicasOpt = None,
+    gpus_per_replica: GpusOpt = None,
+    batch: Annotated[int, typer.Option("--batch", help="Items per batch given to a model.")] = 8,
+    fmt: Annotated[str, typer.Option("--format", help="Audio files: wav or flac (16-bit).")] = "wav",
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    gguf: GgufOpt = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Give each item the seed derived from this one and its id (docs/scale-out.md): its audio is then `say --seed <derived>`'s, wherever it runs [default: a seed drawn for the run].", show_default=False)] = None,
+    greedy: GreedyOpt = False,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    verbose: VerboseOpt = False,
+) -> None:
+    """Speak many texts, one audio file each: DIR/<id>.wav and DIR/manifest.jsonl.
+
+    Items without an id are named line-0001, line-0002, ... as `say --lines --dir` names them. A run
+    skips the items the manifest lists as complete, so running it again after a crash finishes the
+    job. Without --ray the model runs in this process; with --ray, Ray Data runs batches on a pool of
+    model replicas across the cluster (the files are written here).
+    """
+    from ...scale import bulk as b
+
+    if fmt not in b.FORMATS:
+        raise OptionError(f"--format must be wav or flac, not '{fmt}'")
+    if batch < 1:
+        raise OptionError("--batch must be at least 1")
+    check_sampling(greedy, seed)
+    check_gguf(backend, gguf)
+    if backend != registry.AUTO:
+        registry.get(backend)
+    address, bounds = check_ray(ray_address, replicas, gpus_per_replica)
+    if address is not None:
+        from ...scale.cluster import require_ray
+
+        require_ray("data")
+    path = Path(input).expanduser()
+    if not path.is_file():
+        raise UsageError(f"no such file: {input}")
+    items = b.plan(b.read_rows(path), fmt=fmt, greedy=greedy, seed=seed, base=path.resolve().parent)
+    if not items:
+        raise UsageError(f"no items in {input}")
+    b.check_voices(items)
+    directory = Path(out).expanduser()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot make the directory {out}: {e.strerror or e}") from None
+    if address is not None:
+        model, gguf = absolute_if_here(model), absolute_if_here(gguf)
+    load = functools.partial(load_here, model, backend, device, dtype, gguf, verbose, batch)  # (rows: a batch at once)
+    if address is None:
+        def results(pending):
+            return b.in_process(pending, load, batch)
+    else:
+        say = (lambda line: print(line, file=sys.stderr, flush=True)) if verbose else (lambda line: None)
+        opts = b.RayOptions(address, bounds, gpus_per_replica)
+
+        def results(pending):
+            return b.on_ray(pending, load, batch, opts, device, say)
+    try:
+        summary = b.run(items, directory, results, progress=sys.stderr.isatty())
+    finally:
+        if address is not None:
+            from ...scale.cluster import disconnect
+
+            disconnect()
+    for item_id, error in summary.failed:
+        print(f"minicpm: {item_id}: {error}", file=sys.stderr)
+    if summary.skipped == summary.items:
+        print(f"minicpm: {summary.items} items in {directory}: all {summary.items} already there", file=sys.stderr)
+    else:
+        print(f"minicpm: {summary.items} items in {directory}: {summary.spoken} spoken ({summary.seconds:.1f} s of "
+              f"audio in {summary.elapsed:.1f} s), {summary.skipped} already there"
+              + (f", {len(summary.failed)} failed" if summary.failed else ""), file=sys.stderr)
+    if summary.failed:
+        raise MinicpmError(f"{len(summary.failed)} of {summary.items} items failed (named above); "
+                           f"run the same command again to retry them")

@@ -1,0 +1,150 @@
+"""`minicpm say` (read text aloud) and `minicpm reply` (answer a message with speech).
+
+Both take their speech from a speaker (`cli.speaker`: the model here or a running server) and write
+it with the same sinks (`audio.open_sink`): a file gets each segment decoded in one piece, stdout and
+--raw get chunks as soon as they are generated.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ... import audio, trace
+from ...errors import OptionError, UsageError
+from ..options import OutputOpt, SpeakerOptions, check_sampling, chunk_frames, output_target, with_speaker_options
+from ..speaker import speaker as find_speaker
+from ..streams import input_lines, play, progress, read_text
+
+
+@with_speaker_options
+def say(
+    text: Annotated[Optional[str], typer.Argument(help="Text to speak; read from -f FILE or stdin when omitted.", show_default=False)] = None,
+    output: OutputOpt = None,
+    file: Annotated[Optional[str], typer.Option("--file", "-f", help="Read the text from FILE (- for stdin).")] = None,
+    lines: Annotated[bool, typer.Option("--lines", help="Speak each input line as soon as it arrives.")] = False,
+    directory: Annotated[Optional[str], typer.Option("--dir", "-d", help="With --lines: one file per line in DIR (names printed on stderr).")] = None,
+    batch: Annotated[int, typer.Option("--batch", help="With --dir: lines generated at once (a batch on the model here, or concurrent requests to a server); each file is still written whole and named in input order.")] = 1,
+    *,
+    opts: SpeakerOptions,
+) -> None:
+    """Read text aloud: to an audio file, or streamed to stdout as it is generated.
+
+    A file gets each segment decoded in one piece (the reference's read-aloud waveform); stdout and
+    --raw get audio chunk by chunk as soon as it is generated. A running `minicpm serve` does the
+    work when one answers (the same bytes come out); --local loads the model here.
+    """
+    trace.mark("parsed")
+    frames = chunk_frames(opts.first_chunk)
+    raw, pcm = opts.raw, opts.pcm
+    if batch < 1:
+        raise OptionError("--batch must be at least 1")
+    if batch > 1 and directory is None:
+        raise OptionError("--batch reads several lines at once into their own files: use it with --lines --dir")
+    if directory is not None:
+        if not lines:
+            raise OptionError("--dir writes one file per line: use it with --lines")
+        if output is not None:
+            raise OptionError("give either -o or --dir, not both")
+        if not Path(directory).is_dir():
+            raise UsageError(f"not a directory: {directory}")
+        audio.check_pcm(pcm)
+    else:
+        output = output_target(output)
+        audio.check_output(output, pcm, raw)
+    whole = None if lines else read_text(text, file).strip()
+    if lines and text is not None:
+        raise OptionError("--lines reads standard input or -f FILE, not an argument")
+    if whole is not None and not whole:
+        raise UsageError("no text to speak")
+
+    check_sampling(opts.greedy, opts.seed)
+    spk = find_speaker(opts, rows=batch)
+    bar = progress()
+    advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
+
+    def chunks(t: str, decode: str, target: str):
+        # (a server sends the sink's own samples when it writes them as they are)
+        return spk.read(t, greedy=opts.greedy, seed=opts.seed, decode=decode, first_chunk=frames,
+                          pcm=pcm if audio.takes_pcm(target, pcm, raw) else None)
+
+    def speak(t: str, target: str, to_file: bool) -> None:
+        # (the chunks are asked for before the sink is opened: a server starts on them while opening
+        # it may load numpy and libsndfile)
+        stream = chunks(t, "segment" if to_file else "stream", target)
+        play(stream, audio.open_sink(target, pcm, spk.sample_rate, raw), advance)
+
+    try:
+        if whole is not None:
+            speak(whole, output, output != "-" and not raw)
+            trace.mark("written")
+        elif directory is not None:
+            texts = (line for line in input_lines(file) if line.strip())
+            decode = "stream" if raw else "segment"
+            paths = (str(Path(directory) / f"line-{n:04d}{'.raw' if raw else '.wav'}") for n in itertools.count(1))
+            if batch == 1:  # each line's chunks written as they come
+                spoken = ((path, chunks(t, decode, path)) for t, path in zip(texts, paths))
+            else:
+                spoken = zip(paths, spk.read_many(texts, batch=batch, greedy=opts.greedy, seed=opts.seed,
+                                                    decode=decode, first_chunk=frames))
+            for path, line_chunks in spoken:
+                play(line_chunks, audio.open_sink(path, pcm, spk.sample_rate, raw), advance)
+                print(path, file=sys.stderr, flush=True)
+        else:
+            # every line into one stream, each line's chunks as soon as they exist
+            every = (chunk for line in input_lines(file) if line.strip() for chunk in chunks(line, "stream", output))
+            play(every, audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
+    finally:
+        if bar:
+            bar.close()
+
+
+@with_speaker_options
+def reply(
+    text: Annotated[Optional[str], typer.Argument(help="The user's message; read from stdin when omitted.", show_default=False)] = None,
+    output: OutputOpt = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most LLM tokens in the reply.")] = 512,
+    text_out: Annotated[Optional[str], typer.Option("--text-out", help="Write the reply text to FILE instead of stderr.")] = None,
+    temperature: Annotated[float, typer.Option("--temperature", help="LLM sampling temperature.")] = 0.7,
+    *,
+    opts: SpeakerOptions,
+) -> None:
+    """Answer a message with speech, streamed as the LLM writes the answer.
+
+    The reply text goes to stderr as it is spoken (or to --text-out FILE); audio goes where `say`
+    would put it.
+    """
+    frames = chunk_frames(opts.first_chunk)
+    output = output_target(output)
+    audio.check_output(output, opts.pcm, opts.raw)
+    if temperature <= 0:
+        raise OptionError("--temperature must be positive (use --greedy for the most likely tokens)")
+    if max_tokens < 1:
+        raise UsageError("--max-tokens must be at least 1")
+    message = read_text(text, None).strip()
+    if not message:
+        raise UsageError("no text to reply to")
+    if text_out is not None and not Path(text_out).expanduser().resolve().parent.is_dir():
+        raise UsageError(f"output directory does not exist: {Path(text_out).parent}")
+
+    check_sampling(opts.greedy, opts.seed)
+    spk = find_speaker(opts)
+    said: list[str] = []
+
+    def show(chunk) -> None:
+        said.append(chunk.text)
+        if text_out is None and chunk.text:
+            sys.stderr.write(chunk.text)
+            sys.stderr.flush()
+
+    chunks = spk.reply(message, greedy=opts.greedy, seed=opts.seed, temperature=temperature, max_tokens=max_tokens,
+                         first_chunk=frames, pcm=opts.pcm if audio.takes_pcm(output, opts.pcm, opts.raw) else None)
+    play(chunks, audio.open_sink(output, opts.pcm, spk.sample_rate, opts.raw), show)
+    if text_out is None:
+        sys.stderr.write("\n")
+    else:
+        Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")

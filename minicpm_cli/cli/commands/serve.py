@@ -1,0 +1,73 @@
+"""`minicpm serve`: load the model once and serve the speech API (serving/), in this process or as
+Ray Serve replicas (scale.ray_serve)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Optional
+
+import typer
+
+from ... import backends as registry
+from ... import protocol
+from ...engine.loading import check_gguf
+from ...errors import OptionError
+from ..options import (BackendOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, ModelOpt, RayOpt, ReplicasOpt,
+                       absolute_if_here, check_ray)
+
+
+def serve(
+    model: ModelOpt = None,
+    backend: BackendOpt = "auto",
+    gguf: GgufOpt = None,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; one reachable from other machines needs --api-key (or --insecure).")] = protocol.DEFAULT_HOST,
+    port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on (0: any free port, named in the ready line).")] = protocol.DEFAULT_PORT,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=protocol.API_KEY_ENV, help="Require 'Authorization: Bearer KEY' on every request but GET /health.", show_default=False)] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Serve a non-loopback --host without an API key.")] = False,
+    random_weights: Annotated[bool, typer.Option("--random-weights", help="For speed work (`bench --server`): the full-size model with random weights drawn on the device, no checkpoint; lengths forced as `bench --random-weights` forces them. Its audio is noise.")] = False,
+    batch: Annotated[int, typer.Option("--batch", help="Requests generated at once (continuous batching); more queue. Each holds its own KV caches: ~0.24 GB of GPU memory a request in bfloat16. The gguf backend runs one at a time.")] = 8,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
+    ray_address: RayOpt = None,
+    replicas: ReplicasOpt = None,
+    gpus_per_replica: GpusOpt = None,
+) -> None:
+    """Load the model once and serve it: an OpenAI-compatible speech API (POST /v1/audio/speech), spoken
+    replies (POST /v1/audio/reply), saved voices (GET/POST /v1/voices), GET /health. Runs until SIGTERM
+    or Ctrl-C, then finishes the requests in flight and exits 0.
+
+    One line on stderr says when it is ready. `say` and `reply` use it when it runs at their default
+    address (else set MINICPM_SERVER or give --server URL). With --ray the same application runs on
+    Ray Serve: --replicas model replicas behind Serve's HTTP proxy at --host/--port.
+    """
+    if not 0 <= port <= 65535:
+        raise OptionError("--port must be between 0 and 65535")
+    if batch < 1:
+        raise OptionError("--batch must be at least 1")
+    address, bounds = check_ray(ray_address, replicas, gpus_per_replica)
+    api_key = api_key or None
+    from ...serving import server as srv
+
+    if not srv.is_loopback(host) and api_key is None and not insecure:
+        raise OptionError(f"--host {host} can be reached from other machines: give --api-key KEY (or set "
+                          f"{protocol.API_KEY_ENV}), or --insecure to serve it without a key")
+    check_gguf(backend, gguf)
+    if backend != registry.AUTO:
+        be = registry.get(backend)
+        if address is None:  # (with --ray, what counts is what the replicas have installed)
+            be.check()
+
+    if address is not None:
+        from ...scale import cluster
+
+        cluster.require_ray("serve")
+        from ...scale import ray_serve
+
+        args = ray_serve.ServeArgs(model=absolute_if_here(model), backend=backend, gguf=absolute_if_here(gguf), device=device, dtype=dtype,
+                                   random_weights=random_weights, batch=batch, api_key=api_key, replicas=bounds or (1, 1),
+                                   gpus=gpus_per_replica)
+        ray_serve.deploy(args, address=address, host=host, port=port)
+        return
+    srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose),
+            functools.partial(srv.load_served, model, backend, device, dtype, gguf, random_weights, batch))
