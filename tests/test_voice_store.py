@@ -235,7 +235,46 @@ def test_a_damaged_saved_voice_is_one_line_naming_it(tmp_path):
 
 
 def test_the_store_imports_no_torch():
-    code = ("import sys\nfrom minicpm_cli import voice_store, cli\n"
+    code = ("import sys\nfrom minicpm_cli.voices import store\nfrom minicpm_cli.cli import app\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr.decode()
+
+
+def test_one_rule_for_every_place_a_voice_is_named(tmp_path, monkeypatch):
+    """`locate` is the rule `say --voice`, the server's `voice` (names only, OpenAI's too) and bulk's
+    voice column share: the server never reads a file a client names; OpenAI's names speak the
+    model's own voice unless a saved voice has the name."""
+    from minicpm_cli.voices.store import UnknownVoice, locate
+
+    store = VoiceStore(tmp_path / "voices")
+    store.add("alice", REF)
+    store.add("nova", REF)
+    monkeypatch.chdir(tmp_path)
+    tone(tmp_path / "here.wav", 1.0)
+    assert locate("here.wav", store) == tmp_path / "here.wav"
+    assert locate("alice", store) == store.path("alice")
+    assert locate("default", store) is None and locate("default", store, files=False) is None
+    with pytest.raises(UnknownVoice):
+        locate("here.wav", store, files=False, openai_names=True)  # (a file on the server's disk: never)
+    assert locate("alloy", store, files=False, openai_names=True) is None
+    assert locate("nova", store, files=False, openai_names=True) == store.path("nova")  # (saved wins)
+    with pytest.raises(UnknownVoice, match="unknown voice 'alloy'"):
+        locate("alloy", store, files=False)
+    assert resolve("nova", store, files=False, openai_names=True).digest == store.load("nova").digest
+
+
+def test_bulk_voice_column_takes_what_say_voice_takes(tmp_path):
+    """A saved voice's name, `default`, or a recording relative to INPUT's folder (docs/scale-out.md)."""
+    from minicpm_cli.errors import UsageError
+    from minicpm_cli.scale import bulk
+
+    store = VoiceStore(tmp_path / "voices")
+    store.add("alice", REF)
+    tone(tmp_path / "rec.wav", 1.0)
+    rows = [{"text": "a", "voice": "alice"}, {"text": "b", "voice": "default"}, {"text": "c", "voice": "rec.wav"},
+            {"text": "d"}]
+    items = bulk.plan(rows, fmt="wav", greedy=True, seed=None, base=tmp_path, store=store)
+    assert [i.voice for i in items] == [str(store.path("alice")), None, str(tmp_path / "rec.wav"), None]
+    with pytest.raises(UsageError, match="item 1: .*no saved voice has that name"):
+        bulk.plan([{"text": "a", "voice": "bob"}], fmt="wav", greedy=True, seed=None, base=tmp_path, store=store)

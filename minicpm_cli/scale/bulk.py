@@ -1,7 +1,8 @@
 """`minicpm bulk`: many texts, one audio file each, in this process or on a Ray cluster.
 
 In: INPUT, read here (`read_items`): a text file (an item each non-empty line), JSONL or Parquet (a
-`text` column; optional `id`, `voice`: a reference recording as `say --voice` takes it, `seed`).
+`text` column; optional `id`, `voice`: what `say --voice` takes (a recording, relative to INPUT's
+folder, `default`, or a saved voice's name), `seed`).
 Out, in DIR: a file per item, `<id>.wav` (or `.flac`), written to a temporary name and renamed when
 complete by the writer of `say -o FILE` (`audio.FileSink`), and `manifest.jsonl`: one JSON line per
 completed item (id, text, file, seconds, seed, voice, bytes), appended and flushed to disk once its
@@ -47,7 +48,8 @@ from typing import Any
 import numpy as np
 
 from .. import protocol
-from ..errors import MinicpmError, OptionError, UsageError
+from ..errors import MinicpmError, OptionError, UsageError, VoiceError
+from ..voices.store import VoiceStore, locate
 
 MANIFEST = "manifest.jsonl"
 FORMATS = ("wav", "flac")
@@ -113,9 +115,11 @@ def read_rows(path: Path) -> list[dict]:
         raise UsageError(f"cannot read {path}: {e}") from None
 
 
-def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base: Path) -> list[Item]:
+def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base: Path,
+         store: VoiceStore | None = None) -> list[Item]:
     """The items of `rows`, checked: text present, ids unique and usable as file names, seeds in
-    range and not with --greedy; relative voice paths are taken from `base` (INPUT's folder)."""
+    range and not with --greedy; voices as `say --voice` takes them (`voices.store.locate`: relative
+    paths from `base`, INPUT's folder; saved names from `store`, by default the user's)."""
     if seed is None and not greedy:
         run_seed, drawn = random.SystemRandom().randrange(2**63), True
     else:
@@ -148,8 +152,12 @@ def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base
         voice = row.get("voice")
         if voice is not None and voice != "":
             if not isinstance(voice, str):
-                raise UsageError(f"{where}: voice {voice!r} is not a file name")
-            voice = str((base / Path(voice).expanduser()).resolve())
+                raise UsageError(f"{where}: voice {voice!r} is not a file name or a saved voice's name")
+            try:  # (what `say --voice` takes: the file to read travels with the item, as its path)
+                found = locate(voice, store, base=base)
+            except VoiceError as e:
+                raise UsageError(f"{where}: {e}") from None
+            voice = None if found is None else str(found)
         else:
             voice = None
         if greedy:

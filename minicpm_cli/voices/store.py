@@ -7,8 +7,11 @@ samples (and any audio tool plays it); when it was added and what it was made fr
 date and comment strings. A voice is written to a temporary name in the directory and renamed into
 place, so a reader sees a whole voice or none, and a name in use is replaced only when asked (`force`).
 
-`resolve(ref)` is what `--voice REF` means: a path to an existing file, else `default` (the model's
-own voice: no cloning), else the name of a saved voice, else a VoiceError saying it is neither. Names
+`locate(ref)` is what a voice reference means, everywhere one is taken (`--voice REF`, the server's
+`voice`, `bulk`'s voice column): a path to an existing file (where files are taken: not from a
+server's clients), else `default` (the model's own voice: no cloning), else the name of a saved
+voice, else (where OpenAI's names are taken: the server) one of OpenAI's voice names, which speak
+the model's own voice, else an UnknownVoice error. `resolve(ref)` reads what it names. Names
 are ASCII letters, digits, `-` and `_`, starting with a letter or digit, at most 64 characters (so a
 name is never a path, nor taken for an option), and not `default`, which always means the model's own
 voice (so a request for it gives the same audio whatever voices a server has saved).
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import OptionError, VoiceError
-from ..protocol import DEFAULT_VOICE
+from ..protocol import DEFAULT_VOICE, OPENAI_VOICES
 from .reference import SAMPLE_RATE, Voice, load_reference
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
@@ -132,8 +135,11 @@ class VoiceStore:
         import soundfile as sf
 
         path = self.path(name)
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.root)
+        except OSError as e:
+            raise VoiceError(f"cannot write in the voices folder {self.root}: {e.strerror or e}") from None
         os.close(fd)
         try:
             with sf.SoundFile(tmp, "w", samplerate=SAMPLE_RATE, channels=1, format="WAV", subtype="FLOAT") as f:
@@ -187,16 +193,45 @@ class VoiceStore:
             os.replace(tmp, path)
 
 
-def resolve(ref: str, store: VoiceStore | None = None) -> Voice | None:
-    """What `--voice REF` names: an existing file (read as a reference), else the model's own voice
-    (None) for `default`, else a saved voice, else an error saying it is neither."""
-    if os.path.exists(ref):
-        return Voice.load(ref)
+class UnknownVoice(VoiceError):
+    """A voice reference that names no file (where files are taken) and no voice."""
+
+
+def locate(ref: str, store: VoiceStore | None = None, *, files: bool = True, openai_names: bool = False,
+           base: str | os.PathLike | None = None) -> Path | None:
+    """The one rule for what a voice reference names, as a file to read (None: the model's own voice):
+    with `files`, an existing file (relative paths from `base`, else the working directory); else
+    `default`; else a saved voice (its file); with `openai_names`, one of OpenAI's built-in names,
+    which speak the model's own voice; else UnknownVoice. `say`/`reply --voice`, the server's `voice`
+    field (names only, OpenAI's too) and `bulk`'s voice column all resolve through here."""
+    if files:
+        path = Path(ref).expanduser()
+        if base is not None:
+            path = Path(base) / path
+        if path.exists():
+            return path.resolve()
     if ref == DEFAULT_VOICE:
         return None
     store = store or VoiceStore()
     if store.has(ref):
-        return store.load(ref)
+        return store.path(ref)
+    if openai_names and ref in OPENAI_VOICES:
+        return None
     names = store.names()
     saved = f"saved voices: {', '.join(names)}" if names else "no voices are saved (minicpm voice add NAME FILE)"
-    raise VoiceError(f"{ref}: no such file, and no saved voice has that name ({saved})")
+    if files:
+        raise UnknownVoice(f"{ref}: no such file, and no saved voice has that name ({saved})")
+    raise UnknownVoice(f"unknown voice '{ref}' ({saved}; '{DEFAULT_VOICE}' is the model's own voice"
+                       + (", as are OpenAI's names unless a saved voice has the name)" if openai_names else ")"))
+
+
+def resolve(ref: str, store: VoiceStore | None = None, *, files: bool = True, openai_names: bool = False,
+            base: str | os.PathLike | None = None) -> Voice | None:
+    """The voice `ref` names (`locate`'s rule), read and checked; None for the model's own."""
+    store = store or VoiceStore()
+    path = locate(ref, store, files=files, openai_names=openai_names, base=base)
+    if path is None:
+        return None
+    if is_name(ref) and path == store.path(ref):
+        return store.load(ref)  # (named in messages as the saved voice it is)
+    return Voice.load(path)
