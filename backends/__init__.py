@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from minicpm_cli.errors import BackendError
+from minicpm_cli.errors import BackendError, UnknownBackend
 
 if TYPE_CHECKING:
     import torch
@@ -157,7 +157,7 @@ def get(name: str) -> Backend:
     try:
         return REGISTRY[name]
     except KeyError:
-        raise BackendError(f"unknown backend '{name}' (available: {AUTO}, {', '.join(REGISTRY)})") from None
+        raise UnknownBackend(f"unknown backend '{name}' (available: {AUTO}, {', '.join(REGISTRY)})") from None
 
 
 def help_text() -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
-from .errors import UsageError
+from .errors import OptionError, UsageError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -41,7 +41,30 @@ class Sink(Protocol):
 
 def check_pcm(pcm: str) -> None:
     if pcm not in PCM:
-        raise UsageError(f"unknown --pcm '{pcm}' (use s16 or f32)")
+        raise OptionError(f"unknown --pcm '{pcm}' (use s16 or f32)")
+
+
+def check_writable(directory: str | os.PathLike) -> None:
+    """A directory this process can create files in, checked by creating (and removing) one, so that
+    a read-only file system, permissions or a missing directory are an error before any work is
+    done (`os.access` says yes to root on a read-only mount)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".minicpm-probe.", dir=directory)
+    except OSError as e:
+        raise UsageError(f"cannot write in {directory}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def make_directory(directory: str | os.PathLike) -> Path:
+    """An output directory, made (with its parents) when missing and checked writable."""
+    path = Path(directory).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot make the directory {directory}: {e.strerror or e}") from None
+    check_writable(path)
+    return path
 
 
 def file_format(path: str) -> str:
@@ -56,11 +79,18 @@ def check_output(path: str, pcm: str, raw: bool = False) -> None:
     check_pcm(pcm)
     if path == "-":
         return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(f"{path} is a directory: name a file in it (e.g. {target / 'out.wav'})")
+    if raw and target.suffix.lower() in FORMATS:
+        raise OptionError(f"--raw writes headerless PCM, not {FORMATS[target.suffix.lower()]}: drop --raw, or name "
+                          f"the file for what it holds (e.g. {target.with_suffix('.raw').name})")
     if not raw and file_format(path) == "FLAC" and pcm == "f32":
-        raise UsageError("FLAC stores integer samples: use --pcm s16, or a .wav file for float samples")
-    parent = Path(path).expanduser().resolve().parent
+        raise OptionError("FLAC stores integer samples: use --pcm s16, or a .wav file for float samples")
+    parent = target.resolve().parent
     if not parent.is_dir():
         raise UsageError(f"output directory does not exist: {parent}")
+    check_writable(parent)
 
 
 def takes_pcm(path: str, pcm: str, raw: bool = False) -> bool:

@@ -36,5 +36,9 @@ class BackendError(MinicpmError):
     """Unknown backend, a missing optional dependency, or a backend that failed to start."""
 
 
+class UnknownBackend(BackendError, OptionError):
+    """A backend name that is not in the registry: an option's value out of its range (exit 2)."""
+
+
 class DeviceError(MinicpmError):
     """The requested device or dtype is not available here."""

@@ -153,10 +153,13 @@ def test_empty_text(tiny_dir, tmp_path, stdin):
 
 def test_bad_options_are_one_line_errors(tiny_dir, tmp_path):
     assert_one_line_error(run("say", "Hi.", "--model", str(tiny_dir), "-o", str(tmp_path / "x.mp3")), ".mp3")
-    assert_one_line_error(run("say", "Hi.", "--model", str(tiny_dir), "--pcm", "f32", "-o", str(tmp_path / "x.flac")), "FLAC")
-    assert_one_line_error(run("say", "Hi.", "--backend", "nope", "-o", str(tmp_path / "x.wav")), "unknown backend", "eager")
-    assert_one_line_error(run("say", "Hi.", "--model", str(tiny_dir), "--dtype", "int3", "--device", "cpu",
-                              "-o", str(tmp_path / "x.wav")), "int3")
+    # an option's value out of its range, or options that do not go together: exit 2, as the parser's own
+    from test_usage_errors import assert_usage_error
+
+    assert_usage_error(run("say", "Hi.", "--model", str(tiny_dir), "--pcm", "f32", "-o", str(tmp_path / "x.flac")), "FLAC")
+    assert_usage_error(run("say", "Hi.", "--backend", "nope", "-o", str(tmp_path / "x.wav")), "unknown backend", "eager")
+    assert_usage_error(run("say", "Hi.", "--model", str(tiny_dir), "--dtype", "int3", "--device", "cpu",
+                           "-o", str(tmp_path / "x.wav")), "int3")
     assert list(tmp_path.iterdir()) == []
 
 

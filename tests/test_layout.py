@@ -198,3 +198,24 @@ def test_version_is_the_distributions():
     p = subprocess.run([sys.executable, "-m", "minicpm_cli", "--version"], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == f"minicpm {version('minicpm-cli')}"
+
+
+def test_a_source_checkout_runs_without_installing(tmp_path):
+    """`python -m minicpm_cli` in a checkout that was never installed: minicpm_cli.backends, which an
+    install maps from the top-level backends/ folder, resolves there too (the package's __init__)."""
+    src = tmp_path / "checkout"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("minicpm_cli", "backends"):
+        shutil.copytree(ROOT / name, src / name, ignore=ignore)
+    code = ("import sys\n"  # (no install: drop the finders an editable install of this repository adds)
+            "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in str(getattr(f, '__module__', '')).lower()]\n"
+            "sys.path_hooks[:] = [h for h in sys.path_hooks if 'editable' not in getattr(h, '__module__', '').lower()]\n"
+            "sys.path.insert(0, sys.argv[1])\n"
+            "import minicpm_cli.backends as b, minicpm_cli.backends.kernels\n"
+            "print(b.__file__)\n"
+            "sys.argv = ['minicpm', '--version']\n"
+            "from minicpm_cli.cli.app import main\nmain()\n")
+    p = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == str(src / "backends" / "__init__.py"), p.stdout
+    assert p.stdout.splitlines()[1].startswith("minicpm ")

@@ -13,6 +13,7 @@ backends.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -26,6 +27,11 @@ from ..errors import MinicpmError
 from .commands import bench, bulk, say, serve, voice
 from .signals import interrupt, terminate
 from .streams import ReaderGone
+
+# torch warns "No CUDA runtime is found, using CUDA_HOME=..." on stderr wherever a CUDA toolkit is
+# installed but no GPU answers, e.g. any CPU run on a GPU machine's image: not ours to report
+logging.getLogger("torch.utils.cpp_extension").addFilter(
+    lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
 
 app = typer.Typer(
     name="minicpm",
@@ -80,6 +86,12 @@ def main() -> None:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except (MemoryError, RuntimeError) as e:  # (torch.OutOfMemoryError is a RuntimeError; torch not imported here)
+        if os.environ.get("MINICPM_DEBUG") or not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"):
+            raise
+        print("minicpm: error: out of memory: use a smaller backend (--backend int4), fewer rows (--batch), or "
+              "free memory held by other programs", file=sys.stderr)
+        sys.exit(1)
     except (ReaderGone, BrokenPipeError):
         # The reader went away (e.g. `| head`): not an error. Point stdout at devnull so the
         # interpreter's final flush does not complain.

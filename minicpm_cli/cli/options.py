@@ -18,6 +18,7 @@ import typer
 
 from .. import backends as registry
 from .. import protocol
+from ..engine.loading import check_gguf
 from ..errors import OptionError, UsageError
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Checkpoint directory or Hugging Face repo id [default: the backend's model, openbmb/MiniCPM-o-2_6].")]
@@ -85,6 +86,23 @@ def with_speaker_options(command):
     run.__signature__ = sig.replace(parameters=own + shared)
     run.__annotations__ = {p.name: p.annotation for p in own + shared}
     return run
+
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
+
+
+def check_model_options(backend: str, device: str, dtype: str, gguf: Optional[str]) -> None:
+    """--backend (one name, or several where `bench` compares them), --device, --dtype and --gguf
+    checked before anything is looked for or loaded: a value out of range exits 2."""
+    for name in backend.split(","):
+        if name.strip() != registry.AUTO:
+            registry.get(name.strip())
+    if device not in DEVICES and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise OptionError(f"unknown --device '{device}' (use auto, cuda, cuda:N or cpu)")
+    if dtype not in DTYPES:
+        raise OptionError(f"unknown --dtype '{dtype}' (use auto, bfloat16 or float32)")
+    check_gguf(backend, gguf)
 
 
 def check_sampling(greedy: bool, seed: Optional[int]) -> None:

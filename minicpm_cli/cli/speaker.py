@@ -13,11 +13,9 @@ import os
 import sys
 from typing import Optional
 
-from .. import backends as registry
 from .. import trace
-from ..engine.loading import check_gguf
 from ..errors import OptionError
-from .options import SpeakerOptions
+from .options import SpeakerOptions, check_model_options
 
 
 def load_here(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None,
@@ -87,9 +85,7 @@ def speaker(opts: SpeakerOptions, rows: int = 1):
     every request."""
     if opts.local and opts.server is not None:
         raise OptionError("--local and --server do not go together")
-    check_gguf(opts.backend, opts.gguf)
-    if opts.backend != registry.AUTO:
-        registry.get(opts.backend)  # an unknown name is the same error either way
+    check_model_options(opts.backend, opts.device, opts.dtype, opts.gguf)  # (the same errors either way)
     voice = resolve_voice(opts.voice)
     chosen = None
     if not opts.local:

@@ -12,6 +12,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import sys
+import threading
+import urllib.parse
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -51,8 +55,34 @@ def resolve(model: str, prefixes: Iterable[str] = SPEECH_PREFIXES) -> Path:
     return _download(model, tuple(prefixes))
 
 
-def hub_file(repo: str, name: str, required: bool = True) -> Path | None:
-    """One file of a hub repo, from the standard cache or downloaded (with a progress bar)."""
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a connection to the hub's endpoint opens within `timeout` seconds. Without a network
+    the hub's client retries each file for tens of seconds before it gives up; this answers in a few.
+    Behind a proxy (HTTPS_PROXY, ALL_PROXY) only the proxy can tell: taken as reachable."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    from huggingface_hub import constants
+
+    url = urllib.parse.urlsplit(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    result: list[bool] = []
+
+    def connect() -> None:  # (in a thread: a name lookup takes no timeout of its own)
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    probe = threading.Thread(target=connect, daemon=True)
+    probe.start()
+    probe.join(timeout)
+    return bool(result and result[0])
+
+
+def hub_file(repo: str, name: str, required: bool = True, local_only: bool = False) -> Path | None:
+    """One file of a hub repo, from the standard cache or downloaded (with a progress bar); with
+    `local_only`, from the cache alone."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
     from huggingface_hub.utils import logging as hf_logging
@@ -61,8 +91,14 @@ def hub_file(repo: str, name: str, required: bool = True) -> Path | None:
     hf_logging.set_verbosity_error()
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
-        return Path(hf_hub_download(repo, name))
+        return Path(hf_hub_download(repo, name, local_files_only=local_only))
     except LocalEntryNotFoundError:  # (a subclass of EntryNotFoundError: test it first)
+        if local_only and not offline:
+            from huggingface_hub import constants
+
+            raise ModelNotFound(f"cannot download {repo}: the Hugging Face hub ({constants.ENDPOINT}) cannot be "
+                                "reached and the model is not in the local cache; give --model DIR for a local "
+                                "checkpoint") from None
         if offline:
             raise ModelNotFound(f"{repo} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set") from None
         raise ModelNotFound(f"cannot download {repo}: the Hugging Face hub is unreachable and the model is not cached") from None
@@ -77,17 +113,24 @@ def hub_file(repo: str, name: str, required: bool = True) -> Path | None:
 
 
 def _download(repo: str, prefixes: tuple[str, ...]) -> Path:
+    from huggingface_hub import try_to_load_from_cache
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    if not offline and not isinstance(try_to_load_from_cache(repo, "config.json"), str):
+        print(f"minicpm: fetching {repo} from the Hugging Face hub (the speech part, once; later runs use the "
+              "local cache)", file=sys.stderr, flush=True)
+    local = offline or not hub_reachable()  # (a cached model is still used without a network)
     for name in SMALL_FILES:
-        hub_file(repo, name)
-    hub_file(repo, "quantize_config.json", required=False)  # GPTQ checkpoints only
-    root = hub_file(repo, "config.json").parent
-    index = hub_file(repo, INDEX, required=False)
+        hub_file(repo, name, local_only=local)
+    hub_file(repo, "quantize_config.json", required=False, local_only=local)  # GPTQ checkpoints only
+    root = hub_file(repo, "config.json", local_only=local).parent
+    index = hub_file(repo, INDEX, required=False, local_only=local)
     if index is None:
-        hub_file(repo, SINGLE)
+        hub_file(repo, SINGLE, local_only=local)
     else:
         weight_map = _read_index(index)
         for shard in sorted({f for k, f in weight_map.items() if k.startswith(prefixes)}):
-            hub_file(repo, shard)
+            hub_file(repo, shard, local_only=local)
     return root
 
 

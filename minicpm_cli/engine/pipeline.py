@@ -81,6 +81,29 @@ def resolve_device(device: str) -> torch.device:
         raise DeviceError(f"unknown device '{device}' (use auto, cuda or cpu)") from None
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device` (a CPU: MemAvailable), None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_room(needed: int, device: torch.device) -> None:
+    """A model of `needed` bytes fits what `device` has free, or a one-line DeviceError saying so."""
+    free = free_memory(device)
+    if free is not None and needed > free:
+        where = "GPU memory" if device.type == "cuda" else "memory"
+        raise DeviceError(f"the model needs about {needed / 2**30:.1f} GiB of {where} and {free / 2**30:.1f} GiB are "
+                          f"free on {device}: free some, or use a smaller backend (--backend int4 on a GPU)")
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -175,9 +198,12 @@ class Synthesizer:
         be.check()
         dt = resolve_dtype(dtype, dev)
         if random_weights:
-            from .synthetic import RandomCheckpoint, SyntheticSpec
+            from .synthetic import RandomCheckpoint, SyntheticSpec, parameter_count
 
-            ckpt = RandomCheckpoint(spec or SyntheticSpec.full(), seed=seed)
+            spec = spec or SyntheticSpec.full()
+            if backend in ("eager", "compile"):  # (int4 and gguf hold their LLM in fewer bytes)
+                check_room(parameter_count(spec, include_unused=False) * dt.itemsize, dev)
+            ckpt = RandomCheckpoint(spec, seed=seed)
             config, vocos = ckpt.config, ckpt.vocos_state()
             tokenizers = Tokenizers(Path(model) if model and Path(model).is_dir() else BUNDLED_TOKENIZERS)
             voices = functools.partial(load_voice_encoder, ckpt, config, tokenizers, device=dev, dtype=dt)

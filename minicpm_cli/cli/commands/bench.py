@@ -10,9 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from ... import backends as registry
-from ...engine.loading import check_gguf
 from ...errors import OptionError, UsageError
-from ..options import DeviceOpt, DtypeOpt, FirstChunkOpt, GgufOpt, ModelOpt, chunk_frames
+from ..options import DeviceOpt, DtypeOpt, FirstChunkOpt, GgufOpt, ModelOpt, check_model_options, chunk_frames
 
 
 def bench(
@@ -70,14 +69,14 @@ def bench(
     else:
         names = tuple(b.strip() for b in backend.split(",") if b.strip())
     if not names and server is None:
-        raise UsageError("--backend needs at least one name")
+        raise OptionError("--backend needs at least one name")
     for name in names:
         registry.get(name).check()
-    check_gguf(",".join(names), gguf)
+    check_model_options(",".join(names) or registry.AUTO, device, dtype, gguf)
     workloads = {"read": ("read",), "reply": ("reply",), "bulk": ("bulk",),
                  "all": ("read", "reply") + (("bulk",) if concurrency and server is None else ())}.get(workload)
     if workloads is None:
-        raise UsageError(f"unknown workload '{workload}' (read, reply, bulk or all)")
+        raise OptionError(f"unknown workload '{workload}' (read, reply, bulk or all)")
     if workloads == ("bulk",) and concurrency is None:
         raise OptionError("--workload bulk measures batches: give --concurrency N")
     if "bulk" in workloads and server is not None:

@@ -10,11 +10,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ... import backends as registry
-from ...engine.loading import check_gguf
+from ... import audio
 from ...errors import MinicpmError, OptionError, UsageError
 from ..options import (BackendOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, GreedyOpt, ModelOpt, RayOpt, ReplicasOpt,
-                       VerboseOpt, absolute_if_here, check_ray, check_sampling)
+                       VerboseOpt, absolute_if_here, check_model_options, check_ray, check_sampling)
 from ..speaker import load_here
 
 
@@ -49,9 +48,7 @@ def bulk(
     if batch < 1:
         raise OptionError("--batch must be at least 1")
     check_sampling(greedy, seed)
-    check_gguf(backend, gguf)
-    if backend != registry.AUTO:
-        registry.get(backend)
+    check_model_options(backend, device, dtype, gguf)
     address, bounds = check_ray(ray_address, replicas, gpus_per_replica)
     if address is not None:
         from ...scale.cluster import require_ray
@@ -64,11 +61,7 @@ def bulk(
     if not items:
         raise UsageError(f"no items in {input}")
     b.check_voices(items)
-    directory = Path(out).expanduser()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot make the directory {out}: {e.strerror or e}") from None
+    directory = audio.make_directory(out)
     if address is not None:
         model, gguf = absolute_if_here(model), absolute_if_here(gguf)
     load = functools.partial(load_here, model, backend, device, dtype, gguf, verbose, batch)  # (rows: a batch at once)

@@ -50,9 +50,8 @@ def say(
             raise OptionError("--dir writes one file per line: use it with --lines")
         if output is not None:
             raise OptionError("give either -o or --dir, not both")
-        if not Path(directory).is_dir():
-            raise UsageError(f"not a directory: {directory}")
         audio.check_pcm(pcm)
+        audio.make_directory(directory)
     else:
         output = output_target(output)
         audio.check_output(output, pcm, raw)
@@ -124,7 +123,7 @@ def reply(
     if temperature <= 0:
         raise OptionError("--temperature must be positive (use --greedy for the most likely tokens)")
     if max_tokens < 1:
-        raise UsageError("--max-tokens must be at least 1")
+        raise OptionError("--max-tokens must be at least 1")
     message = read_text(text, None).strip()
     if not message:
         raise UsageError("no text to reply to")

@@ -10,10 +10,9 @@ import typer
 
 from ... import backends as registry
 from ... import protocol
-from ...engine.loading import check_gguf
 from ...errors import OptionError
 from ..options import (BackendOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, ModelOpt, RayOpt, ReplicasOpt,
-                       absolute_if_here, check_ray)
+                       absolute_if_here, check_model_options, check_ray)
 
 
 def serve(
@@ -52,7 +51,7 @@ def serve(
     if not srv.is_loopback(host) and api_key is None and not insecure:
         raise OptionError(f"--host {host} can be reached from other machines: give --api-key KEY (or set "
                           f"{protocol.API_KEY_ENV}), or --insecure to serve it without a key")
-    check_gguf(backend, gguf)
+    check_model_options(backend, device, dtype, gguf)
     if backend != registry.AUTO:
         be = registry.get(backend)
         if address is None:  # (with --ray, what counts is what the replicas have installed)

@@ -1,0 +1,186 @@
+"""The mistakes a new user makes, each answered by one line on stderr before any model is looked for
+(`--model` names a directory that does not exist: an error about it would mean the check came too
+late), with exit status 2 for an option's value and 1 for a place that cannot be written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from test_cli import assert_one_line_error, run
+
+NO_MODEL = ("--model", "/nonexistent/minicpm-model")
+# A directory that exists and that nobody, root included, can create files in
+UNWRITABLE = "/proc"
+
+
+def assert_usage_error(p, *needles: str):
+    err = p.stderr.decode()
+    assert p.returncode == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("minicpm: error: "), err
+    for n in needles:
+        assert n in lines[0], err
+
+
+def test_an_unwritable_output_is_refused_before_loading():
+    assert_one_line_error(run("say", "Hi.", "-o", f"{UNWRITABLE}/x.wav", *NO_MODEL), "cannot write", UNWRITABLE)
+    assert_one_line_error(run("reply", "Hi.", "-o", f"{UNWRITABLE}/x.wav", *NO_MODEL), "cannot write")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in a read-only directory")
+def test_a_read_only_directory_is_refused_before_loading(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        assert_one_line_error(run("say", "Hi.", "-o", str(ro / "x.wav"), *NO_MODEL), "cannot write")
+    finally:
+        ro.chmod(0o755)
+
+
+def test_an_output_naming_a_directory_is_refused_before_loading(tmp_path):
+    assert_one_line_error(run("say", "Hi.", "-o", str(tmp_path), *NO_MODEL), "is a directory")
+
+
+@pytest.mark.parametrize("name", ["out.wav", "out.flac", "OUT.WAV"])
+def test_raw_pcm_under_an_audio_name_is_refused(tmp_path, name):
+    p = run("say", "Hi.", "--raw", "-o", str(tmp_path / name), *NO_MODEL)
+    assert_usage_error(p, "--raw")
+    assert not (tmp_path / name).exists()
+
+
+def test_say_dir_is_made_when_missing(tiny_dir, tmp_path):
+    out = tmp_path / "new" / "lines"
+    p = run("say", "--lines", "--dir", str(out), "--model", str(tiny_dir), "--greedy", "--device", "cpu",
+            stdin=b"One line.\n")
+    assert p.returncode == 0, p.stderr.decode()
+    assert (out / "line-0001.wav").is_file()
+
+
+def test_say_dir_unwritable_is_refused_before_loading():
+    assert_one_line_error(run("say", "--lines", "--dir", UNWRITABLE, *NO_MODEL, stdin=b"x\n"), "cannot write")
+
+
+def test_bulk_out_unwritable_is_refused_before_loading(tmp_path):
+    items = tmp_path / "items.txt"
+    items.write_text("One.\n")
+    assert_one_line_error(run("bulk", str(items), "--out", UNWRITABLE, *NO_MODEL), "cannot write")
+
+
+def test_voice_add_to_an_unwritable_voices_folder_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    ref = Path(__file__).parent / "fixtures" / "voice_ref_a.wav"
+    p = run("voice", "add", "me", str(ref), env={"XDG_DATA_HOME": str(blocker)})
+    assert_one_line_error(p, "cannot write in the voices folder")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("say", "Hi.", "--backend", "turbo"), "turbo"),
+    (("say", "Hi.", "--pcm", "s24"), "s24"),
+    (("say", "Hi.", "--device", "tpu"), "tpu"),
+    (("say", "Hi.", "--dtype", "float16"), "float16"),
+    (("reply", "Hi.", "--max-tokens", "0"), "--max-tokens"),
+    (("say", "Hi.", "--batch", "0"), "--batch"),
+    (("serve", "--backend", "turbo"), "turbo"),
+    (("serve", "--device", "tpu"), "tpu"),
+    (("bench", "--workload", "sing"), "sing"),
+    (("bench", "--dtype", "int3"), "int3"),
+])
+def test_every_invalid_option_value_exits_2(tmp_path, args, needle):
+    p = run(*args, "-o" if args[0] in ("say", "reply") else "--model", *(
+        (str(tmp_path / "x.wav"), *NO_MODEL) if args[0] in ("say", "reply") else (NO_MODEL[1],)))
+    assert_usage_error(p, needle)
+
+
+def test_bulk_invalid_values_exit_2(tmp_path):
+    items = tmp_path / "items.txt"
+    items.write_text("One.\n")
+    assert_usage_error(run("bulk", str(items), "--out", str(tmp_path / "o"), "--device", "tpu", *NO_MODEL), "tpu")
+    assert_usage_error(run("bulk", str(items), "--out", str(tmp_path / "o"), "--backend", "turbo", *NO_MODEL), "turbo")
+
+
+def test_an_unreachable_hub_is_said_at_once_and_fails_within_seconds(tmp_path):
+    """No network: one line says the model is being fetched, and the error follows within seconds
+    (the hub's client alone retried for tens of seconds). The hub is a closed port on this machine."""
+    import subprocess
+    import sys
+    import time
+
+    from test_cli import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    for var in ("HF_HUB_OFFLINE", "MINICPM_DEBUG", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        env.pop(var, None)
+    p = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "say", "Hi.", "-o", str(tmp_path / "x.wav"),
+                          "--local", "--device", "cpu"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    first = p.stderr.readline().decode()
+    said = time.monotonic()
+    rest = p.stderr.read().decode()
+    p.wait(timeout=120)
+    elapsed = time.monotonic() - said
+    assert first.startswith("minicpm: fetching openbmb/MiniCPM-o-2_6"), first + rest
+    assert p.returncode == 1 and rest.startswith("minicpm: error: ") and len(rest.splitlines()) == 1, rest
+    assert "cannot be reached" in rest, rest
+    assert elapsed < 10, elapsed
+
+
+def test_random_weights_without_the_memory_is_one_line(monkeypatch):
+    """`bench --random-weights` where the full-size model does not fit: refused before anything is
+    drawn (the free memory faked small), not an allocator's traceback."""
+    from typer.testing import CliRunner
+
+    from minicpm_cli.cli.app import app
+    from minicpm_cli.engine import pipeline
+    from minicpm_cli.errors import DeviceError
+
+    monkeypatch.setattr(pipeline, "free_memory", lambda device: 2**30)
+    r = CliRunner().invoke(app, ["bench", "--random-weights", "-b", "eager", "--device", "cpu", "--runs", "1",
+                                 "--workload", "read"])
+    assert isinstance(r.exception, DeviceError), r.output
+    assert "GiB of memory and 1.0 GiB are free" in str(r.exception)
+
+
+def test_out_of_memory_is_one_line(monkeypatch, capsys):
+    import torch
+
+    from minicpm_cli.cli import app
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(app, "app", oom)
+    monkeypatch.delenv("MINICPM_DEBUG", raising=False)
+    import signal
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            app.main()
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("minicpm: error: out of memory") and len(err.splitlines()) == 1, err
+
+
+def test_torch_no_cuda_runtime_warning_stays_off_stderr():
+    """torch's warning for a CUDA toolkit without a GPU (a CPU run on a GPU machine's image) is noise
+    to a user of the CLI: the command line filters it, other warnings of that logger pass."""
+    import subprocess
+    import sys
+
+    from test_cli import ROOT
+
+    code = ("import logging, minicpm_cli.cli.app\nlog = logging.getLogger('torch.utils.cpp_extension')\n"
+            "log.warning(\"No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'\")\nlog.warning('other')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.strip() == "other", p.stderr
