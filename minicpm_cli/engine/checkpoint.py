@@ -218,11 +218,13 @@ class Checkpoint:
         except OSError as e:
             raise CheckpointError(f"cannot read {self.root}: {e}") from None
 
-    def tensor(self, key: str, dtype: torch.dtype | None = None, device="cpu") -> Tensor:
+    def tensor(self, key: str, dtype: torch.dtype | None = None, device=None) -> Tensor:
+        """One tensor in `dtype` (default: its file's) on `device` (default: where `prefetch` put it,
+        or the CPU)."""
         if key not in self._read:
-            self.prefetch([key], device)
+            self.prefetch([key], device or "cpu")
         t = self._read.pop(key)
-        return t.to(device=device, dtype=dtype or t.dtype)
+        return t.to(device=device or t.device, dtype=dtype or t.dtype)
 
     def state_dict(self, prefix: str, dtype: torch.dtype | None = None, device="cpu",
                    skip: tuple[str, ...] = ()) -> dict[str, Tensor]:

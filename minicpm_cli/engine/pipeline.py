@@ -121,8 +121,8 @@ def build_tts(ckpt: Checkpoint, config: dict, *, device, dtype) -> ChatTTS:
     c = model.config
     heads = [
         fold_weight_norm(
-            ckpt.tensor(f"tts.head_code.{q}.parametrizations.weight.original0", torch.float32),
-            ckpt.tensor(f"tts.head_code.{q}.parametrizations.weight.original1", torch.float32),
+            ckpt.tensor(f"tts.head_code.{q}.parametrizations.weight.original0", torch.float32, "cpu"),
+            ckpt.tensor(f"tts.head_code.{q}.parametrizations.weight.original1", torch.float32, "cpu"),
         )
         for q in range(c.num_vq)
     ]

@@ -310,9 +310,9 @@ class RandomCheckpoint:
     def prefetch(self, keys, device="cpu") -> None:
         """Nothing to read ahead: tensors are drawn when asked for."""
 
-    def tensor(self, key: str, dtype: torch.dtype | None = None, device="cpu") -> Tensor:
+    def tensor(self, key: str, dtype: torch.dtype | None = None, device=None) -> Tensor:
         shape, init = self.plan[key]
-        return _tensor(self.spec, key, shape, init, self.seed, torch.device(device), dtype or torch.float32)
+        return _tensor(self.spec, key, shape, init, self.seed, torch.device(device or "cpu"), dtype or torch.float32)
 
     def state_dict(self, prefix: str, dtype: torch.dtype | None = None, device="cpu",
                    skip: tuple[str, ...] = ()) -> dict[str, Tensor]:
