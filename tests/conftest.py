@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import shutil
@@ -29,6 +30,15 @@ TINY = FIXTURES / "tiny-minicpmo"
 # tiny-minicpmo-voice (the voice goldens' checkpoint) is tiny-minicpmo plus the audio encoder: only
 # its extra tensors and its config.json are kept, and `voice_dir` puts the two together.
 VOICE_EXTRA = FIXTURES / "tiny-minicpmo-voice-extra"
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def _tool(name: str):
+    """A script of tools/ as a module (tools/ is not a package, and is kept off sys.path)."""
+    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def pytest_collection_modifyitems(config, items):
@@ -83,24 +93,9 @@ def manifest_voice():
 def voice_dir(tmp_path_factory) -> Path:
     """tiny-minicpmo-voice assembled in the official sharded layout, without copying weights: the base
     checkpoint's file and the audio encoder's file as two shards of one index, the voice config, and
-    everything else linked from tiny-minicpmo."""
-    from safetensors import safe_open
-
-    d = tmp_path_factory.mktemp("tiny-minicpmo-voice")
-    shards = {"model-00001-of-00002.safetensors": TINY / "model.safetensors",
-              "model-00002-of-00002.safetensors": VOICE_EXTRA / "audio.safetensors"}
-    links = {name: TINY / name for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                                            "preprocessor_config.json", "assets")}
-    links.update(shards)
-    links["config.json"] = VOICE_EXTRA / "config.json"
-    for name, target in links.items():
-        (d / name).symlink_to(target.resolve(), target_is_directory=target.is_dir())
-    weight_map = {}
-    for name, path in shards.items():
-        with safe_open(path, framework="pt") as f:
-            weight_map.update(dict.fromkeys(f.keys(), name))
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return d
+    everything else linked from tiny-minicpmo (tools/tiny_voice_checkpoint.py, which newcomers run to
+    try `--voice` on the tiny model)."""
+    return _tool("tiny_voice_checkpoint").assemble(tmp_path_factory.mktemp("tiny-minicpmo-voice"), TINY, VOICE_EXTRA)
 
 
 @pytest.fixture(scope="session")
