@@ -55,7 +55,7 @@ def test_reads_in_a_batch_equal_reads_alone(synth, decode):
     alone = [list(_read(synth, *r, decode)) for r in READS]
     assert max(c.segment for c in alone[2]) >= 1  # the continuation is exercised
     jobs = [functools.partial(_read, synth, *r, decode) for r in READS]
-    batched = list(in_order(synth.batch(), jobs, window=ROWS))
+    batched = list(in_order(synth.batch(), jobs, batch=ROWS))
     for a, b in zip(alone, batched):
         _same(a, b)
 
@@ -96,7 +96,7 @@ def test_replies_and_reads_share_a_batch(synth, monkeypatch):
 
     alone = [list(run(*r)) for r in reqs]
     jobs = [functools.partial(lambda r, lane: run(*r, lane=lane), r) for r in reqs]
-    batched = list(in_order(synth.batch(), jobs, window=ROWS))
+    batched = list(in_order(synth.batch(), jobs, batch=ROWS))
     for a, b in zip(alone, batched):
         _same(a, b)
     assert max(sizes["prompts"]) > 1 and max(sizes["chunks"]) > 1 and max(sizes["choices"]) > 1
@@ -112,7 +112,7 @@ def test_in_order_keeps_rows_busy_behind_a_long_job(synth):
         log.append(("end", k))
 
     texts = [(LONG, 1), ("One.", None), ("Good morning.", None), ("One.", None)]
-    got = list(in_order(synth.batch(2), [functools.partial(job, k, *t) for k, t in enumerate(texts)], window=2))
+    got = list(in_order(synth.batch(2), [functools.partial(job, k, *t) for k, t in enumerate(texts)], batch=2))
     assert len(got) == 4 and log.index(("start", 3)) < log.index(("end", 0))
 
 
@@ -128,7 +128,7 @@ def test_in_order_starts_the_last_jobs_longest_first(synth):
     texts = ["One.", "Good morning, how are you today?", "Two.", "Good morning."]
     sizes = [1, 30, 2, 10]
     jobs = [Job(functools.partial(job, k, t), size) for k, (t, size) in enumerate(zip(texts, sizes))]
-    got = list(in_order(synth.batch(2), jobs, window=2))
+    got = list(in_order(synth.batch(2), jobs, batch=2))
     assert started == [1, 3, 2, 0]
     for text, chunks in zip(texts, got):
         assert [c.text for c in chunks][0] in text
@@ -150,7 +150,7 @@ def test_in_order_reads_its_input_a_few_windows_ahead(synth):
             taken.append(k)
             yield Job(functools.partial(start, k), size=k)
 
-    assert len(list(in_order(synth.batch(2), jobs(), window=2))) == 12
+    assert len(list(in_order(synth.batch(2), jobs(), batch=2))) == 12
     assert started[0] == (0, (1 + LOOKAHEAD) * 2)
     assert [k for k, _ in started] == [0, 1, 2, 3, 4, 5, 6, 7, 11, 10, 9, 8]
 
@@ -220,7 +220,7 @@ def test_batched_cuda_graphs_equal_the_single_stream_path(tiny_dir, dtype):
         reqs.append(lambda lane: synth.reply("What is your name?", Sampling(seed=2), llm=llm, max_tokens=12,
                                              lane=lane))
     alone = [list(make(None)) for make in reqs]
-    batched = list(in_order(synth.batch(), reqs, window=ROWS))
+    batched = list(in_order(synth.batch(), reqs, batch=ROWS))
     for a, b in zip(alone, batched):
         assert len(a) == len(b)
         for x, y in zip(a, b):

@@ -47,8 +47,8 @@ from .tts import Call, TTSLane
 
 _START = object()
 PROMPT_TOKENS = 4096  # padded LLM prompt tokens a round prefills at most (one group always)
-HELD_WINDOWS = 8  # in_order: jobs taken and not yet yielded, at most this many windows' worth
-LOOKAHEAD = 2  # in_order: jobs taken ahead of those running, this many windows' worth at most
+HELD_BATCHES = 8  # in_order: jobs taken and not yet yielded, at most this many batches' worth
+LOOKAHEAD = 2  # in_order: jobs taken ahead of those running, this many batches' worth at most
 GROUP_OVERHEAD = 256  # a forward's cost beyond its tokens, in tokens (reading the weights once)
 
 
@@ -344,22 +344,22 @@ class Job:
     size: float = 0.0
 
 
-def in_order(engine: Engine, jobs: Iterable[Callable[[Lane], Iterable] | Job], window: int) -> Iterator[list]:
-    """Run `jobs` (callables or `Job`s) with up to `window` running at once; yield each job's items (a
+def in_order(engine: Engine, jobs: Iterable[Callable[[Lane], Iterable] | Job], batch: int) -> Iterator[list]:
+    """Run `jobs` (callables or `Job`s) with up to `batch` running at once; yield each job's items (a
     list) in submission order, as soon as it and every job before it have ended. A job's error is
     raised in its turn.
 
-    Jobs are taken up to LOOKAHEAD windows beyond those running and start in order until the input
+    Jobs are taken up to LOOKAHEAD batches beyond those running and start in order until the input
     is used up; then the rest start largest `size` first, so that the batch's end is not one long job
     running alone (256 bench lines at 128 rows: 1,284 TTS steps in input order, 812 so). Jobs that
-    ended wait for those before them without holding a row, at most HELD_WINDOWS windows' worth of
+    ended wait for those before them without holding a row, at most HELD_BATCHES batches' worth of
     jobs taken."""
-    if window < 1:
-        raise ValueError("the window must be at least 1")
+    if batch < 1:
+        raise ValueError("the batch must be at least 1")
     outputs: deque[tuple[list, list, Stream | None]] = deque()  # per job taken: (items, [ended, error], stream)
     jobs = iter(jobs)
     try:
-        yield from _in_order(engine, jobs, window, outputs)
+        yield from _in_order(engine, jobs, batch, outputs)
     finally:  # stopped early (an error, or the consumer): cancel what is in flight and let it end
         for _, _, stream in outputs:
             if stream is not None:
@@ -367,13 +367,13 @@ def in_order(engine: Engine, jobs: Iterable[Callable[[Lane], Iterable] | Job], w
         engine.run()
 
 
-def _in_order(engine, jobs, window, outputs):
+def _in_order(engine, jobs, batch, outputs):
     pending: list[tuple[int, Job, list, list]] = []  # taken, not started: (taken as k-th, job, items, state)
     taken = running = 0
     exhausted = False
     while True:
-        while (not exhausted and running + len(pending) < (1 + LOOKAHEAD) * window
-               and len(outputs) < HELD_WINDOWS * window):
+        while (not exhausted and running + len(pending) < (1 + LOOKAHEAD) * batch
+               and len(outputs) < HELD_BATCHES * batch):
             job = next(jobs, None)
             if job is None:
                 exhausted = True
@@ -385,7 +385,7 @@ def _in_order(engine, jobs, window, outputs):
             outputs.append((items, state, None))
             pending.append((taken, job, items, state))
             taken += 1
-        while pending and running < window:
+        while pending and running < batch:
             # in order while more input may come; once it is all taken, the longest first
             i = max(range(len(pending)), key=lambda i: (pending[i][1].size, -i)) if exhausted else 0
             k, job, items, state = pending.pop(i)
