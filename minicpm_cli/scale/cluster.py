@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import re
+import sys
 
 from ..errors import OptionError, UsageError
 
@@ -24,9 +26,20 @@ EXTRA = "pip install 'minicpm-cli[ray]'"
 _ADDRESS = re.compile(r"^([a-z][a-z0-9+.-]*://)?[^\s/:]+(:\d+)?$|^[a-z][a-z0-9+.-]*://\S+$")
 
 
+def quiet_ray() -> None:
+    """Keep what Ray says on every run, and is not ours to report, off our stderr."""
+    # the notice that its token authentication is on (it is the default)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+
+
 def require_ray(*parts: str):
     """`ray` (and `ray.<part>` for each of `parts`, e.g. "data", "serve"), or a UsageError saying how
     to install it."""
+    if "ray" not in sys.modules:
+        # nothing joins a new Ray once we leave ours: Serve's handle thread, still running at the end of
+        # `serve --ray`, started one from outside the main thread ("SIGTERM handler is not set"); Ray
+        # reads this once, when it is imported
+        os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
     try:
         ray = importlib.import_module("ray")
         for part in parts:
@@ -60,6 +73,7 @@ def connect(address: str, *parts: str, log_to_driver: bool = True):
     ray = require_ray(*parts)
     if ray.is_initialized():
         return ray
+    quiet_ray()
     ray.init(address=None if address == AUTO else address, logging_level=logging.WARNING,
              configure_logging=True, log_to_driver=log_to_driver, include_dashboard=False)
     if "serve" in parts:
@@ -73,8 +87,6 @@ def connect(address: str, *parts: str, log_to_driver: bool = True):
 
 def disconnect() -> None:
     """Leave the cluster (a local Ray this command started ends with it)."""
-    import sys
-
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
