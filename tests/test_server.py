@@ -671,12 +671,14 @@ def in_process(synth, requests: list | None = None, store=None, voice_uploads: b
     """The server's application over `synth` on a free port; `requests` collects (method, path) of each."""
     import uvicorn
 
-    from minicpm_cli.serving import server
+    from minicpm_cli.serving.app import create_app
+    from minicpm_cli.serving.run import listen, url_of
+    from minicpm_cli.serving.service import Loaded, Service
 
-    service = server.Service(lambda: server.Loaded(synth, model="fake", backend="fake", device="cpu",
-                                                   dtype="float32", **loaded), warm_up=False, store=store)
-    sock = server.listen("127.0.0.1", 0)
-    app = server.create_app(service, voice_uploads=voice_uploads)
+    service = Service(lambda: Loaded(synth, model="fake", backend="fake", device="cpu", dtype="float32", **loaded),
+                      warm_up=False, store=store)
+    sock = listen("127.0.0.1", 0)
+    app = create_app(service, voice_uploads=voice_uploads)
     if requests is not None:
         inner = app
 
@@ -691,7 +693,7 @@ def in_process(synth, requests: list | None = None, store=None, voice_uploads: b
     while not (srv.started and service.ready):
         time.sleep(0.01)
     try:
-        yield server.url_of("127.0.0.1", sock)
+        yield url_of("127.0.0.1", sock)
     finally:
         srv.should_exit = True
         thread.join(timeout=30)

@@ -556,7 +556,7 @@ def serve(
         raise OptionError("--batch must be at least 1")
     address, bounds = _check_ray(ray_address, replicas, gpus_per_replica)
     api_key = api_key or None
-    from ..serving import server as srv
+    from ..serving import run as srv
 
     if not srv.is_loopback(host) and api_key is None and not insecure:
         raise OptionError(f"--host {host} can be reached from other machines: give --api-key KEY (or set "
