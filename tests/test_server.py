@@ -495,6 +495,12 @@ def test_reply_endpoint_streams_text_and_audio(served, local):
     here = local("reply")
     assert audio == here.stdout
     assert text + "\n" == here.stderr and events[-1]["text"] == text
+    from minicpm_cli.engine.text import Tokenizers
+
+    # usage: the reply's LLM tokens, and apart from them the audio frames (512 samples each)
+    usage = events[-1]["usage"]
+    assert usage["output_tokens"] == len(Tokenizers(TINY).encode_llm(text)) > 0
+    assert (len(audio) - 44) // 2 == 512 * usage["audio_frames"], (len(audio), usage)
 
 
 def test_bench_measures_the_server(served, tmp_path):
@@ -631,7 +637,7 @@ class FakeSynth:
     fail=K' (fail: raise before chunk K). One stream at a time (no `rows`: the server runs no batch)."""
 
     sample_rate = 24000
-    tokenizers = SimpleNamespace(encode_bert=lambda text: text.split())
+    tokenizers = SimpleNamespace(encode_bert=lambda text: text.split(), encode_llm=lambda text: text.split())
 
     def __init__(self):
         self.started: list[str] = []
@@ -793,6 +799,22 @@ def test_random_weights_force_every_requests_lengths():
         assert json.loads(call(url, "GET", "/props")[2])["forced_lengths"] is None
         assert call(url, "POST", "/v1/audio/reply", {"input": "talk n=2", "max_tokens": 500})[0] == 200
     assert synth.forced == {"talk": None} and synth.max_tokens == {"talk": 500}
+
+
+def test_reply_usage_counts_the_llms_tokens_and_the_audio_frames_apart():
+    """reply.done's usage: `output_tokens` are the reply text's LLM tokens (the fake's LLM tokenizer:
+    one a word), `audio_frames` the audio frames spoken (here 4 a chunk), not one for the other."""
+
+    class Talker(FakeSynth):
+        def reply(self, message, sampling, **kw):
+            for chunk in super().reply(message, sampling, **kw):
+                yield FakeChunk(chunk.samples, np.zeros((4, 4)), "two words ")
+
+    with in_process(Talker()) as url:
+        status, _, data = call(url, "POST", "/v1/audio/reply", {"input": "talk n=3", "response_format": "pcm"})
+    done = sse_events(data)[-1]
+    assert status == 200 and done["type"] == "reply.done" and done["text"] == "two words " * 3, done
+    assert done["usage"] == {"output_tokens": 6, "audio_frames": 12}
 
 
 def test_speech_says_the_servers_time_to_first_audio():

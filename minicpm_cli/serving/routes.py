@@ -8,7 +8,8 @@ Contract:
   `first_chunk`, the `pcm_f32` format (the samples as generated, what the thin client asks for) and
   `voice_samples` (a reference voice's 16 kHz float32 samples, base64: what the thin client sends).
 - `POST /v1/audio/reply`: a spoken answer, as `minicpm reply`: server-sent events `reply.text.delta`,
-  `reply.audio.delta`, then `reply.done`.
+  `reply.audio.delta`, then `reply.done` (the text; `usage`: `output_tokens`, the reply text's LLM
+  tokens, and `audio_frames`, the audio frames spoken).
 - `GET /health` (200 once the model is loaded and warm), `GET /v1/models`, `GET /props` (what is
   served: model, backend, device, formats, limits), `GET /v1/voices` and `GET /v1/audio/voices` (the
   voices), `POST /v1/voices` (save one: multipart `name` and `file`).
@@ -26,7 +27,7 @@ import asyncio
 import base64
 import io
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated
 
 import numpy as np
@@ -235,33 +236,48 @@ async def reply(req: ReplyRequest, request: Request, service: ServiceDep):
     synth, sampling, frames = ld.synth, _sampling(req), _first_chunk(req)
     llm = LLMSampling(temperature=req.temperature)
 
+    # output_tokens: the reply text's tokens in the LLM's vocabulary (counted on the worker, the
+    # tokenizer's thread, once the reply ends); audio_frames: the audio frames spoken
+    usage = {"output_tokens": 0, "audio_frames": 0}
+
     def work(lane):
-        return synth.reply(req.input, sampling, llm=llm, max_tokens=ld.reply_tokens or req.max_tokens,
-                           first_chunk=frames, frames_per_token=ld.frames_per_token, voice=voice, lane=lane)
+        chunks = synth.reply(req.input, sampling, llm=llm, max_tokens=ld.reply_tokens or req.max_tokens,
+                             first_chunk=frames, frames_per_token=ld.frames_per_token, voice=voice, lane=lane)
+        return _count_llm_tokens(chunks, synth.tokenizers, usage)
 
     job, end = await service.run(request, work)
     first = await first_block(job, end)
     head = wav_header(synth.sample_rate, "s16") if fmt == "wav" else b""
 
     async def events():
-        said, frames_out = [], 0
+        said = []
         try:
             if head:
                 yield sse({"type": "reply.audio.delta", "audio": _b64(head)})
             async for chunk in _rest(job, first):
-                frames_out += len(chunk.codes)
+                usage["audio_frames"] += len(chunk.codes)
                 if len(chunk.samples):
                     yield sse({"type": "reply.audio.delta", "audio": _b64(raw(chunk.samples, fmt))})
                 if chunk.text:
                     said.append(chunk.text)
                     yield sse({"type": "reply.text.delta", "text": chunk.text})
-            yield sse({"type": "reply.done", "text": "".join(said), "usage": {"output_tokens": frames_out}})
+            yield sse({"type": "reply.done", "text": "".join(said), "usage": usage})
         except Exception as e:
             yield sse({"type": "error", **internal_error(e).body()})
         finally:
             end()
 
     return _event_stream(events())
+
+
+def _count_llm_tokens(chunks: Iterator, tokenizers, usage: dict) -> Iterator:
+    """A reply's chunks, passed through; once they end, `usage["output_tokens"]` is the number of
+    LLM tokens of the text they carried."""
+    said = []
+    for chunk in chunks:
+        said.append(chunk.text)
+        yield chunk
+    usage["output_tokens"] = len(tokenizers.encode_llm("".join(said)))
 
 
 def _check_common(req: AudioRequest, ld: Loaded, service: Service, request: Request) -> str:
