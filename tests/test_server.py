@@ -28,11 +28,13 @@ from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import numpy as np
-import openai
 import pytest
 import soundfile as sf
 
-from minicpm_cli import protocol
+# the official client is the server's test client (the test extra)
+openai = pytest.importorskip("openai", reason="the openai client (the test extra) is not installed")
+
+from minicpm_cli import protocol  # noqa: E402
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -495,6 +497,12 @@ def test_reply_endpoint_streams_text_and_audio(served, local):
     here = local("reply")
     assert audio == here.stdout
     assert text + "\n" == here.stderr and events[-1]["text"] == text
+    from minicpm_cli.engine.text import Tokenizers
+
+    # usage: the reply's LLM tokens, and apart from them the audio frames (512 samples each)
+    usage = events[-1]["usage"]
+    assert usage["output_tokens"] == len(Tokenizers(TINY).encode_llm(text)) > 0
+    assert (len(audio) - 44) // 2 == 512 * usage["audio_frames"], (len(audio), usage)
 
 
 def test_bench_measures_the_server(served, tmp_path):
@@ -631,7 +639,7 @@ class FakeSynth:
     fail=K' (fail: raise before chunk K). One stream at a time (no `rows`: the server runs no batch)."""
 
     sample_rate = 24000
-    tokenizers = SimpleNamespace(encode_bert=lambda text: text.split())
+    tokenizers = SimpleNamespace(encode_bert=lambda text: text.split(), encode_llm=lambda text: text.split())
 
     def __init__(self):
         self.started: list[str] = []
@@ -671,12 +679,14 @@ def in_process(synth, requests: list | None = None, store=None, voice_uploads: b
     """The server's application over `synth` on a free port; `requests` collects (method, path) of each."""
     import uvicorn
 
-    from minicpm_cli.serving import server
+    from minicpm_cli.serving.app import create_app
+    from minicpm_cli.serving.run import listen, url_of
+    from minicpm_cli.serving.service import Loaded, Service
 
-    service = server.Service(lambda: server.Loaded(synth, model="fake", backend="fake", device="cpu",
-                                                   dtype="float32", **loaded), warm_up=False, store=store)
-    sock = server.listen("127.0.0.1", 0)
-    app = server.create_app(service, voice_uploads=voice_uploads)
+    service = Service(lambda: Loaded(synth, model="fake", backend="fake", device="cpu", dtype="float32", **loaded),
+                      warm_up=False, store=store)
+    sock = listen("127.0.0.1", 0)
+    app = create_app(service, voice_uploads=voice_uploads)
     if requests is not None:
         inner = app
 
@@ -691,7 +701,7 @@ def in_process(synth, requests: list | None = None, store=None, voice_uploads: b
     while not (srv.started and service.ready):
         time.sleep(0.01)
     try:
-        yield server.url_of("127.0.0.1", sock)
+        yield url_of("127.0.0.1", sock)
     finally:
         srv.should_exit = True
         thread.join(timeout=30)
@@ -791,6 +801,22 @@ def test_random_weights_force_every_requests_lengths():
         assert json.loads(call(url, "GET", "/props")[2])["forced_lengths"] is None
         assert call(url, "POST", "/v1/audio/reply", {"input": "talk n=2", "max_tokens": 500})[0] == 200
     assert synth.forced == {"talk": None} and synth.max_tokens == {"talk": 500}
+
+
+def test_reply_usage_counts_the_llms_tokens_and_the_audio_frames_apart():
+    """reply.done's usage: `output_tokens` are the reply text's LLM tokens (the fake's LLM tokenizer:
+    one a word), `audio_frames` the audio frames spoken (here 4 a chunk), not one for the other."""
+
+    class Talker(FakeSynth):
+        def reply(self, message, sampling, **kw):
+            for chunk in super().reply(message, sampling, **kw):
+                yield FakeChunk(chunk.samples, np.zeros((4, 4)), "two words ")
+
+    with in_process(Talker()) as url:
+        status, _, data = call(url, "POST", "/v1/audio/reply", {"input": "talk n=3", "response_format": "pcm"})
+    done = sse_events(data)[-1]
+    assert status == 200 and done["type"] == "reply.done" and done["text"] == "two words " * 3, done
+    assert done["usage"] == {"output_tokens": 6, "audio_frames": 12}
 
 
 def test_speech_says_the_servers_time_to_first_audio():

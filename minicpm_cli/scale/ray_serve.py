@@ -7,12 +7,13 @@ model=DIR replicas=1-4` and a KubeRay RayService (`import_path: minicpm_cli.scal
 same `args`) deploy it; `minicpm serve --ray ADDRESS` deploys it from the command line (`deploy`).
 
 Each replica is a `Speech` actor holding one model: its constructor loads the model and warms it up
-(`server.Service`, as `minicpm serve` does) and Serve routes requests to it only once that is done.
-It serves `server.create_app`, the FastAPI application of `minicpm serve` unchanged: the same routes,
-OpenAI's error objects, the API key, the per-replica request queue on one model thread, streamed
-responses sent chunk by chunk through Serve's HTTP proxy. Replicas are placed with `gpus` GPUs each
-(`ray_actor_options.num_gpus`), a fixed number of them or as many as the ongoing requests call for
-between MIN and MAX (Serve's autoscaling, aiming at `target_ongoing_requests` per replica).
+(`serving.service.Service`, as `minicpm serve` does) and Serve routes requests to it only once that
+is done. It serves `serving.app.create_app`, the FastAPI application of `minicpm serve` unchanged:
+the same routes, OpenAI's error objects, the API key, the per-replica request queue on one model
+thread, streamed responses sent chunk by chunk through Serve's HTTP proxy. Replicas are placed with
+`gpus` GPUs each (`ray_actor_options.num_gpus`), a fixed number of them or as many as the ongoing
+requests call for between MIN and MAX (Serve's autoscaling, aiming at `target_ongoing_requests` per
+replica).
 
 Importing this module imports Ray (`cluster.require_ray` says how to install it when it is missing).
 """
@@ -143,17 +144,18 @@ class Speech:
     """One replica: the model, loaded and warmed up before the constructor returns."""
 
     def __init__(self, args: ServeArgs):
-        from ..serving import server
+        from ..serving.app import create_app
+        from ..serving.service import Service, load_served
 
-        self.service = server.Service(functools.partial(server.load_served, args.model, args.backend, args.device,
-                                                        args.dtype, args.gguf, args.random_weights, args.batch))
+        self.service = Service(functools.partial(load_served, args.model, args.backend, args.device, args.dtype,
+                                                 args.gguf, args.random_weights, args.batch))
         settled = threading.Event()
         self.service.start(lambda loaded: settled.set(), lambda error: settled.set())
         settled.wait()
         if self.service.failure is not None:
             raise self.service.failure
         # (a key from the replica's environment, e.g. a Kubernetes secret, never enters Serve's config)
-        _ReplicaApp.app = server.create_app(self.service, args.api_key or os.environ.get(protocol.API_KEY_ENV) or None)
+        _ReplicaApp.app = create_app(self.service, args.api_key or os.environ.get(protocol.API_KEY_ENV) or None)
 
     def props(self) -> dict:
         """What this replica serves (`GET /props`), for `deploy`'s ready line."""

@@ -46,7 +46,8 @@ def serve(
         raise OptionError("--batch must be at least 1")
     address, bounds = check_ray(ray_address, replicas, gpus_per_replica)
     api_key = api_key or None
-    from ...serving import server as srv
+    from ...serving import run as srv
+    from ...serving.service import load_served
 
     if not srv.is_loopback(host) and api_key is None and not insecure:
         raise OptionError(f"--host {host} can be reached from other machines: give --api-key KEY (or set "
@@ -69,4 +70,4 @@ def serve(
         ray_serve.deploy(args, address=address, host=host, port=port)
         return
     srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose),
-            functools.partial(srv.load_served, model, backend, device, dtype, gguf, random_weights, batch))
+            functools.partial(load_served, model, backend, device, dtype, gguf, random_weights, batch))
