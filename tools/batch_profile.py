@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from minicpm_cli.cli.commands import bench as b
+from minicpm_cli.cli import bench as b
 from minicpm_cli.engine.batching import Engine, Stream
 from minicpm_cli.engine.pipeline import Synthesizer
 
@@ -51,11 +51,12 @@ def wrap(obj, name: str, totals: dict, key: str) -> None:
 
 def batch(synth, workload: str, n: int, opts, lines: int | None = None) -> float:
     if workload == "bulk":
+        from minicpm_cli.engine.loading import FORCED_FRAMES_PER_TOKEN
         from minicpm_cli.engine.sampling import Sampling
 
         t = time.perf_counter()
         for _ in synth.say_many([(line, Sampling(seed=i)) for i, line in enumerate(b.bulk_lines(lines or 4 * n))], batch=n,
-                                frames_per_token=b.FORCED_FRAMES_PER_TOKEN):
+                                frames_per_token=FORCED_FRAMES_PER_TOKEN):
             pass
         return time.perf_counter() - t
     engine = synth.batch(n)

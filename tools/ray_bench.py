@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minicpm_cli.cli.commands.bench import READ_TEXTS  # noqa: E402  (the texts `minicpm bench` reads)
+from minicpm_cli.cli.bench import READ_TEXTS  # noqa: E402  (the texts `minicpm bench` reads)
 
 KEY = "ray-bench"
 

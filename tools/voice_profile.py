@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from minicpm_cli.cli.commands.bench import READ_TEXTS
+from minicpm_cli.cli.bench import READ_TEXTS
 from minicpm_cli.engine.pipeline import Synthesizer
 from minicpm_cli.voices.reference import Voice
 
