@@ -12,9 +12,11 @@ in by the graph itself); nothing synchronises with the host except the one end-o
 the TTS runner and, before a decode token, the wait for the previous one's graph. On a CPU the same
 code runs without graphs.
 
-Cost: 16 GiB of GPU memory (bf16); the first command on a machine compiles Triton kernels (~6 s, then
-cached on disk: ~1 s); then first audio in ~26 ms and RTF ~0.03 for reading on an H200 (~0.045 for
-replies, 255 LLM tokens/s).
+Cost: the model's weights in bf16 on the GPU, as eager (the fused copies replace the originals).
+Much faster than eager on a CUDA GPU, where a one-token step is one CUDA graph replay that the host
+does not hold back. The first command on a machine compiles the Triton kernels (seconds; cached on
+disk for later commands), and each process captures its CUDA graphs as it warms up. As with eager,
+in bfloat16 a request's output in a batch may differ from its output alone.
 """
 
 from __future__ import annotations
@@ -367,7 +369,7 @@ class GraphTTSRunner(TTSRunner):
                                           c.top_k, MIN_KEEP)
         return self.probs
 
-    def _run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
+    def run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
         if self.triton is not None:  # attention reads the position on the device: no KV buckets
             return self.graphs.run(("step", sampled), lambda: self._step(self.max_len, sampled))
         kv = _bucket(self.pos + 1, TTS_BUCKET, self.max_len)
@@ -376,21 +378,21 @@ class GraphTTSRunner(TTSRunner):
     def bucket(self, n: int) -> int:
         return batch_bucket(n, self.rows)
 
-    def _run_batch(self, nb: int, kv: int, sampled: bool) -> None:
+    def run_batch(self, nb: int, kv: int, sampled: bool) -> None:
         if self.triton is not None and nb == 1:  # row 0 alone: the single-stream step on the Triton kernels
             self.pos_t.copy_(self.ctl[0, :1])
             self.block_eos_t.copy_(self.ctl[1, :1] > 0)
             if sampled:
                 self.noise_b[:1].copy_(self.noise_calls[self.row_ids[:1], self.ctl[3, :1]])
-            self._run_step(sampled)
+            self.run_step(sampled)
         elif self.batch is not None:  # attention reads each row's position on the device: no KV buckets
-            self.graphs.run(("batch", nb, sampled), lambda: self._batch_step(nb, self.max_len, sampled))
+            self.graphs.run(("batch", nb, sampled), lambda: self.batch_step(nb, self.max_len, sampled))
         else:
             if self.batch_fns is None:
                 self.batch_fns = block_fns(dynamic=True)
             kv = _bucket(kv, TTS_BUCKET, self.max_len)
-            self.graphs.run(("batch", nb, kv, sampled), lambda: self._batch_step(nb, kv, sampled))
-        self._advance(nb)
+            self.graphs.run(("batch", nb, kv, sampled), lambda: self.batch_step(nb, kv, sampled))
+        self.advance(nb)
 
     @torch.inference_mode()
     def warm_batches(self, rows: int) -> None:
@@ -407,13 +409,13 @@ class GraphTTSRunner(TTSRunner):
                     [FRAMES_PER_CALL] * nb]
             for sampled in (False, True):
                 self.ctl_upload(idle, self.ctl[:, :nb])
-                self._run_batch(nb, self.max_len, sampled)
+                self.run_batch(nb, self.max_len, sampled)
             for t in PREFILL_BUCKETS[:3] if nb > 1 else ():  # a sentence's chunk: 16-64 tokens
                 self.prefill_rows(list(range(nb)), [[0] * t] * nb, [0] * nb, [None] * nb)
 
-    def _batch_step(self, nb: int, kv: int, sampled: bool) -> None:
+    def batch_step(self, nb: int, kv: int, sampled: bool) -> None:
         if self.batch is None:
-            return super()._batch_step(nb, kv, sampled)
+            return super().batch_step(nb, kv, sampled)
         c, pdl = self.config, self.triton.pdl
         x, pos, bos, block = self._batch_inputs(nb)
         h = _kernels("norm").rms_norm(self.batch(x, pos, self.vis_b), self.model.model.norm, self.normed_b[:nb],

@@ -1,7 +1,10 @@
 """`eager`: the Qwen2 LLM in plain PyTorch over a static KV cache, no compilation.
 
-Cost: the slowest choice. About real time on an H200 (RTF 0.66 reading, 0.74 replying; first audio
-0.35-0.56 s; host-bound), 15.2 GiB of GPU memory in bf16, no compilation. Runs on a CPU too (slowly).
+Cost: the slowest choice on a GPU: a layer is many small kernel launches, so a step waits on the
+host, not on the GPU. Nothing is compiled (no wait at a first command). The model's weights in bf16
+on the GPU, 2 bytes a parameter, as compile. Runs on a CPU too (slowly). Batched generation
+(`--batch`, a server's requests at once) is not batch-invariant on the GPU: in bfloat16 a request's
+output in a batch may differ from its output alone.
 """
 
 from __future__ import annotations

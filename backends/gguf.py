@@ -9,9 +9,10 @@ input embeddings (llama.cpp's `embd`) between the batches of token ids around th
 `minicpm_cli.engine.llm`, so `--greedy` and the sampling options mean the same on every backend.
 llama-cpp-python is imported when the backend is created (the `gguf` extra).
 
-Cost: the `gguf` extra (llama-cpp-python; a CUDA build for the GPU) and a GGUF file (Q4_K_M: 4.7 GB);
-~6 GiB of GPU memory; the LLM decodes at llama.cpp's speed (4.6 ms a token on an H200), first audio
-~36 ms for reading.
+Cost: the `gguf` extra (llama-cpp-python; a CUDA build for the GPU) and a GGUF file of the LLM (the
+official Q4_K_M one is about a third of bf16's size, and llama.cpp holds it on the GPU); the LLM
+decodes at llama.cpp's speed, the TTS head and codec run as on compile. A quantized file's output is
+close to, not equal to, the bf16 model's.
 """
 
 from __future__ import annotations

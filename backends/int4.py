@@ -11,9 +11,11 @@ checkpoint without GPTQ tensors (a bf16 one) is quantized while loading, round-t
 group per output channel (the official checkpoint's layout); random weights are drawn as 4-bit
 values directly.
 
-Cost: ~7 GiB of GPU memory; the LLM decodes 2.3x as fast as compile on an H200 (1.73 against 3.92
-ms a token), the rest is compile's. 4-bit weights: output close to, not equal to, the bf16 model's. A bf16
-checkpoint is quantized while loading (slower to start than the official int4 checkpoint).
+Cost: 4-bit weights: the LLM's decoder layers take about a quarter of bf16's memory (embeddings and
+lm_head stay bf16), and a decode token reads a quarter of their bytes, so the LLM decodes faster
+than compile's; the rest (TTS head, codec, first-command compilation) is compile's. Output close to,
+not equal to, the bf16 model's. A bf16 checkpoint is quantized while loading (slower to start than
+the official int4 checkpoint).
 """
 
 from __future__ import annotations

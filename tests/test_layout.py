@@ -144,6 +144,32 @@ def test_parts_import_only_what_they_may():
     assert not offenders, offenders
 
 
+def test_no_private_names_across_modules():
+    """Nothing takes a private name (`_x`) from another module of ours, in the package and in tools/."""
+    modules = _modules()
+    offenders = []
+    for module, targets in _graph().items():
+        for target, names in targets.items():
+            offenders += [f"{module}: {target}.{n}" for n in names if n.startswith("_") and not n.startswith("__")]
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minicpm_cli"):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        offenders.append(f"{path.name}: {node.module}.{a.name}")
+                    if f"{node.module}.{a.name}" in modules:
+                        aliases.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.name.startswith("minicpm_cli") and a.asname}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                offenders.append(f"{path.name}: {node.value.id}.{node.attr}")
+    assert not offenders, offenders
+
+
 def test_model_code_does_not_import_the_backends():
     offenders = []
     for module, targets in _graph().items():

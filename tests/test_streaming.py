@@ -273,7 +273,7 @@ def test_text_longer_than_the_llm_context_keeps_its_beginning_in_the_prompt(synt
     text = long_text(300)
     synth.llm_context = 200
     try:
-        ids = synth._read_prompt_ids(text)
+        ids = synth.read_prompt_ids(text)
     finally:
         synth.llm_context = 4096
     assert len(ids) <= 200 and ids.count(synth.tokenizers.spk_id) == 1

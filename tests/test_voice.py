@@ -78,7 +78,7 @@ def _encoder_arrays(synth, voice: Voice, turn, chunked: bool, prefix: str) -> di
 def _read_arrays(synth, voice: Voice, tag: str, text: str) -> dict[str, np.ndarray]:
     p, tok = f"vread_{tag}_", synth.tokenizers
     turn = synth.voices.turn(voice, "read")
-    ids = turn.ids + synth._read_prompt_ids(text, reserved=len(turn.ids))
+    ids = turn.ids + synth.read_prompt_ids(text, reserved=len(turn.ids))
     synth.llm.reset()
     _, hidden = synth.llm.forward(ids, turn.embeds, turn.embed_at)
     spk_pos = ids.index(tok.spk_id)

@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from minicpm_cli.cli import bench as b
+from minicpm_cli.engine import loading
 from minicpm_cli.engine.batching import Stream
 from minicpm_cli.engine.llm import LLMSampling
 from minicpm_cli.engine.pipeline import Synthesizer
@@ -23,11 +24,11 @@ from minicpm_cli.engine.sampling import Sampling
 
 
 def request(synth, kind: str, text: str, lane=None):
-    forced = b.FORCED_FRAMES_PER_TOKEN
+    forced = loading.FORCED_FRAMES_PER_TOKEN
     if kind == "read":
         return synth.synthesize(text, Sampling(greedy=True), frames_per_token=forced, lane=lane)
     return synth.reply(text, Sampling(greedy=True), llm=LLMSampling(temperature=b.REPLY_TEMPERATURE),
-                       max_tokens=b.FORCED_REPLY_TOKENS, frames_per_token=forced, lane=lane)
+                       max_tokens=loading.FORCED_REPLY_TOKENS, frames_per_token=forced, lane=lane)
 
 
 def main() -> None:

@@ -51,18 +51,19 @@ def wrap(obj, name: str, totals: dict, key: str) -> None:
 
 def batch(synth, workload: str, n: int, opts, lines: int | None = None) -> float:
     if workload == "bulk":
+        from minicpm_cli.engine.loading import FORCED_FRAMES_PER_TOKEN
         from minicpm_cli.engine.sampling import Sampling
 
         t = time.perf_counter()
         for _ in synth.say_many([(line, Sampling(seed=i)) for i, line in enumerate(b.bulk_lines(lines or 4 * n))], batch=n,
-                                frames_per_token=b.FORCED_FRAMES_PER_TOKEN):
+                                frames_per_token=FORCED_FRAMES_PER_TOKEN):
             pass
         return time.perf_counter() - t
     engine = synth.batch(n)
-    items = b._requests(workload)
+    items = b.workload_texts(workload)
     firsts: list = []  # (stream, time) of every chunk with samples
     for k in range(n):
-        engine.submit(Stream(lambda lane, k=k: b._stream(synth, workload, items[k % len(items)], k, opts, lane),
+        engine.submit(Stream(lambda lane, k=k: b.request_stream(synth, workload, items[k % len(items)], k, opts, lane),
                              lambda chunk, k=k: firsts.append((k, time.perf_counter())) if len(chunk.samples) else None))
     EVENTS.clear()
     t = time.perf_counter()
@@ -111,7 +112,7 @@ def stalls(synth, args, opts) -> None:
         if args.workload == "bulk":
             batch(synth, "bulk", args.streams, opts, args.lines)
         else:
-            recs = b._streams_together(synth, args.workload, args.streams, (r + 1) * args.streams, opts, clock)
+            recs = b.streams_together(synth, args.workload, args.streams, (r + 1) * args.streams, opts, clock)
         wall = time.perf_counter() - t
         extra = "" if args.workload == "bulk" else \
             f", RTF max {max(x['rtf'] for x in recs):.3f}, TTFA max {max(x['ttfa_ms'] for x in recs):.0f} ms"
@@ -154,7 +155,7 @@ def main() -> None:
     wrap(synth.llm, "decode_rows", totals, "llm batched token")
     wrap(synth.llm, "forward_row", totals, "llm prefill / single")
     wrap(synth.codec, "decode", totals, "codec")
-    wrap(Engine, "_pick", totals, "llm token choice")
+    wrap(Engine, "pick_tokens", totals, "llm token choice")
     timed = batch(synth, args.workload, args.streams, opts, args.lines)
     print(f"{args.streams} x {args.workload} ({args.backend}, {torch.cuda.get_device_name()}): {plain * 1e3:.0f} ms "
           f"untimed, {timed * 1e3:.0f} ms with timers")

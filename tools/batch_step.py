@@ -1,4 +1,4 @@
-"""Time one batched TTS step per batch size: CUDA-graph replays of `GraphTTSRunner._run_batch` on
+"""Time one batched TTS step per batch size: CUDA-graph replays of `GraphTTSRunner.run_batch` on
 full-size random TTS weights (the ChatTTS head only: no LLM, no codec).
 
     python tools/batch_step.py [--nb 1 2 4 8 16] [--path kernels mma compiled] [--pos 600] [--sampled]
@@ -37,11 +37,11 @@ def stepper(runner: GraphTTSRunner, nb: int, sampled: bool, mma: bool):
     step (the runner takes the single step for row 0 alone)."""
     if nb == 1 and mma:
         def step():
-            runner.graphs.run(("batch", 1, sampled), lambda: runner._batch_step(1, runner.max_len, sampled))
-            runner._advance(1)
+            runner.graphs.run(("batch", 1, sampled), lambda: runner.batch_step(1, runner.max_len, sampled))
+            runner.advance(1)
         return step
     kv = max(runner.positions[:nb]) + 1
-    return lambda: runner._run_batch(nb, kv, sampled)
+    return lambda: runner.run_batch(nb, kv, sampled)
 
 
 def time_step(runner: GraphTTSRunner, nb: int, sampled: bool, mma: bool, steps: int, rounds: int,
@@ -140,7 +140,7 @@ def check_rows(runner: GraphTTSRunner, nb: int, pos: int, sampled: bool, mma: bo
     row copied to row 0 first; rows hold what earlier steps of this tool wrote): the single step, or
     under `mma` the tensor-core step of one row."""
     setup_rows(runner, nb, pos)
-    runner._batch_step(nb, runner.max_len, sampled)
+    runner.batch_step(nb, runner.max_len, sampled)
     codes, raw = runner.code_b[:nb].clone(), runner.raw_b[:nb].clone()
     layers = runner.model.model.layers
     saved = [(a.self_attn.kv_cache.k[0].clone(), a.self_attn.kv_cache.v[0].clone()) for a in layers]
@@ -157,9 +157,9 @@ def check_rows(runner: GraphTTSRunner, nb: int, pos: int, sampled: bool, mma: bo
         runner.block_eos_t.fill_(False)
         if mma:
             runner.ctl[:2, 0] = torch.tensor([pos + b, 0])
-            runner._batch_step(1, runner.max_len, sampled)
+            runner.batch_step(1, runner.max_len, sampled)
         else:
-            runner._run_step(sampled)
+            runner.run_step(sampled)
         same &= bool(torch.equal(runner.code_b[0], codes[b]) and torch.equal(runner.raw_b[0], raw[b]))
     for a, (k, v) in zip(layers, saved):
         a.self_attn.kv_cache.k[0].copy_(k)

@@ -7,7 +7,7 @@
 Times, as CUDA-graph replays of `--layers` launches on as many weight copies (no L2 reuse from
 one launch to the next, as in a decode step), with PDL as the decode step launches them, the
 median time a launch (or, with `--chain`, a pair of launches) over `--rounds` rounds:
-- `kernel`: the decode step's gate/up kernel (`_rms_gate_up`, 4-bit; and bf16 for reference);
+- `kernel`: the decode step's gate/up kernel (`rms_gate_up`, 4-bit; and bf16 for reference);
 - `full`: a copy of it with the grid's rows set by `--inter` (`--maxnreg`: a register limit);
 - `loads`: the same program grid and weight loads, with the arithmetic replaced by an XOR of the
   words (what the memory side allows for this access pattern and occupancy);
@@ -48,12 +48,12 @@ def _probe(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, IN
     rows = row0 + tl.arange(0, BLOCK_R)
     rm = rows < INTER
     dtype = x_ptr.dtype.element_ty
-    pre = matvec._words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, True, True)
+    pre = matvec.load_words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, True, True)
     if MODE == 1:  # loads only
         common.wait_previous(PDL)
         acc = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.int32)
         for i in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
-            nxt = matvec._words(w_ptr, row0, row0 + INTER, INTER, i + BLOCK_K, DIM, BLOCK_R, BLOCK_K, True, True)
+            nxt = matvec.load_words(w_ptr, row0, row0 + INTER, INTER, i + BLOCK_K, DIM, BLOCK_R, BLOCK_K, True, True)
             acc = acc ^ pre[0] ^ pre[1]
             pre = nxt
         common.let_next(PDL)
@@ -88,13 +88,13 @@ def _words_even(w_ptr, row0, row02, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 def _mac_lean(acc, acc2, ss, vz, words, words2, v_ptr, g_ptr, u_ptr, k0, BLOCK_K: tl.constexpr, UVEC: tl.constexpr):
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     if UVEC:  # the scaled inputs come computed (a stand-in for work done once a step)
-        vj = matvec._eight(tl.load(u_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :]))
-        acc, acc2 = matvec._nibbles(acc, acc2, words, words2, vj, False, True)
+        vj = matvec.eight_columns(tl.load(u_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :]))
+        acc, acc2 = matvec.nibble_mac(acc, acc2, words, words2, vj, False, True)
     else:
-        vj = matvec._vec8(v_ptr, g_ptr, kw, kw >= 0, ss, True)
+        vj = matvec.vec8(v_ptr, g_ptr, kw, kw >= 0, ss, True)
         ss = vj[8]
         vsum = vj[0] + vj[1] + vj[2] + vj[3] + vj[4] + vj[5] + vj[6] + vj[7]
-        acc, acc2 = matvec._nibbles(acc, acc2, words, words2, vj, True, True)
+        acc, acc2 = matvec.nibble_mac(acc, acc2, words, words2, vj, True, True)
         vz += vsum
     return acc, acc2, ss, vz
 
@@ -160,9 +160,9 @@ def _probe_lean(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, eps, DIM: tl.c
 def _mac1(acc, vz, words, v_ptr, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_mac` for one one-group 4-bit weight without a gain (down, o)."""
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    vj = matvec._vec8(v_ptr, v_ptr, kw, kw < K // 8, vz, False)
+    vj = matvec.vec8(v_ptr, v_ptr, kw, kw < K // 8, vz, False)
     vsum = vj[0] + vj[1] + vj[2] + vj[3] + vj[4] + vj[5] + vj[6] + vj[7]
-    acc, _ = matvec._nibbles(acc, acc, words, words, vj, True, False)
+    acc, _ = matvec.nibble_mac(acc, acc, words, words, vj, True, False)
     return acc, vz + vsum
 
 
@@ -309,7 +309,7 @@ def main() -> None:
         r, k, w, st = shape
 
         def launch(i):
-            decode._rms_gate_up[(triton.cdiv(inter, r),)](x, nw, dense[i % len(dense)], dense[i % len(dense)],
+            decode.rms_gate_up[(triton.cdiv(inter, r),)](x, nw, dense[i % len(dense)], dense[i % len(dense)],
                                                           dense[i % len(dense)], h, 1e-6, DIM=dim, INTER=inter,
                                                           Q4=False, GS=dim, BLOCK_R=r, BLOCK_K=k, VW=k, STAGES=st,
                                                           PDL=True, num_warps=w, launch_pdl=True)
@@ -329,7 +329,7 @@ def main() -> None:
         def launch(i):
             if args.chain:
                 o_launch(i)
-            decode._rms_gate_up[(triton.cdiv(inter, r),)](x, nw, *wt[i].args(), h, 1e-6, DIM=dim, INTER=inter,
+            decode.rms_gate_up[(triton.cdiv(inter, r),)](x, nw, *wt[i].args(), h, 1e-6, DIM=dim, INTER=inter,
                                                           Q4=True, GS=dim, BLOCK_R=r, BLOCK_K=k, VW=k // 8, STAGES=st,
                                                           PDL=True, num_warps=w, launch_pdl=True)
         return launch
@@ -340,7 +340,7 @@ def main() -> None:
     gu = [common.Weight(wd[: 2 * inter // 4], scales[: 2 * inter], zeros[: 2 * inter], dim) for wd in words]
 
     def gu_launch(i):  # --chain: gate/up before each down launch
-        decode._rms_gate_up[(inter // 8,)](x, nw, *gu[i].args(), h, 1e-6, DIM=dim, INTER=inter, Q4=True, GS=dim,
+        decode.rms_gate_up[(inter // 8,)](x, nw, *gu[i].args(), h, 1e-6, DIM=dim, INTER=inter, Q4=True, GS=dim,
                                            BLOCK_R=8, BLOCK_K=512, VW=64, STAGES=2, PDL=True, num_warps=2,
                                            launch_pdl=True)
     graphs.update(down_probe(args, dev, gu_launch if args.chain else None))

@@ -54,11 +54,11 @@ def main() -> None:
         voice = timed("new: read the file", lambda: Voice.load(args.voice))
         turn = timed("new: encode (features, encoder, turn ids)", lambda: synth.voices.turn(voice, "read"))
         timed("new: the turn's LLM prefill + its KV copy kept", lambda: synth.voice_context(llm, voice, "read"))
-        ids = synth._read_prompt_ids(text, reserved=len(turn.ids))
+        ids = synth.read_prompt_ids(text, reserved=len(turn.ids))
         timed("new: read prompt prefill after the turn", lambda: llm.forward(ids))
         timed("kept: KV cache put back", lambda: synth.voice_context(llm, voice, "read"))
         timed("kept: read prompt prefill after the turn", lambda: llm.forward(ids))
-        plain = synth._read_prompt_ids(text)
+        plain = synth.read_prompt_ids(text)
         timed("none: reset", llm.reset)
         timed("none: read prompt prefill", lambda: llm.forward(plain))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

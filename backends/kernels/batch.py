@@ -101,7 +101,7 @@ def _rows_qkv_rope(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr
 @triton.jit
 def _rows_gate_up(x_ptr, nw_ptr, w_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_K: tl.constexpr, RB: tl.constexpr, PDL: tl.constexpr = False):
-    """`_rms_gate_up` (decode.py) for step rows: program (i, g) takes the single kernel's program i
+    """`rms_gate_up` (decode.py) for step rows: program (i, g) takes the single kernel's program i
     for rows g*RB.. of x (rows, DIM) -> h (rows, INTER)."""
     row0 = tl.program_id(0) * BLOCK_R
     b0 = tl.program_id(1) * RB

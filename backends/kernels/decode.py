@@ -12,7 +12,7 @@ kernels, not by arithmetic or bandwidth, so the layer is fused into five launche
    positions when given (the TTS chunk mask) or causally (the LLM); the slots are split over
    programs and merged by the last one to finish;
 3. `_gemv` (matvec.py): o_proj, added to the residual stream in place;
-4. `_rms_gate_up` (here): RMSNorm, the fused gate/up projection and SiLU(gate) * up (for 4-bit
+4. `rms_gate_up` (here): RMSNorm, the fused gate/up projection and SiLU(gate) * up (for 4-bit
    bfloat16 weights on a GPU, `cuda_gate_up`: the same in CUDA C on the tensor cores, which
    Triton's code generation could not match, backends/q4_decode.cu);
 5. `_gemv` again: down_proj, added to the residual stream.
@@ -133,9 +133,9 @@ def qkv_store(o1, o2, d, head, pos, q_ptr, kc_ptr, vc_ptr, max_len, HQ: tl.const
 
 
 @triton.jit
-def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
-                 Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                 VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False, PIPE: tl.constexpr = False):
+def rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl.constexpr,
+                Q4: tl.constexpr, GS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                VW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False, PIPE: tl.constexpr = False):
     """h[rows] = silu(gate) * up of RMSNorm(x), W = [gate; up] stacked (2 * INTER, DIM)."""
     row0 = tl.program_id(0) * BLOCK_R
     rows = row0 + tl.arange(0, BLOCK_R)
@@ -154,7 +154,7 @@ def _rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constex
 @triton.jit
 def gate_up_out(acc_g, acc_u, ss, vz, sc_g, z_g, sc_u, z_u, eps, DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                  Q4: tl.constexpr, GS: tl.constexpr, dtype: tl.constexpr):
-    """`_rms_gate_up`'s rows from its K loop: RMSNorm scale, rounding, silu(gate) * up (float32,
+    """`rms_gate_up`'s rows from its K loop: RMSNorm scale, rounding, silu(gate) * up (float32,
     before its rounding to the model dtype); shared with the batched kernel."""
     inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
     g = round_to(row_scale(row_totals(acc_g, vz, z_g, DIM, BLOCK_R, Q4, GS), sc_g, DIM, Q4, GS) * inv, dtype)
@@ -180,10 +180,10 @@ def cuda_gate_up_fits(w: Weight, x: Tensor, chunks: int = 2) -> bool:
 
 def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, *, warps: int = 4, chunks: int = 2,
                  stages: int = 2, pdl: bool = False) -> None:
-    """`_rms_gate_up` for a one-group 4-bit weight (`cuda_gate_up_fits`) on the CUDA C kernel of
+    """`rms_gate_up` for a one-group 4-bit weight (`cuda_gate_up_fits`) on the CUDA C kernel of
     backends/q4_decode.cu: blocks of `warps` warps, as many as fit on the GPU at once, each warp
     walking its quads in `chunks` parts of K with `stages` of them loaded or in flight. Unlike
-    `_rms_gate_up`, the RMSNorm's output is rounded to bfloat16 before the product, as the eager
+    `rms_gate_up`, the RMSNorm's output is rounded to bfloat16 before the product, as the eager
     layer rounds it."""
     from .. import cuda
 
@@ -246,7 +246,7 @@ class TritonDecode:
         # kernel's rows are per half head. The best of a sweep on an H200 (docs/journal.md): a
         # small model wants all of K in one iteration (latency), a large one more, shorter programs.
         # "gate_up_cuda": (warps a block, chunks of K, stages) of `cuda_gate_up`, which a 4-bit
-        # bfloat16 step on a GPU runs instead of `_rms_gate_up` (`cuda_gate_up_fits`; 0: never).
+        # bfloat16 step on a GPU runs instead of `rms_gate_up` (`cuda_gate_up_fits`; 0: never).
         if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others; the
             # words through Triton's pipelining, programs of one or two warps
             self.cfg = {"qkv": (4, 1024, 2, 3, 1), "o": (4, 512, 1, 4, 1, 1), "gate_up": (8, 512, 1, 4, 1),
@@ -304,7 +304,7 @@ class TritonDecode:
                              layer.post_attention_layernorm.eps, warps=gc_warps, chunks=gc_chunks, stages=gc_stages,
                              pdl=pdl)
             else:
-                _rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
+                rms_gate_up[(triton.cdiv(c.intermediate, gr),)](
                     self.x, layer.post_attention_layernorm.weight, *wgu.args(), self.h,
                     layer.post_attention_layernorm.eps, DIM=c.dim, INTER=c.intermediate, Q4=wgu.q4, GS=wgu.group,
                     BLOCK_R=gr, BLOCK_K=wgu.block_k(gk), VW=wgu.vw(gk), STAGES=gs, PDL=pdl, PIPE=bool(gp),

@@ -33,7 +33,7 @@ def vec(v_ptr, g_ptr, cols, cm, ss, GAIN: tl.constexpr):
 
 
 @triton.jit
-def _vec8(v_ptr, g_ptr, kw, km, ss, GAIN: tl.constexpr):
+def vec8(v_ptr, g_ptr, kw, km, ss, GAIN: tl.constexpr):
     """`vec` for the inputs of 4-bit words kw, in one 16-byte load per word: (v[8kw], v[8kw+1],
     ..., v[8kw+7]) as eight (words,) vectors, ss (words,) += their squares under GAIN."""
     cols = kw[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -41,12 +41,12 @@ def _vec8(v_ptr, g_ptr, kw, km, ss, GAIN: tl.constexpr):
     if GAIN:
         ss += tl.sum(v * v, 1)
         v = v * tl.load(g_ptr + cols, mask=km[:, None], other=0.0).to(tl.float32)
-    v0, v1, v2, v3, v4, v5, v6, v7 = _eight(v)
+    v0, v1, v2, v3, v4, v5, v6, v7 = eight_columns(v)
     return v0, v1, v2, v3, v4, v5, v6, v7, ss
 
 
 @triton.jit
-def _eight(v):
+def eight_columns(v):
     """The columns of v (words, 8) as eight (words,) vectors."""
     even, odd = tl.split(tl.reshape(v, [v.shape[0], 4, 2]))  # (words, 4): j = 0 2 4 6 and 1 3 5 7
     e04, e26 = tl.split(tl.reshape(even, [v.shape[0], 2, 2]))
@@ -59,8 +59,8 @@ def _eight(v):
 
 
 @triton.jit
-def _words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-           Q4: tl.constexpr, TWO: tl.constexpr):
+def load_words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+               Q4: tl.constexpr, TWO: tl.constexpr):
     """The 4-bit words `_mac` takes for the K-block at k0 (zeros past K): (words, words2), tiles
     (BLOCK_K/8, BLOCK_R/4, 4) of the rows from row0 and (TWO) row02; a placeholder when dense."""
     if Q4:
@@ -81,17 +81,17 @@ def _words(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, 
 @triton.jit
 def first_block(w_ptr, row0, row02, LIM, k0, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
            Q4: tl.constexpr, TWO: tl.constexpr, PIPE: tl.constexpr):
-    """`_words` of the first K-block, which `k_loop` takes as `pre`; none (a placeholder) under PIPE."""
+    """`load_words` of the first K-block, which `k_loop` takes as `pre`; none (a placeholder) under PIPE."""
     if PIPE:
         words = tl.zeros([1], dtype=tl.int32)
         pre = (words, words)
     else:
-        pre = _words(w_ptr, row0, row02, LIM, k0, K, BLOCK_R, BLOCK_K, Q4, TWO)
+        pre = load_words(w_ptr, row0, row02, LIM, k0, K, BLOCK_R, BLOCK_K, Q4, TWO)
     return pre
 
 
 @triton.jit
-def _nibbles(acc, acc2, words, words2, vj, SCALE: tl.constexpr, TWO: tl.constexpr):
+def nibble_mac(acc, acc2, words, words2, vj, SCALE: tl.constexpr, TWO: tl.constexpr):
     """`_mac`'s one-group step: the eight 4-bit values of words (`pair_nibbles` order: nibble j
     holds value 2j for j < 4, 2j - 7 above), each masked in place as a float32 denormal, times
     their inputs vj into acc, and under TWO those of words2 into acc2. SCALE: vj are the inputs,
@@ -132,7 +132,7 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
     backends/gptq.py `pair_nibbles`), the words of four
     consecutive rows interleaved, (N/4, K/8, 4), so that one 16-byte load brings a word of each of
     four rows; acc (BLOCK_K/8, BLOCK_R/4, 4), ss (BLOCK_K/8,): the eight values of a word add into
-    one element (`row_totals` sums up the rows); their words come loaded, `pre` (`_words`: the
+    one element (`row_totals` sums up the rows); their words come loaded, `pre` (`load_words`: the
     kernels load the next block's while this one is computed). With groups the zero point and
     scale are applied here; with one group `row_totals` takes the zero point's share off each row's
     total and `row_scale` applies the scale, once per output."""
@@ -156,10 +156,10 @@ def _mac(acc, acc2, ss, vz, pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g
             # weight and v * 2^(100-sh) turns the product into q * v * 2^-49, exactly (no FTZ:
             # the GPU's FMA keeps denormals). The zero point comes off the row's total, z * sum(v)
             # * 2^-49 (`row_totals`, sum(v) from vz); `row_scale` applies 2^49 with the row's scale.
-            vj = _vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
+            vj = vec8(v_ptr, g_ptr, kw, km, ss, GAIN)
             ss = vj[8]
             vsum = vj[0] + vj[1] + vj[2] + vj[3] + vj[4] + vj[5] + vj[6] + vj[7]
-            acc, acc2 = _nibbles(acc, acc2, words, words2, vj, True, TWO)
+            acc, acc2 = nibble_mac(acc, acc2, words, words2, vj, True, TWO)
             vz += vsum
         else:
             # groups: zero point and scale per row and word (a word's eight values share a group)
@@ -232,10 +232,10 @@ def k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k_lo, K: tl
     for i in tl.range(0, KS, BLOCK_K, num_stages=STAGES):
         k0 = k_lo + i
         if PIPE:
-            cur = _words(w_ptr, row0, row02, LIM, k0, K, BLOCK_R, BLOCK_K, Q4, TWO)
+            cur = load_words(w_ptr, row0, row02, LIM, k0, K, BLOCK_R, BLOCK_K, Q4, TWO)
         else:
             cur = pre
-            pre = _words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
+            pre = load_words(w_ptr, row0, row02, LIM, k0 + BLOCK_K, K, BLOCK_R, BLOCK_K, Q4, TWO)
         acc, acc2, ss, vz = _mac(acc, acc2, ss, vz, cur, w_ptr, s_ptr, z_ptr, row0, row02, LIM, v_ptr, g_ptr, k0, K,
                                  BLOCK_R, BLOCK_K, Q4, GS, GAIN, TWO)
     let_next(PDL)

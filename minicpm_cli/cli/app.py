@@ -58,10 +58,14 @@ def root(
 
 def list_backends() -> None:
     """List the LLM-stage backends: what each is, what it costs, whether it is installed."""
+    import shutil
+    import textwrap
+
+    width, indent = min(shutil.get_terminal_size((100, 24)).columns, 100), " " * 9
     for b in registry.REGISTRY.values():
         state = "" if b.available() else f"  [not installed: pip install 'minicpm-cli[{b.extra}]']"
-        typer.echo(f"{b.name:8s} {b.summary}{state}")
-        typer.echo(f"{'':8s} {b.cost}")
+        typer.echo(textwrap.fill(f"{b.name:8s} {b.summary}{state}", width, subsequent_indent=indent))
+        typer.echo(textwrap.fill(b.cost, width, initial_indent=indent, subsequent_indent=indent))
 
 
 app.command()(say.say)

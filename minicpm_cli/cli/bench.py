@@ -153,11 +153,13 @@ class StageTimers:
             undo()
 
 
-def _requests(workload: str):
+def workload_texts(workload: str):
+    """The texts a workload reads (`read`) or replies to (`reply`)."""
     return READ_TEXTS if workload == "read" else REPLY_PROMPTS
 
 
-def _stream(synth, workload: str, item: str, seed: int, opts: BenchOptions, lane=None, voice=None):
+def request_stream(synth, workload: str, item: str, seed: int, opts: BenchOptions, lane=None, voice=None):
+    """One request of `workload` on `item`, as users make it -> its chunks (a batch's `lane` if given)."""
     forced = loading.FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
     sampling = Sampling(seed=seed)
     if workload == "read":
@@ -178,7 +180,7 @@ def _one(synth, workload: str, item: str, seed: int, opts: BenchOptions, clock: 
     clock.sync()
     t0 = clock.now()
     ttfa, samples, frames = None, 0, 0
-    for chunk in _stream(synth, workload, item, seed, opts):
+    for chunk in request_stream(synth, workload, item, seed, opts):
         if ttfa is None and len(chunk.samples):
             ttfa = clock.now() - t0
         samples += len(chunk.samples)
@@ -222,18 +224,18 @@ def run(opts: BenchOptions) -> dict:
             t = clock.now()
             # Warm-up: the original benchmark's warm-up request, then every request of the workload
             # once, so that compilation and graph captures for every length happen here.
-            warm = ([REPLY_WARMUP] if workload == "reply" else []) + list(_requests(workload))
+            warm = ([REPLY_WARMUP] if workload == "reply" else []) + list(workload_texts(workload))
             for i in range(opts.warmup):
                 for item in warm:
                     _one(synth, workload, item, 10_000 + i, opts, clock)
             entry["warmup_s"] = clock.now() - t
             samples = []
             for r in range(opts.runs):
-                for item in _requests(workload):
+                for item in workload_texts(workload):
                     samples.append(_one(synth, workload, item, r, opts, clock))
                 _log(f"{backend} {workload}: run {r + 1}/{opts.runs}")
             with StageTimers(synth, clock) as st:
-                for item in _requests(workload):
+                for item in workload_texts(workload):
                     _one(synth, workload, item, 0, opts, clock)
             ttfa = [s["ttfa_ms"] for s in samples if s["ttfa_ms"] is not None]
             rtf = [s["rtf"] for s in samples if s["rtf"] is not None]
@@ -273,7 +275,7 @@ def _first_audio(synth, workload: str, item: str, seed: int, opts: BenchOptions,
     t0 = clock.now()
     if isinstance(voice, str):
         voice = Voice.load(voice)
-    chunks = _stream(synth, workload, item, seed, opts, voice=voice)
+    chunks = request_stream(synth, workload, item, seed, opts, voice=voice)
     try:
         for chunk in chunks:
             if len(chunk.samples):
@@ -309,11 +311,11 @@ def _voice_entry(synth, workload: str, opts: BenchOptions, clock: Clock) -> dict
         clock.sync()
         encode.append((clock.now() - t) * 1e3)
     for i in range(opts.warmup):
-        for item in _requests(workload):
+        for item in workload_texts(workload):
             _first_audio(synth, workload, item, 10_000 + i, opts, clock, voice)
     plain, cached, new = [], [], []
     for r in range(opts.runs):
-        for item in _requests(workload):
+        for item in workload_texts(workload):
             plain.append(_first_audio(synth, workload, item, r, opts, clock, None))
             synth.voice_context(synth.llm, voice, mode)  # (kept: encoded and its turn's context saved)
             cached.append(_first_audio(synth, workload, item, r, opts, clock, voice))
@@ -366,14 +368,14 @@ def run_server(opts: BenchOptions) -> dict:
     backend = f"{props['backend']} (server)"
     for workload in opts.workloads:
         t = time.perf_counter()
-        warm = ([REPLY_WARMUP] if workload == "reply" else []) + list(_requests(workload))
+        warm = ([REPLY_WARMUP] if workload == "reply" else []) + list(workload_texts(workload))
         for i in range(opts.warmup):
             for item in warm:
                 _one_http(remote, workload, item, 10_000 + i, opts)
         warmup_s = time.perf_counter() - t
         samples = []
         for r in range(opts.runs):
-            for item in _requests(workload):
+            for item in workload_texts(workload):
                 samples.append(_one_http(remote, workload, item, r, opts))
             _log(f"{backend} {workload}: run {r + 1}/{opts.runs}")
         ttfa = [s["ttfa_ms"] for s in samples if s["ttfa_ms"] is not None]
@@ -388,11 +390,11 @@ def run_server(opts: BenchOptions) -> dict:
     return result
 
 
-def _streams_together(synth, workload: str, n: int, seed: int, opts: BenchOptions, clock: Clock) -> list[dict]:
+def streams_together(synth, workload: str, n: int, seed: int, opts: BenchOptions, clock: Clock) -> list[dict]:
     """n requests of `workload` started together in one batch -> one record each (times from the start)."""
     from ..engine.batching import Stream
 
-    items = _requests(workload)
+    items = workload_texts(workload)
     engine = synth.batch(n)
     recs = [{"text": items[k % len(items)], "seed": seed + k, "first": None, "end": None, "samples": 0,
              "error": None} for k in range(n)]
@@ -408,7 +410,7 @@ def _streams_together(synth, workload: str, n: int, seed: int, opts: BenchOption
     clock.sync()
     t0 = clock.now()
     for rec in recs:
-        engine.submit(Stream(lambda lane, r=rec: _stream(synth, workload, r["text"], r["seed"], opts, lane),
+        engine.submit(Stream(lambda lane, r=rec: request_stream(synth, workload, r["text"], r["seed"], opts, lane),
                              lambda c, r=rec: sink(r, c), lambda e, r=rec: done(r, e)))
     engine.run()
     return _records(recs, t0, synth.sample_rate)
@@ -480,11 +482,11 @@ def concurrent(opts: BenchOptions) -> dict:
                          "audio_s_per_s": audio / sum(walls), "lines": len(lines), "wall_s": walls}
             else:
                 for i in range(opts.warmup):
-                    _streams_together(synth, workload, n, 10_000 + i * n, opts, clock)
+                    streams_together(synth, workload, n, 10_000 + i * n, opts, clock)
                 warmup_s = clock.now() - t
                 samples, wall = [], 0.0
                 for r in range(opts.runs):
-                    recs = _streams_together(synth, workload, n, r * n, opts, clock)
+                    recs = streams_together(synth, workload, n, r * n, opts, clock)
                     samples += recs
                     wall += max(s["total_s"] for s in recs)
                     _log(f"{backend} {workload} x{n}: run {r + 1}/{opts.runs}")
@@ -515,7 +517,7 @@ def _concurrent_server(opts: BenchOptions) -> dict:
 
     def together(workload: str, seed: int) -> list[dict]:
         """(each request is timed from its own send; the n threads send at once)"""
-        items = _requests(workload)
+        items = workload_texts(workload)
         with ThreadPoolExecutor(n) as pool:
             return list(pool.map(lambda k: _one_http(remote, workload, items[k % len(items)], seed + k, opts),
                                  range(n)))

@@ -198,7 +198,7 @@ class Engine:
                 break
             with torch.inference_mode():
                 if self.picks:
-                    self._pick()
+                    self.pick_tokens()
                 if self.tts_prefills:
                     self._prefill_text()
                 if self.decodes:
@@ -231,7 +231,7 @@ class Engine:
             for r, out in zip(group, outs):
                 self.ready.append((self.llm_prompts.pop(r)[0], out))
 
-    def _pick(self) -> None:
+    def pick_tokens(self) -> None:
         """The LLM tokens the streams are choosing: one `next_tokens` for each group of the same
         settings, and all the chosen ids to the host in one copy."""
         groups: dict[tuple, list[int]] = {}

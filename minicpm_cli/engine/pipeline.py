@@ -346,7 +346,7 @@ class Synthesizer:
         with torch.inference_mode():
             return self.tts_model.speaker(hidden.to(self.tts.device, self.tts.dtype))  # (gguf: from the host)
 
-    def _read_prompt_ids(self, text: str, reserved: int = 0) -> list[int]:
+    def read_prompt_ids(self, text: str, reserved: int = 0) -> list[int]:
         """The read-aloud prompt, in `llm_context - reserved` tokens; a text longer than that keeps its
         beginning (the speaker vector only needs the hidden state at <|spk|>, and one vector serves
         every segment)."""
@@ -363,10 +363,10 @@ class Synthesizer:
         """The speaker vector of a read: the reference's chat() read prompt, after its voice-cloning
         turn when there is a voice (spec §4.3; the turn's context kept per voice)."""
         if voice is None:
-            return self.speaker(self._read_prompt_ids(text), llm=llm)
+            return self.speaker(self.read_prompt_ids(text), llm=llm)
         llm = llm or self.llm
         turn = self.voice_context(llm, voice, "read")
-        return self.speaker(self._read_prompt_ids(text, reserved=turn), llm=llm, reset=False)
+        return self.speaker(self.read_prompt_ids(text, reserved=turn), llm=llm, reset=False)
 
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
                    first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,

@@ -258,7 +258,9 @@ class TTSRunner:
         h = self.model.model(x[None, None], self.pos_t, self._visibility(self.pos_t, kv_len), kv_len, self.block_fns)
         return h[0, -1]
 
-    def _run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
+    def run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
+        """Row 0's step at `pos` (`_step` over the cache so far) -> (raw logits, probs); a backend
+        may run it otherwise (a CUDA graph, the Triton kernels)."""
         return self._step(self.pos + 1, sampled)
 
     @torch.inference_mode()
@@ -277,7 +279,7 @@ class TTSRunner:
             self.block_eos_t.fill_(i < min_new)
             if q is not None:
                 self.noise_t.copy_(q[i])
-            raw, probs = self._run_step(q is not None)
+            raw, probs = self.run_step(q is not None)
             if self.trace is not None:
                 self.trace.append((raw.clone(), probs.clone()))
             out[i].copy_(self.code_t)
@@ -324,7 +326,7 @@ class TTSRunner:
         ctl[0] = [min(p, self.max_len - 1) for p in ctl[0]]  # (a finished row's position may be the end)
         kv = max(ctl[0][c.row] for c in calls) + 1
         self.ctl_upload(ctl, self.ctl[:, :nb])
-        self._run_batch(nb, kv, any(c.sampled for c in calls))
+        self.run_batch(nb, kv, any(c.sampled for c in calls))
         done = []
         for c in calls:
             c.done += 1
@@ -341,11 +343,13 @@ class TTSRunner:
         """Rows a batched step runs over for rows 0..n-1 (backends round up to their graph sizes)."""
         return n
 
-    def _run_batch(self, nb: int, kv: int, sampled: bool) -> None:
-        self._batch_step(nb, kv, sampled)
-        self._advance(nb)
+    def run_batch(self, nb: int, kv: int, sampled: bool) -> None:
+        """One batched step over rows 0..nb-1 with `kv` cache slots (`batch_step`), then `advance`;
+        a backend may run the step otherwise (a CUDA graph, the batched kernels)."""
+        self.batch_step(nb, kv, sampled)
+        self.advance(nb)
 
-    def _batch_step(self, nb: int, kv: int, sampled: bool) -> None:
+    def batch_step(self, nb: int, kv: int, sampled: bool) -> None:
         """One frame for rows 0..nb-1 from `ctl` and the row state -> code_b (greedy rows choose with
         noise 1). It changes no input, so a backend can run it more than once (graph warm-up)."""
         m = self.model
@@ -365,7 +369,7 @@ class TTSRunner:
         bos, last = self.bos_b[:nb], self.last_b[:nb]
         return torch.where(bos, self.bos_embed, self.model.embed_codes(last)), pos, bos, self.block_b[:nb]
 
-    def _advance(self, nb: int) -> None:
+    def advance(self, nb: int) -> None:
         """After a batched step: the codes into each row's call output (idle rows' to the spare step),
         and the rows that took part move on to them."""
         codes, adv = self.code_b[:nb], self.ctl[2, :nb, None] > 0
