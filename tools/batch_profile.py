@@ -25,6 +25,7 @@ import time
 import torch
 
 from minicpm_cli.cli import bench as b
+from minicpm_cli.cli import bench_many
 from minicpm_cli.engine.batching import Engine, Stream
 from minicpm_cli.engine.pipeline import Synthesizer
 
@@ -112,7 +113,7 @@ def stalls(synth, args, opts) -> None:
         if args.workload == "bulk":
             batch(synth, "bulk", args.streams, opts, args.lines)
         else:
-            recs = b.streams_together(synth, args.workload, args.streams, (r + 1) * args.streams, opts, clock)
+            recs = bench_many.streams_together(synth, args.workload, args.streams, (r + 1) * args.streams, opts, clock)
         wall = time.perf_counter() - t
         extra = "" if args.workload == "bulk" else \
             f", RTF max {max(x['rtf'] for x in recs):.3f}, TTFA max {max(x['ttfa_ms'] for x in recs):.0f} ms"

@@ -22,12 +22,7 @@ With `server` (a URL) the same workloads go over HTTP to a running `minicpm serv
 the time to the response's end over the audio's duration. The server's model is measured whatever
 it is; load and per-stage costs are the server's own and are not reported.
 
-With `concurrency` N (`concurrent`), N requests of a workload start together (in one batch of
-streams here, or as N simultaneous HTTP requests to a server), `runs` times: TTFA per request from
-the common start to its first audio, RTF per stream (its end over its audio), and the aggregate
-audio seconds per wall second. The `bulk` workload reads BULK_LINES lines with up to N in flight, as
-`say --lines --dir --batch N` does, and reports the aggregate only; its warm-up reads every line once
-(with other seeds).
+With `concurrency` N, `bench_many` runs the workloads N requests at a time.
 """
 
 from __future__ import annotations
@@ -35,9 +30,6 @@ from __future__ import annotations
 import datetime
 import gc
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -90,7 +82,7 @@ class BenchOptions:
             raise ValueError("--concurrency must be at least 1")
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     xs = sorted(xs)
@@ -176,6 +168,12 @@ def bulk_lines(n: int = BULK_LINES) -> list[str]:
     return [sentences[i % len(sentences)] for i in range(n)]
 
 
+def sample(item: str, seed: int, ttfa: float | None, total: float, audio: float, frames: int | None) -> dict:
+    """One request's record: times in seconds (TTFA in ms), its audio in seconds, RTF total / audio."""
+    return {"text": item, "seed": seed, "ttfa_ms": None if ttfa is None else ttfa * 1e3, "total_s": total,
+            "audio_s": audio, "rtf": total / audio if audio else None, "frames": frames}
+
+
 def _one(synth, workload: str, item: str, seed: int, opts: BenchOptions, clock: Clock) -> dict:
     clock.sync()
     t0 = clock.now()
@@ -185,13 +183,10 @@ def _one(synth, workload: str, item: str, seed: int, opts: BenchOptions, clock: 
             ttfa = clock.now() - t0
         samples += len(chunk.samples)
         frames += len(chunk.codes)
-    total = clock.now() - t0
-    audio = samples / synth.sample_rate
-    return {"text": item, "seed": seed, "ttfa_ms": None if ttfa is None else ttfa * 1e3, "total_s": total,
-            "audio_s": audio, "rtf": total / audio if audio else None, "frames": frames}
+    return sample(item, seed, ttfa, clock.now() - t0, samples / synth.sample_rate, frames)
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
@@ -211,7 +206,7 @@ def run(opts: BenchOptions) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        _log(f"{backend}: loading")
+        log(f"{backend}: loading")
         t = clock.now()
         synth = Synthesizer.load(opts.model, backend=backend, device=opts.device, dtype=opts.dtype,
                                  random_weights=opts.random_weights, gguf=opts.gguf if backend == "gguf" else None)
@@ -233,26 +228,26 @@ def run(opts: BenchOptions) -> dict:
             for r in range(opts.runs):
                 for item in workload_texts(workload):
                     samples.append(_one(synth, workload, item, r, opts, clock))
-                _log(f"{backend} {workload}: run {r + 1}/{opts.runs}")
+                log(f"{backend} {workload}: run {r + 1}/{opts.runs}")
             with StageTimers(synth, clock) as st:
                 for item in workload_texts(workload):
                     _one(synth, workload, item, 0, opts, clock)
             ttfa = [s["ttfa_ms"] for s in samples if s["ttfa_ms"] is not None]
             rtf = [s["rtf"] for s in samples if s["rtf"] is not None]
-            decode_ms = _pct(st.decode, 0.5)
+            decode_ms = percentile(st.decode, 0.5)
             entry.update({
                 "samples": samples,
-                "ttfa_ms": {"p50": _pct(ttfa, 0.5), "p90": _pct(ttfa, 0.9)},
-                "rtf": {"p50": _pct(rtf, 0.5), "p90": _pct(rtf, 0.9)},
-                "llm_prefill_ms": _pct([ms for _, ms in st.prefill], 0.5),
+                "ttfa_ms": {"p50": percentile(ttfa, 0.5), "p90": percentile(ttfa, 0.9)},
+                "rtf": {"p50": percentile(rtf, 0.5), "p90": percentile(rtf, 0.9)},
+                "llm_prefill_ms": percentile([ms for _, ms in st.prefill], 0.5),
                 "llm_prefill_samples": st.prefill,
                 "llm_ms_per_token": decode_ms,
                 "llm_decode_samples_ms": st.decode,
                 "llm_weight_bytes_per_token": weight_bytes,
                 "llm_gb_per_s": weight_bytes / decode_ms / 1e6 if weight_bytes and decode_ms else None,
-                "tts_ms_per_step": _pct([ms / n for n, ms in st.tts if n], 0.5),
+                "tts_ms_per_step": percentile([ms / n for n, ms in st.tts if n], 0.5),
                 "tts_call_samples": st.tts,
-                "codec_ms_per_chunk": _pct(st.codec, 0.5),
+                "codec_ms_per_chunk": percentile(st.codec, 0.5),
                 "codec_samples_ms": st.codec,
                 # torch's peak plus what the LLM stage holds outside torch (llama.cpp)
                 "peak_gpu_gib": (torch.cuda.max_memory_allocated(device) + getattr(synth.llm, "extra_gpu_bytes", 0))
@@ -321,11 +316,11 @@ def _voice_entry(synth, workload: str, opts: BenchOptions, clock: Clock) -> dict
             cached.append(_first_audio(synth, workload, item, r, opts, clock, voice))
             synth.forget_voices()
             new.append(_first_audio(synth, workload, item, r, opts, clock, opts.voice))
-        _log(f"voice {workload}: run {r + 1}/{opts.runs}")
+        log(f"voice {workload}: run {r + 1}/{opts.runs}")
 
     def spread(xs):
         xs = [x for x in xs if x is not None]
-        return {"p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9)}
+        return {"p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9)}
 
     return {"file": opts.voice, "seconds": voice.seconds, "prompt_tokens": len(enc.turn(voice, mode).ids),
             "encoder_load_s": load_s, "features_ms": spread(features), "encode_ms": spread(encode),
@@ -334,7 +329,7 @@ def _voice_entry(synth, workload: str, opts: BenchOptions, clock: Clock) -> dict
             "ttfa_default_samples_ms": plain, "ttfa_cached_samples_ms": cached, "ttfa_new_samples_ms": new}
 
 
-def _one_http(remote, workload: str, item: str, seed: int, opts: BenchOptions) -> dict:
+def http_sample(remote, workload: str, item: str, seed: int, opts: BenchOptions) -> dict:
     t0 = time.perf_counter()
     if workload == "read":
         chunks = remote.read(item, greedy=False, seed=seed, decode="stream", first_chunk=opts.first_chunk)
@@ -346,10 +341,7 @@ def _one_http(remote, workload: str, item: str, seed: int, opts: BenchOptions) -
         if ttfa is None and len(chunk.samples):
             ttfa = time.perf_counter() - t0
         samples += len(chunk.samples)
-    total = time.perf_counter() - t0
-    audio = samples / remote.sample_rate
-    return {"text": item, "seed": seed, "ttfa_ms": None if ttfa is None else ttfa * 1e3, "total_s": total,
-            "audio_s": audio, "rtf": total / audio if audio else None, "frames": None}
+    return sample(item, seed, ttfa, time.perf_counter() - t0, samples / remote.sample_rate, None)
 
 
 def run_server(opts: BenchOptions) -> dict:
@@ -371,196 +363,26 @@ def run_server(opts: BenchOptions) -> dict:
         warm = ([REPLY_WARMUP] if workload == "reply" else []) + list(workload_texts(workload))
         for i in range(opts.warmup):
             for item in warm:
-                _one_http(remote, workload, item, 10_000 + i, opts)
+                http_sample(remote, workload, item, 10_000 + i, opts)
         warmup_s = time.perf_counter() - t
         samples = []
         for r in range(opts.runs):
             for item in workload_texts(workload):
-                samples.append(_one_http(remote, workload, item, r, opts))
-            _log(f"{backend} {workload}: run {r + 1}/{opts.runs}")
+                samples.append(http_sample(remote, workload, item, r, opts))
+            log(f"{backend} {workload}: run {r + 1}/{opts.runs}")
         ttfa = [s["ttfa_ms"] for s in samples if s["ttfa_ms"] is not None]
         rtf = [s["rtf"] for s in samples if s["rtf"] is not None]
         result["results"].append({
             "backend": backend, "workload": workload, "load_s": None, "warmup_s": warmup_s, "samples": samples,
-            "ttfa_ms": {"p50": _pct(ttfa, 0.5), "p90": _pct(ttfa, 0.9)},
-            "rtf": {"p50": _pct(rtf, 0.5), "p90": _pct(rtf, 0.9)},
+            "ttfa_ms": {"p50": percentile(ttfa, 0.5), "p90": percentile(ttfa, 0.9)},
+            "rtf": {"p50": percentile(rtf, 0.5), "p90": percentile(rtf, 0.9)},
             **{key: None for key in ("llm_prefill_ms", "llm_ms_per_token", "llm_gb_per_s", "tts_ms_per_step",
                                      "codec_ms_per_chunk", "peak_gpu_gib")},
         })
     return result
 
 
-def streams_together(synth, workload: str, n: int, seed: int, opts: BenchOptions, clock: Clock) -> list[dict]:
-    """n requests of `workload` started together in one batch -> one record each (times from the start)."""
-    from ..engine.batching import Stream
-
-    items = workload_texts(workload)
-    engine = synth.batch(n)
-    recs = [{"text": items[k % len(items)], "seed": seed + k, "first": None, "end": None, "samples": 0,
-             "error": None} for k in range(n)]
-
-    def sink(rec, chunk):
-        if rec["first"] is None and len(chunk.samples):
-            rec["first"] = clock.now()
-        rec["samples"] += len(chunk.samples)
-
-    def done(rec, error):
-        rec["end"], rec["error"] = clock.now(), error
-
-    clock.sync()
-    t0 = clock.now()
-    for rec in recs:
-        engine.submit(Stream(lambda lane, r=rec: request_stream(synth, workload, r["text"], r["seed"], opts, lane),
-                             lambda c, r=rec: sink(r, c), lambda e, r=rec: done(r, e)))
-    engine.run()
-    return _records(recs, t0, synth.sample_rate)
-
-
-def _records(recs: list[dict], t0: float, rate: int) -> list[dict]:
-    failed = [r["error"] for r in recs if r["error"] is not None]
-    if failed:
-        raise failed[0]
-    out = []
-    for r in recs:
-        audio = r["samples"] / rate
-        out.append({"text": r["text"], "seed": r["seed"], "audio_s": audio,
-                    "ttfa_ms": None if r["first"] is None else (r["first"] - t0) * 1e3, "total_s": r["end"] - t0,
-                    "rtf": (r["end"] - t0) / audio if audio else None})
-    return out
-
-
-def _summary(samples: list[dict], wall: float) -> dict:
-    ttfa = [s["ttfa_ms"] for s in samples if s["ttfa_ms"] is not None]
-    rtf = [s["rtf"] for s in samples if s["rtf"] is not None]
-    return {"ttfa_ms": {"p50": _pct(ttfa, 0.5), "p90": _pct(ttfa, 0.9)},
-            "rtf": {"p50": _pct(rtf, 0.5), "p90": _pct(rtf, 0.9)},
-            "audio_s_per_s": sum(s["audio_s"] for s in samples) / wall if wall else None}
-
-
-def concurrent(opts: BenchOptions) -> dict:
-    """The workloads with `opts.concurrency` streams at once (see the module's docstring)."""
-    n = opts.concurrency
-    if opts.server is not None:
-        return _concurrent_server(opts)
-    from ..engine.pipeline import Synthesizer, resolve_device
-
-    device = resolve_device(opts.device)
-    clock = Clock(device)
-    result = {"environment": environment(device), "options": {**opts.__dict__},
-              "forced_lengths": opts.random_weights, "concurrency": n, "results": []}
-    forced = loading.FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
-    for backend in opts.backends:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        _log(f"{backend}: loading for {n} streams")
-        synth = Synthesizer.load(opts.model, backend=backend, device=opts.device, dtype=opts.dtype,
-                                 random_weights=opts.random_weights, gguf=opts.gguf if backend == "gguf" else None,
-                                 rows=n)
-        for workload in opts.workloads:
-            t = clock.now()
-            if workload == "bulk":
-                lines = bulk_lines(opts.bulk_lines)
-                # every line once with other seeds: the shapes a run reaches (prompt groups, prefills,
-                # the int4 kernels' tiles) compiled and captured before the timed runs (with only the
-                # first 2N lines, the first timed run at 16 streams took 19 s where the others took 11)
-                warm = [(line, Sampling(seed=10_000 + i)) for i, line in enumerate(lines)]
-                for _ in range(opts.warmup):
-                    for _ in synth.say_many(warm, batch=n, frames_per_token=forced):
-                        pass
-                warmup_s = clock.now() - t
-                walls, audio = [], 0.0
-                for r in range(opts.runs):
-                    clock.sync()
-                    t0 = clock.now()
-                    for chunks in synth.say_many([(line, Sampling(seed=r * len(lines) + i)) for i, line in
-                                                  enumerate(lines)], batch=n, frames_per_token=forced):
-                        audio += sum(len(c.samples) for c in chunks) / synth.sample_rate
-                    walls.append(clock.now() - t0)
-                    _log(f"{backend} bulk x{n}: run {r + 1}/{opts.runs}")
-                entry = {"ttfa_ms": {"p50": None, "p90": None}, "rtf": {"p50": None, "p90": None},
-                         "audio_s_per_s": audio / sum(walls), "lines": len(lines), "wall_s": walls}
-            else:
-                for i in range(opts.warmup):
-                    streams_together(synth, workload, n, 10_000 + i * n, opts, clock)
-                warmup_s = clock.now() - t
-                samples, wall = [], 0.0
-                for r in range(opts.runs):
-                    recs = streams_together(synth, workload, n, r * n, opts, clock)
-                    samples += recs
-                    wall += max(s["total_s"] for s in recs)
-                    _log(f"{backend} {workload} x{n}: run {r + 1}/{opts.runs}")
-                entry = {**_summary(samples, wall), "samples": samples}
-            entry.update({"backend": backend, "workload": workload, "streams": n, "warmup_s": warmup_s,
-                          "peak_gpu_gib": (torch.cuda.max_memory_allocated(device)
-                                           + getattr(synth.llm, "extra_gpu_bytes", 0)) / 2**30
-                          if device.type == "cuda" else None})
-            result["results"].append(entry)
-        del synth
-        gc.collect()
-    return result
-
-
-def _concurrent_server(opts: BenchOptions) -> dict:
-    """N simultaneous HTTP requests (threads), each timed from the common start."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..serving.client import Remote
-
-    n = opts.concurrency
-    remote = Remote.find(opts.server, explicit=True)
-    props = remote.props
-    env = {**props.get("environment", {}), "server": remote.url, "server_version": props.get("version"),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    result = {"environment": env, "options": {**opts.__dict__}, "forced_lengths": bool(props.get("forced_lengths")),
-              "concurrency": n, "results": []}
-
-    def together(workload: str, seed: int) -> list[dict]:
-        """(each request is timed from its own send; the n threads send at once)"""
-        items = workload_texts(workload)
-        with ThreadPoolExecutor(n) as pool:
-            return list(pool.map(lambda k: _one_http(remote, workload, items[k % len(items)], seed + k, opts),
-                                 range(n)))
-
-    for workload in [w for w in opts.workloads if w != "bulk"]:
-        t = time.perf_counter()
-        for i in range(opts.warmup):
-            together(workload, 10_000 + i * n)
-        warmup_s = time.perf_counter() - t
-        samples, wall = [], 0.0
-        for r in range(opts.runs):
-            t0 = time.perf_counter()
-            samples += together(workload, r * n)
-            wall += time.perf_counter() - t0
-            _log(f"server {workload} x{n}: run {r + 1}/{opts.runs}")
-        result["results"].append({**_summary(samples, wall), "samples": samples, "backend": f"{props['backend']} (server)",
-                                  "workload": workload, "streams": n, "warmup_s": warmup_s, "peak_gpu_gib": None})
-    return result
-
-
-def concurrency_table(result: dict) -> str:
-    env = result["environment"]
-    lines = [
-        f"Device: {env['device']} (driver {env.get('driver') or '-'}), torch {env.get('torch', '-')}, "
-        f"commit {env.get('commit') or '-'}, {env['date']}"
-        + (f", measured over HTTP at {env['server']}" if env.get("server") else ""),
-        "",
-        "| backend | workload | streams | TTFA p50 / p90 (ms) | per-stream RTF p50 / p90 | audio s per wall s "
-        "| peak GPU (GiB) | warm-up (s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for e in result["results"]:
-        lines.append(
-            f"| {e['backend']} | {e['workload']} | {e['streams']} | {_f(e['ttfa_ms']['p50'], '.1f')} / "
-            f"{_f(e['ttfa_ms']['p90'], '.1f')} | {_f(e['rtf']['p50'], '.3f')} / {_f(e['rtf']['p90'], '.3f')} "
-            f"| {_f(e['audio_s_per_s'], '.1f')} | {_f(e['peak_gpu_gib'], '.1f')} | {e['warmup_s']:.1f} |")
-    if result.get("forced_lengths"):
-        lines += ["", "Forced lengths (random weights): "
-                  f"{loading.FORCED_REPLY_TOKENS} LLM tokens a reply, {loading.FORCED_FRAMES_PER_TOKEN} frames per TTS text token."]
-    return "\n".join(lines) + "\n"
-
-
-def _f(x, fmt: str) -> str:
+def cell(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
@@ -576,10 +398,10 @@ def table(result: dict) -> str:
     ]
     for e in result["results"]:
         lines.append(
-            f"| {e['backend']} | {e['workload']} | {_f(e['ttfa_ms']['p50'], '.1f')} / {_f(e['ttfa_ms']['p90'], '.1f')} "
-            f"| {_f(e['rtf']['p50'], '.3f')} / {_f(e['rtf']['p90'], '.3f')} | {_f(e['llm_prefill_ms'], '.1f')} "
-            f"| {_f(e['llm_ms_per_token'], '.2f')} | {_f(e['llm_gb_per_s'], '.0f')} | {_f(e['tts_ms_per_step'], '.2f')} "
-            f"| {_f(e['codec_ms_per_chunk'], '.1f')} | {_f(e['peak_gpu_gib'], '.1f')} | {_f(e['load_s'], '.1f')} "
+            f"| {e['backend']} | {e['workload']} | {cell(e['ttfa_ms']['p50'], '.1f')} / {cell(e['ttfa_ms']['p90'], '.1f')} "
+            f"| {cell(e['rtf']['p50'], '.3f')} / {cell(e['rtf']['p90'], '.3f')} | {cell(e['llm_prefill_ms'], '.1f')} "
+            f"| {cell(e['llm_ms_per_token'], '.2f')} | {cell(e['llm_gb_per_s'], '.0f')} | {cell(e['tts_ms_per_step'], '.2f')} "
+            f"| {cell(e['codec_ms_per_chunk'], '.1f')} | {cell(e['peak_gpu_gib'], '.1f')} | {cell(e['load_s'], '.1f')} "
             f"| {e['warmup_s']:.1f} |")
     if result.get("forced_lengths_note"):
         lines += ["", f"Forced lengths: {result['forced_lengths_note']}."]
@@ -595,11 +417,11 @@ def table(result: dict) -> str:
         for e in voiced:
             v = e["voice"]
             lines.append(
-                f"| {e['backend']} | {e['workload']} | {_f(v['encoder_load_s'], '.2f')} | {_f(v['features_ms']['p50'], '.1f')} "
-                f"| {_f(v['encode_ms']['p50'], '.1f')} / {_f(v['encode_ms']['p90'], '.1f')} | {v['prompt_tokens']} "
-                f"| {_f(v['ttfa_default_ms']['p50'], '.1f')} "
-                f"| {_f(v['ttfa_cached_ms']['p50'], '.1f')} / {_f(v['ttfa_cached_ms']['p90'], '.1f')} "
-                f"| {_f(v['ttfa_new_ms']['p50'], '.1f')} / {_f(v['ttfa_new_ms']['p90'], '.1f')} |")
+                f"| {e['backend']} | {e['workload']} | {cell(v['encoder_load_s'], '.2f')} | {cell(v['features_ms']['p50'], '.1f')} "
+                f"| {cell(v['encode_ms']['p50'], '.1f')} / {cell(v['encode_ms']['p90'], '.1f')} | {v['prompt_tokens']} "
+                f"| {cell(v['ttfa_default_ms']['p50'], '.1f')} "
+                f"| {cell(v['ttfa_cached_ms']['p50'], '.1f')} / {cell(v['ttfa_cached_ms']['p90'], '.1f')} "
+                f"| {cell(v['ttfa_new_ms']['p50'], '.1f')} / {cell(v['ttfa_new_ms']['p90'], '.1f')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -86,12 +86,13 @@ def bench(
     if json_out is not None and not Path(json_out).expanduser().resolve().parent.is_dir():
         raise UsageError(f"output directory does not exist: {Path(json_out).parent}")
     from .. import bench as b
+    from .. import bench_many
 
     opts = b.BenchOptions(backends=names, workloads=workloads, runs=runs, warmup=warmup,
                           random_weights=random_weights, model=model, device=device, dtype=dtype,
                           max_tokens=max_tokens, first_chunk=chunk_frames(first_chunk), gguf=gguf, server=server,
                           concurrency=concurrency, voice=voice)
-    result = b.run(opts) if concurrency is None else b.concurrent(opts)
+    result = b.run(opts) if concurrency is None else bench_many.concurrent(opts)
     if json_out:
         b.write_json(result, json_out)
-    sys.stdout.write(b.table(result) if concurrency is None else b.concurrency_table(result))
+    sys.stdout.write(b.table(result) if concurrency is None else bench_many.concurrency_table(result))
