@@ -10,6 +10,9 @@ the LLM context (the reference's voice-cloning prompt for a read, its audio-assi
 reply), and the speaker vector taken at `<|spk|>` carries it to every segment. The audio encoder is
 loaded when a voice is first used (with random weights: drawn then, from the same seed); without a
 voice nothing of it is loaded, drawn or run.
+
+Over the house's ~450 lines because it is one thing, the algorithm read top to bottom: loading the
+stages, the read path, the reply path and their batched forms, each a few lines over the runners.
 """
 
 from __future__ import annotations

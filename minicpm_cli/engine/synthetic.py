@@ -10,7 +10,9 @@ realistic scale. Each tensor has its own generator seeded from (seed, name), so 
 depend on order, sharding or the other tensors (for a given device type). Tensors are drawn one at a
 time on `device` and shards are written as they fill, so host memory peaks at about one shard plus
 the largest tensor, even at full size (~7.9B llm+tts parameters; pass `max_shard_bytes`).
-This module knows nothing about forward passes.
+This module knows nothing about forward passes. It is over the house's ~450 lines as one table:
+the plan of every tensor of the official layout with its initialisation, which the writer and the
+random checkpoint both read.
 """
 
 from __future__ import annotations

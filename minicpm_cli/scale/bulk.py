@@ -25,6 +25,9 @@ one `Speaker` in this process. With Ray, Ray Data streams them through a pool of
 (`map_batches`: one model per actor, a dead actor restarted and its batches retried) and the audio
 comes back here, where every file and the manifest are written: the actors need no access to DIR and
 only one process ever writes the manifest.
+
+Over the house's ~450 lines as one job's life: items read and planned, the manifest and resuming,
+the model as a function of batches, and the run that ties them (in this process or on Ray).
 """
 
 from __future__ import annotations
