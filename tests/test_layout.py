@@ -216,6 +216,10 @@ def test_wheel_installs_one_namespace(tmp_path):
     assert "minicpm_cli/backends/kernels/decode.py" in names
     assert "minicpm_cli/data/tiny-tokenizers/tokenizer.json" in names  # bundled for --random-weights
     assert not any(n.startswith("backends/") for n in names)
+    # every module of the tree is in the wheel (a package left out of pyproject's list would be missing
+    # from `pip install .` while the editable install of the tests still found it)
+    modules = {"/".join(m.split(".")) + ("/__init__.py" if is_pkg else ".py") for m, (_, is_pkg) in _modules().items()}
+    assert modules - set(names) == set(), sorted(modules - set(names))
 
 
 def test_version_is_the_distributions():
