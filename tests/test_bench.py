@@ -151,8 +151,10 @@ def test_bench_random_weights_voice(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "READ_TEXTS", ("How are you today?",))
     monkeypatch.setattr(bench, "REPLY_PROMPTS", ("What's your name?",))
     monkeypatch.setattr(bench, "REPLY_WARMUP", "Hi.")
-    monkeypatch.setattr(bench, "FORCED_REPLY_TOKENS", 4)
-    monkeypatch.setattr(bench, "FORCED_FRAMES_PER_TOKEN", 2)
+    from minicpm_cli.engine import loading
+
+    monkeypatch.setattr(loading, "FORCED_REPLY_TOKENS", 4)  # (the lengths random weights force, read at use)
+    monkeypatch.setattr(loading, "FORCED_FRAMES_PER_TOKEN", 2)
     out = tmp_path / "bench.json"
     ref = str(FIXTURES / "voice_ref_a.wav")
     r = CliRunner().invoke(app, ["bench", "--random-weights", "--device", "cpu", "--runs", "1", "--warmup", "0",
