@@ -297,6 +297,8 @@ def test_items_from_text_jsonl_and_parquet(tmp_path):
                                                                ("line-0002", "Second.", "line-0002.wav", None)]
     rows = [{"id": "x", "text": " Hi. ", "voice": "v/ref.wav", "seed": None},
             {"id": None, "text": "Two.", "voice": None, "seed": 3}, {"id": "7", "text": "Three.", "voice": "", "seed": None}]
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "ref.wav").write_bytes(b"")  # (a voice names a file that exists, as --voice's does)
     jsonl = tmp_path / "a.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
     parquet = tmp_path / "a.parquet"
