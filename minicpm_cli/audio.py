@@ -74,8 +74,9 @@ def file_format(path: str) -> str:
     return fmt
 
 
-def check_output(path: str, pcm: str, raw: bool = False) -> None:
-    """Validate an output target before any work is done."""
+def check_output(path: str, pcm: str, raw: bool = False, probe: bool = True) -> None:
+    """Validate an output target before any work is done; with `probe`, that its directory takes a
+    new file (once, before any work: a sink's own temporary file is the check at opening)."""
     check_pcm(pcm)
     if path == "-":
         return
@@ -90,7 +91,8 @@ def check_output(path: str, pcm: str, raw: bool = False) -> None:
     parent = target.resolve().parent
     if not parent.is_dir():
         raise UsageError(f"output directory does not exist: {parent}")
-    check_writable(parent)
+    if probe:
+        check_writable(parent)
 
 
 def takes_pcm(path: str, pcm: str, raw: bool = False) -> bool:
@@ -205,7 +207,7 @@ class FileSink:
 
 
 def open_sink(path: str, pcm: str, sample_rate: int, raw: bool = False) -> Sink:
-    check_output(path, pcm, raw)
+    check_output(path, pcm, raw, probe=False)
     if path == "-":
         out = sys.stdout.buffer
         return RawSink(out, pcm) if raw else WavStreamSink(out, pcm, sample_rate)

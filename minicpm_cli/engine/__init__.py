@@ -6,6 +6,7 @@ prompts, checkpoints (reading them, and writing synthetic ones), tensor I/O, and
 the LLM context (`cloning`, `features`).
 
 May import: `minicpm_cli.models`, `minicpm_cli.voices` (a reference's samples), the shared leaves
-(`errors`, `trace`, `protocol`, `audio`), and, from `pipeline` alone, the backends' registry. Never
-the command line, serving or scale-out: they build on the engine.
+(`errors`, `trace`, `protocol`, `audio`), and, from `pipeline` and `loading` alone (they put a
+backend together with the rest), the backends. Never the command line, serving or scale-out: they
+build on the engine.
 """

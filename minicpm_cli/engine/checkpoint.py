@@ -55,6 +55,11 @@ def resolve(model: str, prefixes: Iterable[str] = SPEECH_PREFIXES) -> Path:
     return _download(model, tuple(prefixes))
 
 
+def hub_offline() -> bool:
+    """Whether HF_HUB_OFFLINE asks for the local cache alone."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether a connection to the hub's endpoint opens within `timeout` seconds. Without a network
     the hub's client retries each file for tens of seconds before it gives up; this answers in a few.
@@ -89,7 +94,7 @@ def hub_file(repo: str, name: str, required: bool = True, local_only: bool = Fal
 
     # Its retry warnings would add lines to stderr; a failure ends in one message of ours instead.
     hf_logging.set_verbosity_error()
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = hub_offline()
     try:
         return Path(hf_hub_download(repo, name, local_files_only=local_only))
     except LocalEntryNotFoundError:  # (a subclass of EntryNotFoundError: test it first)
@@ -115,7 +120,7 @@ def hub_file(repo: str, name: str, required: bool = True, local_only: bool = Fal
 def _download(repo: str, prefixes: tuple[str, ...]) -> Path:
     from huggingface_hub import try_to_load_from_cache
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    offline = hub_offline()
     if not offline and not isinstance(try_to_load_from_cache(repo, "config.json"), str):
         print(f"minicpm: fetching {repo} from the Hugging Face hub (the speech part, once; later runs use the "
               "local cache)", file=sys.stderr, flush=True)
