@@ -92,22 +92,22 @@ class Backend:
                                                            max_len=max_len, **options)
 
 
-    def tts_runner(self, model, rows: int = 1):
+    def tts_runner(self, model, rows: int = 1, invariant: bool = False):
         """The TTS runner this backend brings (compile: CUDA graphs), else the eager one; `rows`
-        streams at once."""
+        streams at once; `invariant`: batch-invariant kernels where the backend has them."""
         make = getattr(importlib.import_module(self.module), "tts_runner", None)
         if make is None:
             from ..engine.tts import TTSRunner
 
             return TTSRunner(model, rows=rows)
-        return make(model, rows)
+        return make(model, rows, invariant=invariant)
 
 
-    def wrap_codec(self, codec) -> None:
+    def wrap_codec(self, codec, invariant: bool = False) -> None:
         """Let the backend speed up the codec too (compile: CUDA graphs); a no-op for others."""
         wrap = getattr(importlib.import_module(self.module), "wrap_codec", None)
         if wrap is not None:
-            wrap(codec)
+            wrap(codec, invariant=invariant)
 
 
 REGISTRY: dict[str, Backend] = {

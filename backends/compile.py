@@ -39,6 +39,7 @@ from ..engine.tensorio import Upload, to_device
 from ..engine.tts import FRAMES_PER_CALL, MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
+from .invariant import CODEC_BATCH, fixed_batches, invariant_tokens, make_invariant
 
 LLM_BUCKET = 256  # KV length granularity of the LLM graphs
 TTS_BUCKET = 128
@@ -130,15 +131,22 @@ def batch_sizes(rows: int, cap: int) -> list[int]:
 class CompiledLLM(Rows):
     name = "compile"
 
-    def __init__(self, model, max_len: int, fuse: bool = True, use_triton: bool | None = None, rows: int = 1):
+    def __init__(self, model, max_len: int, fuse: bool = True, use_triton: bool | None = None, rows: int = 1,
+                 invariant: bool = False):
         self.model = model
         dev = self.device = model.lm_head.weight.device
         self.max_len, self.rows = max_len, rows
+        kernels = use_triton if use_triton is not None else dev.type == "cuda"  # (tests: interpreter)
+        # batch-invariant (invariant.py): every token on the invariant layer, none on the GEMV kernels
+        self.invariant = bool(invariant and kernels)
         if fuse:
             with trace.span("prepare"):
                 model.model.fuse()
         model.model.setup_cache(max_len, model.lm_head.weight.dtype, dev, rows)
         model.model.setup_rope(model.config.decoder.max_positions, dev)
+        if self.invariant:
+            make_invariant(model)
+            invariant_tokens(model.model)
         self.positions = [0] * rows
         self.slots = torch.arange(max_len, device=dev)
         self.ids = torch.zeros(max_len, dtype=torch.long, device=dev)
@@ -160,7 +168,7 @@ class CompiledLLM(Rows):
         self.is_audio: Tensor | None = None
         # decode tokens on the Triton kernels where the projections are fused bf16/fp32 Linears
         self.triton = None
-        if fuse and (use_triton if use_triton is not None else dev.type == "cuda"):  # (tests: interpreter)
+        if fuse and kernels and not self.invariant:
             self.triton = _kernels("decode").TritonDecode(model.model)
             self.lm_head = _kernels("common").Weight(model.lm_head.weight)
             self.logits = torch.zeros(model.lm_head.out_features, device=dev)
@@ -168,12 +176,17 @@ class CompiledLLM(Rows):
             self.lm_head_cfg = {"rows": 4, "block_k": 512, "warps": 4}  # 0.24 ms on an H200 (cuBLAS: 0.34)
         # torch.compile'd layer halves only where one-token steps do not run on the Triton kernels
         # (a CPU, act-order int4): creating them imports torch._dynamo, seconds of a start
-        self.fns = block_fns() if self.triton is None else None
+        self.fns = block_fns() if self.triton is None and not self.invariant else None
         self.batch_fns = self.fns if self.triton is None else None  # (block_fns(True) once a batch runs)
-        self.compile_batches = True  # int4: its Triton products are not traced by torch.compile
-        self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
-                        "(Triton decode + CUDA graphs)"
-                        if self.triton is not None else f"torch {torch.__version__} (inductor + CUDA graphs)")
+        self.compile_batches = not self.invariant  # int4: its Triton products are not traced by torch.compile
+        if self.invariant:
+            self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
+                            "(batch-invariant products + CUDA graphs)")
+        elif self.triton is not None:
+            self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
+                            "(Triton decode + CUDA graphs)")
+        else:
+            self.version = f"torch {torch.__version__} (inductor + CUDA graphs)"
         # bytes a decode step reads: the weights (quantized ones included), but not the embedding
         # table (one row of it), the KV cache or index buffers
         tensors = [*model.named_parameters(), *model.named_buffers()]
@@ -221,6 +234,9 @@ class CompiledLLM(Rows):
     def forward_row(self, row: int, ids: list[int], embeds: Tensor | None = None,
                     embed_at: list[int] | None = None) -> tuple[Tensor, Tensor]:
         n = len(ids)
+        if self.invariant and n == 1 and embeds is None:  # one token: the batched token's layer, alone
+            logits, hidden = self.decode_rows([row], ids)
+            return logits[0], hidden
         end = self._check_room(row, n)
         start = self.positions[row]
         t = n if n == 1 else _padded(n, start, self.max_len)
@@ -292,7 +308,8 @@ class CompiledLLM(Rows):
             return logits[None], hidden
         nb = batch_bucket(max(rows) + 1, self.rows)
         tok, pos, kv = self._batch_inputs(rows, ids, nb)
-        kv = _bucket(kv, LLM_BUCKET, self.max_len)
+        # (invariant: attention reads each row's position on the device, one graph per row count)
+        kv = self.max_len if self.invariant else _bucket(kv, LLM_BUCKET, self.max_len)
         self.batch_upload((tok, pos), self.batch_in[:, :nb])
         if self.batch_fns is None and self.compile_batches:
             self.batch_fns = block_fns(dynamic=True)
@@ -317,11 +334,18 @@ class GraphTTSRunner(TTSRunner):
     row by row (backends/kernels/batch.py), bit for bit the single step, some 0.12 ms a row on an
     H100. On a CPU, the compiled layer halves."""
 
-    def __init__(self, model: ChatTTS, use_triton: bool | None = None, rows: int = 1, batch_kernels: str = "mma"):
+    def __init__(self, model: ChatTTS, use_triton: bool | None = None, rows: int = 1, batch_kernels: str = "mma",
+                 invariant: bool = False):
         if batch_kernels not in ("mma", "rows"):
             raise ValueError(f"batch_kernels must be 'mma' or 'rows', got {batch_kernels!r}")
         model.model.fuse()
         triton = use_triton if use_triton is not None else model.emb_text.weight.device.type == "cuda"
+        # batch-invariant (invariant.py): prefills on the invariant products, every step (one row's
+        # too) on the tensor-core kernels
+        self.invariant = bool(invariant and triton)
+        if self.invariant:
+            batch_kernels = "mma"
+            make_invariant(model)
         super().__init__(model, block_fns=None if triton else block_fns(), rows=rows)  # (see CompiledLLM.fns)
         if triton:
             self.batch_fns = None  # (block_fns(True) once a batch runs)
@@ -346,7 +370,7 @@ class GraphTTSRunner(TTSRunner):
             # `gemv_rows` with the same blocking: a row's logits do not depend on its batch (cuBLAS's would)
             self.heads = _kernels("common").Weight(model.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
             self.heads_cfg = {"rows": 4, "block_k": 1024, "warps": 4}
-            if rows > 1 and batch_kernels == "mma":
+            if (rows > 1 or self.invariant) and batch_kernels == "mma":
                 self.batch = _kernels("mma").MMADecode(self.triton)
             elif rows > 1:
                 self.batch = _kernels("batch").BatchDecode(self.triton)
@@ -373,6 +397,8 @@ class GraphTTSRunner(TTSRunner):
         return self.probs
 
     def run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
+        if self.invariant:  # row 0's step as a batched step of one row
+            return self.graphs.run(("single", sampled), lambda: self._single_batched(sampled))
         if self.triton is not None:  # attention reads the position on the device: no KV buckets
             return self.graphs.run(("step", sampled), lambda: self._step(self.max_len, sampled))
         kv = _bucket(self.pos + 1, TTS_BUCKET, self.max_len)
@@ -381,8 +407,15 @@ class GraphTTSRunner(TTSRunner):
     def bucket(self, n: int) -> int:
         return batch_bucket(n, self.rows)
 
+    def _single_batched(self, sampled: bool) -> tuple[Tensor, Tensor]:
+        """Row 0's step from the single-stream inputs (`*_t`, row 0 of the `*_b` tensors) on the
+        batched step's kernels, its input embedding made as a batch's is."""
+        x = torch.where(self.bos_b[:1], self.bos_embed, self.model.embed_codes(self.last_b[:1]))
+        self._mma_step(1, x, self.pos_b[:1], self.bos_b[:1], self.block_b[:1], sampled)
+        return self.raw, self.probs
+
     def run_batch(self, nb: int, kv: int, sampled: bool) -> None:
-        if self.triton is not None and nb == 1:  # row 0 alone: the single-stream step on the Triton kernels
+        if self.triton is not None and nb == 1 and not self.invariant:  # row 0 alone: the single-stream step on the Triton kernels
             self.pos_t.copy_(self.ctl[0, :1])
             self.block_eos_t.copy_(self.ctl[1, :1] > 0)
             if sampled:
@@ -419,8 +452,10 @@ class GraphTTSRunner(TTSRunner):
     def batch_step(self, nb: int, kv: int, sampled: bool) -> None:
         if self.batch is None:
             return super().batch_step(nb, kv, sampled)
+        self._mma_step(nb, *self._batch_inputs(nb), sampled)
+
+    def _mma_step(self, nb: int, x: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
         c, pdl = self.config, self.triton.pdl
-        x, pos, bos, block = self._batch_inputs(nb)
         h = _kernels("norm").rms_norm(self.batch(x, pos, self.vis_b), self.model.model.norm, self.normed_b[:nb],
                                       pdl=pdl)
         raw = self.raw_b[:nb].view(nb, -1)
@@ -460,8 +495,8 @@ class GraphCodec:
 
     MAX_FRAMES = 4096
 
-    def __init__(self, codec):
-        self.codec = codec
+    def __init__(self, codec, invariant: bool = False):
+        self.codec, self.invariant = codec, invariant
         self.decode_eager, self.batch_eager = codec.decode, codec.decode_batch
         self.codes = torch.zeros(self.MAX_FRAMES, codec.num_vq, dtype=torch.long, device=codec.device)
         self.graphs = Graphs(codec.device)
@@ -469,6 +504,8 @@ class GraphCodec:
     @torch.inference_mode()
     def decode(self, codes: Tensor) -> Tensor:
         t = len(codes)
+        if self.invariant and t:  # (a batch of CODEC_BATCH rows, as every decode)
+            return self.decode_batch(codes[None])[0]
         if t == 0 or t > self.MAX_FRAMES:
             return self.decode_eager(codes)
         self.codes[:t].copy_(codes)
@@ -477,7 +514,12 @@ class GraphCodec:
     @torch.inference_mode()
     def decode_batch(self, codes: Tensor) -> Tensor:
         """(B, T, num_vq) -> (B, samples), one graph per (B rounded up to a power of two, T); the
-        padding rows repeat the first."""
+        padding rows repeat the first. Batch-invariant: in batches of exactly CODEC_BATCH rows."""
+        if self.invariant:
+            return fixed_batches(codes, self._decode_batch)
+        return self._decode_batch(codes)
+
+    def _decode_batch(self, codes: Tensor) -> Tensor:
         n, t = codes.shape[:2]
         nb = batch_bucket(n, n * 2)
         if nb * t > self.MAX_FRAMES:
@@ -490,22 +532,23 @@ class GraphCodec:
     def warm_batches(self, rows: int) -> None:
         """Capture the batched decodes of a streamed chunk (the first, and a later one with its left
         context) for every row count a batch of up to `rows` streams reaches."""
-        for nb in batch_sizes(rows, 2 * rows):
+        for nb in [CODEC_BATCH] if self.invariant else batch_sizes(rows, 2 * rows):
             for t in (FRAMES_PER_CALL, FRAMES_PER_CALL + StreamDecoder.CONTEXT_FRAMES):
                 self.decode_batch(torch.zeros(nb, t, self.codec.num_vq, dtype=torch.long, device=self.codec.device))
 
 
-def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows: int = 1, **options) -> CompiledLLM:
-    return CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len, rows=rows)
+def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows: int = 1, invariant: bool = False,
+           **options) -> CompiledLLM:
+    return CompiledLLM(build(ckpt, config, device=device, dtype=dtype), max_len, rows=rows, invariant=invariant)
 
 
-def tts_runner(model: ChatTTS, rows: int = 1) -> GraphTTSRunner:
-    return GraphTTSRunner(model, rows=rows)
+def tts_runner(model: ChatTTS, rows: int = 1, invariant: bool = False) -> GraphTTSRunner:
+    return GraphTTSRunner(model, rows=rows, invariant=invariant)
 
 
-def wrap_codec(codec) -> None:
-    """Route `codec.decode` and `decode_batch` through CUDA graphs, and give it `warm_batches` (on a
-    CPU nothing changes)."""
+def wrap_codec(codec, invariant: bool = False) -> None:
+    """Route `codec.decode` and `decode_batch` through CUDA graphs (`invariant`: in batches of one
+    size), and give it `warm_batches` (on a CPU nothing changes)."""
     if codec.device.type == "cuda":
-        graphs = GraphCodec(codec)
+        graphs = GraphCodec(codec, invariant)
         codec.decode, codec.decode_batch, codec.warm_batches = graphs.decode, graphs.decode_batch, graphs.warm_batches

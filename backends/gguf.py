@@ -211,8 +211,10 @@ class Prefix:
         return len(self.state)
 
 
-def create(ckpt, config: dict, *, device, dtype, max_len: int, gguf: str | None = None, rows: int = 1) -> GGUFLLM:
-    """`rows` is accepted and left at one: llama.cpp runs one stream here (see GGUFLLM.rows)."""
+def create(ckpt, config: dict, *, device, dtype, max_len: int, gguf: str | None = None, rows: int = 1,
+           invariant: bool = False) -> GGUFLLM:
+    """`rows` is accepted and left at one: llama.cpp runs one stream here (see GGUFLLM.rows), so its
+    LLM stage never shares a batch; `invariant` applies to the TTS head and codec (compile's)."""
     path = resolve_gguf(gguf)
     return GGUFLLM(path, max_len, torch.device(device))
 

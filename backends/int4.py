@@ -102,7 +102,7 @@ def build(ckpt: Checkpoint, config: dict, *, device, dtype, triton: bool | None 
     return model.eval()
 
 
-def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows: int = 1,
+def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows: int = 1, invariant: bool = False,
            **options) -> compiled.CompiledLLM:
     model = build(ckpt, config, device=device, dtype=dtype)
     first = model.model.layers[0].self_attn.q_proj
@@ -110,7 +110,7 @@ def create(ckpt: Checkpoint, config: dict, *, device, dtype, max_len: int, rows:
     # permutes their inputs differently; Int4Linears (CPU) run unfused on the compiled layer halves
     fuse = isinstance(first, Q4Linear) and all(
         m.perm is None for m in model.modules() if isinstance(m, Q4Linear))
-    llm = compiled.CompiledLLM(model, max_len, fuse=fuse, rows=rows)
+    llm = compiled.CompiledLLM(model, max_len, fuse=fuse, rows=rows, invariant=invariant)
     llm.name = "int4"
     # batched tokens: the layers as written (their 4-bit products on our kernels) in CUDA graphs;
     # torch.compile would trace into the kernels' launchers (which it does not take in one graph)

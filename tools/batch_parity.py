@@ -1,18 +1,23 @@
-"""Greedy codes of the benchmark requests alone and in one batch, compared (GPU, full-size random weights).
+"""Requests alone and in batches, their codes and samples compared for equality (GPU, full-size random weights).
 
-    python tools/batch_parity.py [--backend compile] [--streams 16] [--model DIR]
+    python tools/batch_parity.py [--backend compile] [--streams 16] [--sizes 2 3 16] [--variant]
+                                 [--model DIR] [--dtype auto] [--json FILE]
 
-Each read and reply request of `minicpm bench` runs alone (the single-stream path: on CUDA the Triton
-decode kernels), then all of them together as one batch of streams (rows beyond one run cuBLAS
-products in CUDA graphs). Greedy everywhere and lengths forced as `bench --random-weights` forces
-them, so only the arithmetic differs. Prints, per request, whether its codes (and a reply's text
-tokens) are equal and, where not, the first frame that differs and how many do.
+The benchmark's read and reply requests (cycled to --streams), each greedy and seeded (its own seed),
+lengths forced as `bench --random-weights` forces them, run alone (the single-stream path), then:
+batches of each --sizes (the requests dealt in a shuffled order, so each lands on other rows), all of
+them at once, and a mid-flight join (half started, the rest submitted once the first have played a
+call). Prints, per configuration and sampling, how many requests gave exactly the same codes (and a
+reply's text) and exactly the same samples as alone. `--variant` loads the batch-variant kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 
+import numpy as np
 import torch
 
 from minicpm_cli.cli import bench as b
@@ -23,48 +28,99 @@ from minicpm_cli.engine.pipeline import Synthesizer
 from minicpm_cli.engine.sampling import Sampling
 
 
-def request(synth, kind: str, text: str, lane=None):
+def request(synth, kind: str, text: str, sampling: Sampling, lane=None):
     forced = loading.FORCED_FRAMES_PER_TOKEN
     if kind == "read":
-        return synth.synthesize(text, Sampling(greedy=True), frames_per_token=forced, lane=lane)
-    return synth.reply(text, Sampling(greedy=True), llm=LLMSampling(temperature=b.REPLY_TEMPERATURE),
+        return synth.synthesize(text, sampling, frames_per_token=forced, lane=lane)
+    return synth.reply(text, sampling, llm=LLMSampling(temperature=b.REPLY_TEMPERATURE),
                        max_tokens=loading.FORCED_REPLY_TOKENS, frames_per_token=forced, lane=lane)
+
+
+def result(chunks) -> tuple[torch.Tensor, str, np.ndarray]:
+    return (torch.cat([c.codes for c in chunks]), "".join(c.text for c in chunks),
+            np.concatenate([c.samples for c in chunks]))
+
+
+def together(synth, engine, reqs, order, join_after: int | None = None) -> dict:
+    """Run reqs[k] for k in `order` on the engine (submitted in that order); with `join_after`, the
+    second half is submitted after that many engine rounds -> {k: result}."""
+    got = {k: [] for k in order}
+    first = order if join_after is None else order[: len(order) // 2]
+    for k in first:
+        engine.submit(Stream(lambda lane, k=k: request(synth, *reqs[k], lane), got[k].append))
+    if join_after is not None:
+        for _ in range(join_after):
+            engine.round()
+        for k in order[len(order) // 2:]:
+            engine.submit(Stream(lambda lane, k=k: request(synth, *reqs[k], lane), got[k].append))
+    engine.run()
+    return {k: result(v) for k, v in got.items()}
+
+
+def compare(alone, got, kinds=None) -> tuple[int, int, list[str]]:
+    """-> (requests with equal codes and text, with equal samples, what differs in the others)"""
+    codes = samples = 0
+    notes = []
+    for k, (c, t, s) in sorted(got.items()):
+        ca, ta, sa = alone[k]
+        same_codes = len(c) == len(ca) and bool(torch.equal(c, ca)) and t == ta
+        codes += same_codes
+        samples += s.shape == sa.shape and bool(np.array_equal(s, sa))
+        if not same_codes:
+            n = min(len(c), len(ca))
+            diff = (c[:n] != ca[:n]).any(1).nonzero()
+            first = int(diff[0]) if len(diff) else n
+            notes.append(f"{k}:{kinds[k] if kinds else ''} frame {first}/{len(ca)}{' text' if t != ta else ''}")
+        elif not np.array_equal(s, sa):
+            notes.append(f"{k}: samples only")
+    return codes, samples, notes
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="compile")
     ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--sizes", type=int, nargs="*", default=[2, 3])
+    ap.add_argument("--variant", action="store_true", help="the batch-variant kernels")
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: random weights)")
-    ap.add_argument("--dtype", default="auto", help="float32: only the summation order differs")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--json", default=None, help="write the table here too")
     args = ap.parse_args()
-    reqs = [("read", t) for t in b.READ_TEXTS] + [("reply", t) for t in b.REPLY_PROMPTS]
-    reqs = [reqs[k % len(reqs)] for k in range(args.streams)]
+    kinds = [("read", t) for t in b.READ_TEXTS] + [("reply", t) for t in b.REPLY_PROMPTS]
+    kinds = [kinds[k % len(kinds)] for k in range(args.streams)]
     synth = Synthesizer.load(args.model, backend=args.backend, random_weights=args.model is None, rows=args.streams,
-                            dtype=args.dtype)
-    alone = []
-    for kind, text in reqs:
-        chunks = list(request(synth, kind, text))
-        alone.append((torch.cat([c.codes for c in chunks]), "".join(c.text for c in chunks)))
+                             dtype=args.dtype, batch_invariant=not args.variant)
     engine = synth.batch()
-    together = [[] for _ in reqs]
-    for k, (kind, text) in enumerate(reqs):
-        engine.submit(Stream(lambda lane, kind=kind, text=text: request(synth, kind, text, lane), together[k].append))
-    engine.run()
-    same = 0
-    for k, ((kind, text), (codes, said)) in enumerate(zip(reqs, alone)):
-        got = torch.cat([c.codes for c in together[k]])
-        got_text = "".join(c.text for c in together[k])
-        n = min(len(got), len(codes))
-        diff = (got[:n] != codes[:n]).any(1).nonzero()
-        equal = len(got) == len(codes) and not len(diff) and got_text == said
-        same += equal
-        where = "" if equal else (f" first differing frame {int(diff[0])} of {len(codes)}, {len(diff)} differ"
-                                  f"{', lengths ' + str((len(codes), len(got))) if len(got) != len(codes) else ''}"
-                                  f"{', reply text differs' if got_text != said else ''}")
-        print(f"{k:2d} {kind:5s} {'equal' if equal else 'DIFFERENT'}{where} | {text[:40]!r}")
-    print(f"{same}/{len(reqs)} requests give the same greedy codes alone and in a batch of {args.streams} "
-          f"({args.backend}, {synth.tts.dtype}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")
+    rng = random.Random(0)
+    rows = []
+    for mode in ("greedy", "seeded"):
+        reqs = [(kind, text, Sampling(greedy=True) if mode == "greedy" else Sampling(seed=100 + k))
+                for k, (kind, text) in enumerate(kinds)]
+        alone = {k: result(list(request(synth, *r))) for k, r in enumerate(reqs)}
+        again = {k: result(list(request(synth, *r))) for k, r in enumerate(reqs)}
+        configs = [("alone, run again", again)]
+        for size in args.sizes:
+            got = {}
+            order = list(range(len(reqs)))
+            rng.shuffle(order)
+            for i in range(0, len(order), size):
+                got.update(together(synth, engine, reqs, order[i : i + size]))
+            configs.append((f"batches of {size}, shuffled", got))
+        order = list(range(len(reqs)))
+        rng.shuffle(order)
+        configs.append((f"one batch of {len(reqs)}, shuffled", together(synth, engine, reqs, order)))
+        configs.append((f"half joining mid-flight (after 40 rounds)", together(synth, engine, reqs, order, 40)))
+        for name, got in configs:
+            codes, samples, notes = compare(alone, got, [kind for kind, _ in kinds])
+            rows.append({"sampling": mode, "configuration": name, "codes_equal": codes, "samples_equal": samples,
+                         "requests": len(got)})
+            print(f"{mode:6s} | {name:42s} | codes {codes}/{len(got)} | samples {samples}/{len(got)}"
+                  + (f" | {'; '.join(notes)}" if notes else ""), flush=True)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"({args.backend}, {'batch-variant' if args.variant else 'batch-invariant'}, {synth.tts.dtype}, {dev})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": args.backend, "variant": args.variant, "device": dev, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

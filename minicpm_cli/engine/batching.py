@@ -228,8 +228,10 @@ class Engine:
             prompts = [self.llm_prompts[r][1] for r in group]
             # (one prompt alone: exactly the single-stream prefill)
             outs = llm.prefill_rows(group, prompts) if len(group) > 1 else [llm.forward_row(group[0], prompts[0])]
-            for r, out in zip(group, outs):
-                self.ready.append((self.llm_prompts.pop(r)[0], out))
+            for r, (logits, hidden) in zip(group, outs):
+                # (copies: a backend's outputs are static buffers, which the next group's forward of
+                # the same shape would overwrite before these streams resume)
+                self.ready.append((self.llm_prompts.pop(r)[0], (logits.clone(), hidden.clone())))
 
     def pick_tokens(self) -> None:
         """The LLM tokens the streams are choosing: one `next_tokens` for each group of the same

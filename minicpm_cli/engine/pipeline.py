@@ -185,13 +185,15 @@ class Synthesizer:
     @classmethod
     def load(cls, model: str | None = DEFAULT_MODEL, *, backend: str = "auto", device: str = "auto",
              dtype: str = "auto", random_weights: bool = False, seed: int = 0,
-             spec=None, gguf: str | None = None, rows: int = 1) -> "Synthesizer":
+             spec=None, gguf: str | None = None, rows: int = 1, batch_invariant: bool = True) -> "Synthesizer":
         """From a checkpoint (directory or hub repo id), or with `random_weights` the full-size model
         drawn directly on the device (for speed work; tokenizers from `model` if it is a directory,
         else the bundled ones of the tiny test checkpoint; the audio encoder is drawn at the first
         voice). `backend="auto"` picks one for the device and checkpoint (`backends.choose`). `rows`:
         how many streams can be generated at once (`batch()`; each has its own rows of the KV caches;
-        gguf runs one LLM stream)."""
+        gguf runs one LLM stream). `batch_invariant`: a stream's audio is the same alone and in any
+        batch, on the GPU too (compile and int4: backends/invariant.py); False takes the faster
+        kernels whose rounding depends on the batch."""
         if rows < 1:
             raise UsageError("the batch size must be at least 1")
         dev = resolve_device(device)
@@ -226,12 +228,12 @@ class Synthesizer:
             tts = build_tts(ckpt, config, device=dev, dtype=dt)
         with trace.span("load_codec"):
             codec = build_codec(ckpt, vocos, device=dev)
-            be.wrap_codec(codec)
+            be.wrap_codec(codec, invariant=batch_invariant)
         with trace.span("load_llm"):
             llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf,
-                            rows=rows if rows > 1 else None)
+                            rows=rows if rows > 1 else None, invariant=batch_invariant)
         with trace.span("load_tts_runner"):
-            runner = be.tts_runner(tts, rows)
+            runner = be.tts_runner(tts, rows, invariant=batch_invariant)
         return cls(tokenizers, llm, tts, codec, runner, voices)
 
     @property

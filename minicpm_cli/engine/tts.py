@@ -72,8 +72,8 @@ class TTSRunner:
         self.ctl = torch.zeros(4, rows, dtype=torch.long, device=dev)
         self.ctl_upload = Upload((4, rows), dev)
         # batched text prefills' inputs (prefill_rows)
-        self.prefill_in = torch.zeros(rows, self.L + 3, dtype=torch.long, device=dev)
-        self.prefill_upload = Upload((rows, self.L + 3), dev)
+        self.prefill_in = torch.zeros(rows, self.L + 4, dtype=torch.long, device=dev)
+        self.prefill_upload = Upload((rows, self.L + 4), dev)
         self.spk_b = torch.zeros(rows, c.decoder.dim, dtype=self.dtype, device=dev)
         # each row's call's noise by step (step FRAMES_PER_CALL: what idle rows read), written once a call
         self.noise_calls = torch.ones(rows, FRAMES_PER_CALL + 1, c.num_vq, c.num_audio_tokens, device=dev)
@@ -160,9 +160,10 @@ class TTSRunner:
     def prefill_rows(self, rows: list[int], ids: list[list[int]], begins: list[int],
                      spks: list[Tensor | None]) -> None:
         """Several rows' `prefill_row`s in one forward, padded to the longest, each at its own slots
-        (the padding writes text slots past a row's chunk, which its next prefill writes before any
-        query sees them) and with its own speaker vector where given. Padding that would reach the
-        [Ptts] slot, or beyond, runs them one at a time."""
+        and with its own speaker vector where given: each row's cache ends as `prefill_row` leaves it
+        (the K/V its padding wrote past its chunk are zeroed again: a text slot the mask already
+        shows may be written only by a later chunk, and until then it must hold what it holds alone).
+        Padding that would reach the [Ptts] slot, or beyond, runs them one at a time."""
         T = self.prefill_len(max(len(x) for x in ids), max(begins))
         if T is None:
             for r, x, b, spk in zip(rows, ids, begins, spks):
@@ -170,10 +171,11 @@ class TTSRunner:
             return
         n = len(rows)
         nb = self.bucket(n)
-        # per entry: cache row, first slot, speaker vector given, ids (padded); entries past n repeat
-        # the first, writing the same values to the same slots
-        entries = [[r, b, spk is not None] + x + [0] * (T - len(x)) for r, b, x, spk in zip(rows, begins, ids, spks)]
-        self.prefill_upload(entries + entries[:1] * (nb - n), self.prefill_in[:nb, : T + 3])
+        # per entry: cache row, first slot, speaker vector given, length, ids (padded); entries past
+        # n repeat the first, writing the same values to the same slots
+        entries = [[r, b, spk is not None, len(x)] + x + [0] * (T - len(x))
+                   for r, b, x, spk in zip(rows, begins, ids, spks)]
+        self.prefill_upload(entries + entries[:1] * (nb - n), self.prefill_in[:nb, : T + 4])
         for i, spk in enumerate(spks + spks[:1] * (nb - n)):
             if spk is not None:
                 self.spk_b[i].copy_(spk)
@@ -190,14 +192,20 @@ class TTSRunner:
     def _prefill_batch(self, nb: int, T: int, kv: int) -> None:
         """The `prefill_in` entries 0..nb-1 (T ids each) through the backbone, attending causally over
         cache slots [0, kv)."""
-        inp = self.prefill_in[:nb, : T + 3]
-        tok = inp[:, 3:]
+        inp = self.prefill_in[:nb, : T + 4]
+        tok = inp[:, 4:]
         x = self.model.emb_text(tok)  # (nb, T, hidden)
         is_spk = (tok == self.config.spk_emb_token_id) & (inp[:, 2:3] > 0)
         x = torch.where(is_spk[..., None], self.spk_b[:nb, None].to(x.dtype), x)
         pos = inp[:, 1:2] + self.slots[:T]  # (nb, T)
         mask = (self.slots[None, None, :kv] <= pos[:, :, None])[:, None]  # (nb, 1, T, kv)
-        self.model.model(x, pos, mask, kv, rows=inp[:, 0])
+        rows = inp[:, 0]
+        self.model.model(x, pos, mask, kv, rows=rows)
+        pad = (self.slots[:T] >= inp[:, 3:4])[..., None, None]  # (nb, T, 1, 1): the padding's slots
+        for layer in self.model.model.layers:
+            c = layer.self_attn.kv_cache
+            for cache in (c.k, c.v):
+                cache[rows[:, None], :, pos] = cache[rows[:, None], :, pos].masked_fill(pad, 0)
 
     def _visibility(self, pos: Tensor, kv_len: int, audio_upto: Tensor | None = None, row: int = 0) -> Tensor:
         """(1, 1, 1, kv_len) mask for a query of `row` at position `pos` (a 1-element device tensor):

@@ -113,6 +113,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): one matmul instead of three
         self.kv_cache: KVCache | None = None
+        # a backend's attention for one query per sequence over cache rows 0..B-1 (after the cache
+        # write): (kv_cache, q (B, H, 1, D), input_pos (B, 1)) -> (B, 1, H*D)
+        self.one_query = None
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection with the concatenated weights (same results); idempotent."""
@@ -151,6 +154,8 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v, slice(0, B) if rows is None else rows, kv_len)
+        if T == 1 and self.one_query is not None:
+            return self.one_query(self.kv_cache, q, input_pos)
         if T == 1 and mask is not None:
             # One query: attend per KV head with the query heads of its group stacked, i.e. GQA
             # without repeating K/V (SDPA's masked GQA path repeats them and takes the math kernel).

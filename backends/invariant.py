@@ -1,0 +1,97 @@
+"""Batch invariance: the pieces that make a stream's arithmetic the same alone and in any batch.
+
+On a GPU in bfloat16 a request used to speak otherwise in a batch than alone (0 of 16 benchmark
+requests gave the same codes): cuBLAS chose its kernels by the batch's shape, the single stream ran
+other kernels (GEMVs) than the batch, and the codec's convolutions rounded by batch size. The
+compile and int4 backends now run one kind of arithmetic at every batch size (docs/design.md,
+"Batch invariance"):
+
+- every Linear of the LLM and the TTS (projections, lm_head, the TTS's speaker projector) runs
+  `invariant_mm` (kernels/gemm.py): K in fixed blocks, never split, whatever the number of tokens
+  (`make_invariant` turns nn.Linears into `InvariantLinear`s in place, weights untouched);
+- an LLM token, alone or batched, is the same eager layer (in a CUDA graph per row count) with its
+  attention on `rows_attend` (kernels/attention.py), which reads each row's position on the device
+  and splits the cache slots the same way at every row count (`RowsAttention`);
+- prompts and text prefills, alone or padded into a batch, attend with SDPA, whose rows do not see
+  the batch (measured on an H100: batch, query count and KV length change no bit);
+- the TTS step runs the tensor-core kernels (kernels/mma.py) for one row too;
+- the codec decodes every chunk in batches of exactly `CODEC_BATCH` rows (padding repeats a row):
+  cuDNN picks its convolution algorithms by batch size, and at one size a row's output does not
+  depend on its place or on the other rows;
+- sampling draws from each stream's own generator, row by row, as before.
+
+The cost against the batch-variant kernels (`--batch-variant`) is in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor, nn
+
+from .kernels.attention import rows_attend
+from .kernels.gemm import invariant_mm
+
+CODEC_BATCH = 8  # rows of every codec decode in the invariant mode
+BLOCK_S, MAX_SPLITS = 64, 16  # rows_attend's slots a block and programs a head (TritonDecode's)
+
+
+class InvariantLinear(nn.Linear):
+    """An nn.Linear on `invariant_mm` (its weight and bias as they are)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return invariant_mm(x, self.weight, self.bias)
+
+
+def make_invariant(module: nn.Module) -> None:
+    """Every plain nn.Linear in `module` becomes an InvariantLinear, in place (quantized Linears,
+    which bring their own products, are left alone)."""
+    for m in module.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = InvariantLinear
+
+
+class RowsAttention:
+    """The one-query attention of an LLM layer's batched token (`Attention.one_query`): query b of
+    (B, H, 1, D) against cache row b up to its position, on `rows_attend`. Rows 0..B-1 only (the
+    batched token runs over those)."""
+
+    def __init__(self, kv_cache, n_heads: int):
+        rows, hkv, self.max_len, d = kv_cache.k.shape
+        self.h, self.group, self.d = n_heads, n_heads // hkv, d
+        self.kv_row = hkv * self.max_len * d
+        self.splits = min(triton.cdiv(self.max_len, BLOCK_S), MAX_SPLITS)
+        dev = kv_cache.k.device
+        self.part = torch.zeros(rows * n_heads * self.splits * (d + 2), dtype=torch.float32, device=dev)
+        self.count = torch.zeros(rows * n_heads, dtype=torch.int32, device=dev)
+
+    def __call__(self, kv_cache, q: Tensor, input_pos: Tensor) -> Tensor:
+        b = q.shape[0]
+        q = q.reshape(b, self.h * self.d).contiguous()
+        pos = input_pos.reshape(b).contiguous()
+        y = torch.empty_like(q)
+        rows_attend[(self.h, self.splits, b)](
+            q, kv_cache.k, kv_cache.v, pos, pos, y, self.part, self.count, self.d**-0.5, self.max_len, self.kv_row, 1,
+            H=self.h, SPLITS=self.splits, GROUP=self.group, D=self.d, HAS_VIS=False, BLOCK_S=BLOCK_S,
+            NB=triton.cdiv(self.max_len, BLOCK_S), num_warps=4)
+        return y[:, None]  # (B, 1, H*D)
+
+
+def invariant_tokens(decoder) -> None:
+    """Give each layer of `decoder` (with its KV cache set up) a `RowsAttention` for its one-query
+    steps."""
+    for layer in decoder.layers:
+        layer.self_attn.one_query = RowsAttention(layer.self_attn.kv_cache, layer.self_attn.n_heads)
+
+
+def fixed_batches(codes: Tensor, decode, rows: int = CODEC_BATCH) -> Tensor:
+    """codes (n, T, num_vq) -> `decode` of each, in batches of exactly `rows` (the last padded with
+    copies of its first row) -> (n, samples)."""
+    out = []
+    for i in range(0, len(codes), rows):
+        part = codes[i : i + rows]
+        k = len(part)
+        if k < rows:
+            part = torch.cat([part, part[:1].expand(rows - k, -1, -1)])
+        out.append(decode(part)[:k])
+    return torch.cat(out) if len(out) > 1 else out[0]

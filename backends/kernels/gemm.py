@@ -1,0 +1,116 @@
+"""The batch-invariant dense product, `invariant_mm`: y = x W^T + b for any number of tokens, each
+token's row of y bit for bit the same whatever the other rows are and however many there are.
+
+Why: cuBLAS picks its kernel by shape, and for some shapes (the 7B's o_proj and down_proj: K split
+across programs) by the number of rows, so one request's arithmetic changed with the batch it
+shared (0 of 16 requests gave the same codes alone and batched in bfloat16). Here every output is
+one program's sum over K in blocks of BLOCK_K, in order, float32 accumulation on the tensor cores
+(`tl.dot`), K never split. What changes with the number of tokens is only the tiling of the output
+(`mm_config`: which rows and tokens a program takes, its warps and pipelining stages), and the tile
+does not change an output's sums: measured on an H100 (Triton 3.6), the rows of 16-, 64- and
+128-token tiles, at any offset in the tile, are equal to the bit (tests/test_invariant.py checks
+this on the GPU at the 7B's shapes).
+
+Layout as `_q4_mm` (q4.py): the weight rows are the M side of the product and the tokens the N side
+(BLOCK_T of them, padded to at least 16). float32 weights take float32 products ("ieee"); in
+Triton's interpreter (the CPU tests) the products are summed explicitly, as mma.py's `_dot` does:
+its `tl.dot` multiplies 16-bit tiles wrongly and sums in an order that depends on the tile.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_K = 64  # K per iteration at every shape (the one thing a token's sums depend on)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _invariant_mm(x_ptr, w_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                  DOT: tl.constexpr, TOKENS_M: tl.constexpr = False):
+    """Program (i, j): weight rows i*BLOCK_N.. against tokens j*BLOCK_T.. of x (M, K) -> out (M, N):
+    the K-blocks in order, one rounding to the output dtype after the bias."""
+    pn = tl.program_id(0)
+    pt = tl.program_id(1)
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
+    nm = n < N
+    tm = t < M
+    if TOKENS_M:  # the tokens as the M side: acc (BLOCK_T, BLOCK_N) = x @ W^T
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            xs = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+            wt = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=nm[None, :] & km[:, None], other=0.0)
+            acc = _dot(xs, wt, acc, DOT)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + t[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tm[:, None] & nm[None, :])
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & km[:, None], other=0.0)
+            acc = _dot(w, xt, acc, DOT)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + t[None, :] * N + n[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=nm[:, None] & tm[None, :])
+
+
+@triton.jit
+def _dot(a, b, acc, DOT: tl.constexpr):
+    """acc += a @ b: on the tensor cores (DOT 0), as float32 products (1), summed explicitly (2)."""
+    if DOT == 0:
+        acc = tl.dot(a, b, acc)
+    elif DOT == 1:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+    return acc
+
+
+def mm_config(m: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_T, warps, stages) for m tokens against n weight rows: narrow tiles of rows
+    for a few tokens (enough programs to stream the weights at full bandwidth), square ones for a
+    prefill (each weight tile read by fewer programs). From a sweep at the 7B's shapes on an H100
+    (docs/journal.md). None of it changes a token's sums."""
+    if m <= 16:
+        return (32 if n >= 8192 else 16), 16, 4, 6
+    if m <= 64:
+        return 64, triton.next_power_of_2(m), 4, 4
+    if m <= 256:
+        return 128, 64, 8, 4
+    return 128, 128, 8, 3
+
+
+def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
+                 cfg: tuple | None = None) -> Tensor:
+    """x (..., K) @ weight (N, K)^T + bias -> (..., N) in x's dtype; each row of x gets bit for bit
+    the same output in any batch. `cfg` overrides `mm_config` (tests, sweeps)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    nout = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, nout, dtype=x.dtype, device=x.device)
+    if m:
+        bn, bt, warps, stages, *swap = cfg or mm_config(m, nout)
+        grid = (triton.cdiv(nout, bn), triton.cdiv(m, bt))
+        _invariant_mm[grid](x2, weight, bias if bias is not None else weight, out, m, N=nout, K=k,
+                            HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=BLOCK_K, STAGES=stages,
+                            DOT=2 if _INTERPRETED else 1 if x.dtype == torch.float32 else 0,
+                            TOKENS_M=bool(swap and swap[0]), num_warps=warps)
+    return out.reshape(*shape[:-1], nout)

@@ -1,0 +1,121 @@
+"""Batch invariance (backends/invariant.py): a stream's arithmetic does not depend on its batch.
+
+Without a GPU the invariant kernels run in Triton's interpreter (conftest) on the tiny checkpoint,
+float32 and bfloat16: the LLM's prompts and tokens, alone and batched at other rows, give the same
+logits and hidden states to the bit; so do the TTS runner's steps and prefills. `invariant_mm`'s rows
+do not depend on the tile or the number of tokens. On a GPU (marked `gpu`): the same at the 7B's
+shapes, and whole requests alone and batched (sizes 3 and 16, shuffled, a mid-flight join) give equal
+codes and samples.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from minicpm_cli.backends.compile import CompiledLLM, GraphTTSRunner
+from minicpm_cli.backends.invariant import InvariantLinear, fixed_batches, make_invariant
+from minicpm_cli.backends.kernels.gemm import invariant_mm
+from minicpm_cli.engine.pipeline import Synthesizer
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPT = "<|im_start|>user\nHello world, how are you?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_product_rows_do_not_depend_on_tile_or_count(dtype):
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 96, device=DEVICE).to(dtype), torch.randn(40, device=DEVICE).to(dtype)
+    x = torch.randn(37, 96, device=DEVICE).to(dtype)
+    ref = invariant_mm(x, w, b, cfg=(16, 16, 4, 3))
+    assert (ref.float() - torch.nn.functional.linear(x.float(), w.float(), b.float())).abs().max() < 0.5
+    for cfg in [(32, 64, 4, 3), (64, 16, 4, 3), (16, 32, 4, 3, 1), (32, 16, 4, 3, 1)]:
+        assert torch.equal(invariant_mm(x, w, b, cfg=cfg), ref)
+        assert torch.equal(invariant_mm(x[5:9], w, b, cfg=cfg), ref[5:9])
+        assert torch.equal(invariant_mm(x[7:8], w, b, cfg=cfg), ref[7:8])
+
+
+def test_make_invariant_turns_plain_linears_only():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.Linear(3, 2)), torch.nn.ReLU())
+    w = m[0].weight
+    make_invariant(m)
+    assert type(m[0]) is InvariantLinear and type(m[1][0]) is InvariantLinear and m[0].weight is w
+
+
+def test_fixed_batches_pads_to_one_size():
+    seen = []
+
+    def decode(part):
+        seen.append(len(part))
+        return part.sum((1, 2)).float()[:, None]
+
+    codes = torch.arange(11 * 2 * 4).view(11, 2, 4)
+    out = fixed_batches(codes, decode, rows=4)
+    assert seen == [4, 4, 4] and torch.equal(out[:, 0], codes.sum((1, 2)).float())
+
+
+def _llm(tiny_dir, dtype: str, rows: int = 4) -> CompiledLLM:
+    s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype=dtype)
+    return s, CompiledLLM(s.llm.model, max_len=256, use_triton=True, rows=rows, invariant=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llm_prompt_and_tokens_alone_equal_batched(tiny_dir, dtype):
+    """Row 0 alone (prompt, then 3 tokens one at a time) against the same prompt at row 2 of a
+    batched prefill with two other prompts, and its tokens in batched steps with other rows."""
+    s, llm = _llm(tiny_dir, dtype)
+    tok = s.tokenizers.encode_llm
+    ids, other1, other2 = tok(PROMPT), tok("<|im_start|>user\nHi<|im_end|>\n"), tok(PROMPT + "Sure, here")
+    logits, hidden = llm.forward_row(0, ids)
+    alone = [(logits.clone(), hidden.clone())]
+    for t in (5, 17, 3):
+        logits, hidden = llm.forward_row(0, [t])
+        alone.append((logits.clone(), hidden.clone()))
+    for r in range(4):
+        llm.reset_row(r)
+    outs = llm.prefill_rows([0, 1, 2], [other1, other2, ids])
+    batched = [(outs[2][0].clone(), outs[2][1].clone())]
+    for t in (5, 17, 3):
+        logits, hidden = llm.decode_rows([0, 2, 3], [9, t, 11])
+        batched.append((logits[1].clone(), hidden[1:2].clone()))
+    for (la, ha), (lb, hb) in zip(alone, batched):
+        assert torch.equal(la, lb)
+        assert torch.equal(ha, hb)
+
+
+def test_tts_steps_alone_equal_batched(tiny_dir):
+    """The invariant TTS runner: row 0's single-stream steps equal its steps batched with other rows
+    (bfloat16, interpreter), after the same text prefill alone and batched."""
+    s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="bfloat16")
+    cond = s.tokenizers.condition("Hello there, how are you doing today?", s.tts_model.config.streaming_text_reserved_len)
+    spk = torch.nn.functional.normalize(torch.randn(s.tts_model.config.decoder.dim), dim=0).to(DEVICE, torch.bfloat16)
+    ids = cond.ids[: cond.n + 3]
+    runner = GraphTTSRunner(copy.deepcopy(s.tts_model), use_triton=True, rows=3, invariant=True)
+    layers = runner.model.model.layers
+
+    def text_kv(row):
+        return [c[row, :, : runner.L].clone() for layer in layers for c in (layer.self_attn.kv_cache.k,
+                                                                             layer.self_attn.kv_cache.v)]
+
+    runner.start(cond.n)
+    runner.prefill(ids, 0, spk)
+    kv_alone = text_kv(0)
+    alone, _ = runner.generate(None, n_steps=3, min_new=3)
+    for r in range(3):
+        runner.start_row(r, cond.n)
+    # a longer text beside it: row 1's chunk is padded in the batched forward
+    other = s.tokenizers.condition("A different and much longer sentence, with a few more words in it than the first.",
+                                   s.tts_model.config.streaming_text_reserved_len)
+    assert other.n > cond.n
+    runner.prefill_rows([0, 1, 2], [other.ids[: other.n + 3], ids, other.ids[: other.n + 3]], [0, 0, 0],
+                        [spk.flip(0), spk, None])
+    assert all(torch.equal(a, b) for a, b in zip(kv_alone, text_kv(1)))  # the padding's slots too
+    calls = [runner.call(r, None, n_steps=3, min_new=3) for r in range(3)]
+    while any(c.result is None for c in calls):
+        runner.step_calls([c for c in calls if c.result is None])
+    assert torch.equal(calls[1].result[0], alone)
