@@ -39,7 +39,7 @@ from ..engine.tensorio import Upload, to_device
 from ..engine.tts import FRAMES_PER_CALL, MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
-from .invariant import CODEC_BATCH, fixed_batches, invariant_tokens, make_invariant
+from .invariant import CODEC_BATCH, fixed_batches, invariant_tokens, make_invariant, warm_products
 
 LLM_BUCKET = 256  # KV length granularity of the LLM graphs
 TTS_BUCKET = 128
@@ -292,6 +292,8 @@ class CompiledLLM(Rows):
         slots written are the next ones each row writes itself)."""
         if not self.graphs.cuda:
             return
+        if self.invariant:
+            warm_products(self.model)
         for nb in [1] + batch_sizes(min(rows, self.rows), self.rows):
             saved = self.positions[:nb]
             if max(saved) < self.max_len:
@@ -440,6 +442,8 @@ class GraphTTSRunner(TTSRunner):
         rows 0..rows-1, which every segment's start zeroes."""
         if self.batch is None:
             return
+        if self.invariant:
+            warm_products(self.model)
         for nb in [1] + batch_sizes(min(rows, self.rows), self.rows):
             idle = [[min(p, self.max_len - 1) for p in self.positions[:nb]], [0] * nb, [0] * nb,
                     [FRAMES_PER_CALL] * nb]

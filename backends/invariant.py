@@ -7,13 +7,16 @@ compile and int4 backends now run one kind of arithmetic at every batch size (do
 "Batch invariance"):
 
 - every Linear of the LLM and the TTS (projections, lm_head, the TTS's speaker projector) runs
-  `invariant_mm` (kernels/gemm.py): K in fixed blocks, never split, whatever the number of tokens
-  (`make_invariant` turns nn.Linears into `InvariantLinear`s in place, weights untouched);
+  `invariant_mm` (kernels/gemm.py): all of K summed in order by one program, never split, whatever
+  the number of tokens; every RMSNorm a program a row (`make_invariant` swaps the modules' classes
+  in place, weights untouched);
 - an LLM token, alone or batched, is the same eager layer (in a CUDA graph per row count) with its
   attention on `rows_attend` (kernels/attention.py), which reads each row's position on the device
   and splits the cache slots the same way at every row count (`RowsAttention`);
 - prompts and text prefills, alone or padded into a batch, attend with SDPA, whose rows do not see
   the batch (measured on an H100: batch, query count and KV length change no bit);
+- int4's 4-bit projections run `q4_invariant` (kernels/q4.py): one split of K and one K-block for
+  every token count, one token included;
 - the TTS step runs the tensor-core kernels (kernels/mma.py) for one row too;
 - the codec decodes every chunk in batches of exactly `CODEC_BATCH` rows (padding repeats a row):
   cuDNN picks its convolution algorithms by batch size, and at one size a row's output does not
@@ -29,8 +32,11 @@ import torch
 import triton
 from torch import Tensor, nn
 
+from minicpm_cli.models.transformer import RMSNorm
+
 from .kernels.attention import rows_attend
-from .kernels.gemm import invariant_mm
+from .kernels.gemm import invariant_mm, warm
+from .kernels.norm import rms_norm
 
 CODEC_BATCH = 8  # rows of every codec decode in the invariant mode
 BLOCK_S, MAX_SPLITS = 64, 16  # rows_attend's slots a block and programs a head (TritonDecode's)
@@ -43,12 +49,45 @@ class InvariantLinear(nn.Linear):
         return invariant_mm(x, self.weight, self.bias)
 
 
+class InvariantRMSNorm(RMSNorm):
+    """RMSNorm as one kernel (kernels/norm.py: a program a row, so a row's result is what it gets
+    alone), which in a one-token layer also saves six of the eager module's seven launches."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[-1]
+        out = torch.empty_like(x)
+        rms_norm(x.contiguous().view(-1, n), self, out.view(-1, n))
+        return out
+
+
 def make_invariant(module: nn.Module) -> None:
-    """Every plain nn.Linear in `module` becomes an InvariantLinear, in place (quantized Linears,
-    which bring their own products, are left alone)."""
+    """Every plain nn.Linear in `module` becomes an InvariantLinear and every RMSNorm an
+    InvariantRMSNorm, in place, weights untouched; a quantized Linear that has an invariant product
+    of its own (`invariant`) is switched to it."""
     for m in module.modules():
         if type(m) is nn.Linear:
             m.__class__ = InvariantLinear
+        elif type(m) is RMSNorm:
+            m.__class__ = InvariantRMSNorm
+        elif hasattr(type(m), "invariant"):  # a 4-bit Linear (gptq.Q4Linear): its own invariant product
+            m.invariant = True
+
+
+def warm_products(module: nn.Module) -> None:
+    """Compile `invariant_mm` for every configuration and weight shape of `module`'s
+    InvariantLinears now (on a GPU; a batch would otherwise wait for each mid-run)."""
+    shapes, quantized = {}, {}
+    for m in module.modules():
+        if isinstance(m, InvariantLinear) and m.weight.is_cuda:
+            shapes.setdefault((tuple(m.weight.shape), m.weight.dtype), m.weight)
+        elif getattr(m, "invariant", False):  # 4-bit: each tile of tokens is a compilation of its own
+            quantized.setdefault((m.in_features, m.out_features), m)
+    for w in shapes.values():
+        warm(w)
+    dtype = next((w.dtype for w in shapes.values()), torch.bfloat16)
+    for m in quantized.values():
+        for t in (1, 17, 33, 65, 129):
+            m(torch.zeros(t, m.in_features, dtype=dtype, device=m.packed.device))
 
 
 class RowsAttention:

@@ -19,9 +19,12 @@ import torch
 pytest.importorskip("triton")
 
 from minicpm_cli.backends.compile import CompiledLLM, GraphTTSRunner
-from minicpm_cli.backends.invariant import InvariantLinear, fixed_batches, make_invariant
-from minicpm_cli.backends.kernels.gemm import invariant_mm
+from minicpm_cli.backends.invariant import InvariantLinear, InvariantRMSNorm, fixed_batches, make_invariant
+from minicpm_cli.backends.kernels.gemm import invariant_mm, mm_config
+from minicpm_cli.engine.batching import Stream
 from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.engine.sampling import Sampling
+from minicpm_cli.models.transformer import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = "<|im_start|>user\nHello world, how are you?<|im_end|>\n<|im_start|>assistant\n"
@@ -32,19 +35,22 @@ def test_product_rows_do_not_depend_on_tile_or_count(dtype):
     torch.manual_seed(0)
     w, b = torch.randn(40, 96, device=DEVICE).to(dtype), torch.randn(40, device=DEVICE).to(dtype)
     x = torch.randn(37, 96, device=DEVICE).to(dtype)
-    ref = invariant_mm(x, w, b, cfg=(16, 16, 4, 3))
+    ref = invariant_mm(x, w, b, cfg=(16, 16, 64, 4, 3, False))
     assert (ref.float() - torch.nn.functional.linear(x.float(), w.float(), b.float())).abs().max() < 0.5
-    for cfg in [(32, 64, 4, 3), (64, 16, 4, 3), (16, 32, 4, 3, 1), (32, 16, 4, 3, 1)]:
+    for cfg in [(32, 64, 64, 4, 3, False), (64, 16, 64, 4, 3, False), (16, 32, 64, 4, 3, True),
+                (32, 16, 64, 4, 3, True)]:
         assert torch.equal(invariant_mm(x, w, b, cfg=cfg), ref)
         assert torch.equal(invariant_mm(x[5:9], w, b, cfg=cfg), ref[5:9])
         assert torch.equal(invariant_mm(x[7:8], w, b, cfg=cfg), ref[7:8])
 
 
-def test_make_invariant_turns_plain_linears_only():
-    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.Linear(3, 2)), torch.nn.ReLU())
+def test_make_invariant_swaps_linears_and_norms_in_place():
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.Linear(3, 2)), RMSNorm(2, 1e-6),
+                            torch.nn.ReLU())
     w = m[0].weight
     make_invariant(m)
     assert type(m[0]) is InvariantLinear and type(m[1][0]) is InvariantLinear and m[0].weight is w
+    assert type(m[2]) is InvariantRMSNorm and type(m[3]) is torch.nn.ReLU
 
 
 def test_fixed_batches_pads_to_one_size():
@@ -119,3 +125,95 @@ def test_tts_steps_alone_equal_batched(tiny_dir):
     while any(c.result is None for c in calls):
         runner.step_calls([c for c in calls if c.result is None])
     assert torch.equal(calls[1].result[0], alone)
+
+
+# --- on a GPU ---
+
+SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
+          "lm_head": (151700, 3584), "tts_qkv": (2304, 768), "tts_down": (768, 3072)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_product_rows_equal_at_every_token_count_on_gpu(name):
+    """Every `mm_config` configuration at the 7B's (and the TTS's) shapes: a row's output is the
+    same at 1 ... 1024 tokens, bfloat16 on the tensor cores."""
+    n, k = SHAPES[name]
+    torch.manual_seed(0)
+    w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if "qkv" in name else None
+    x = torch.randn(1024 if name != "lm_head" else 32, k, device="cuda", dtype=torch.bfloat16)
+    ref = invariant_mm(x, w, b)
+    counts = [1, 2, 7, 16, 17, 64, 65, 128, 129, 300, 512, 513, 1024]
+    assert len({mm_config(m, n, k) for m in counts}) >= (2 if name == "lm_head" else 4)
+    for m in counts:
+        if m <= len(x):
+            assert torch.equal(invariant_mm(x[:m], w, b), ref[:m]), m
+            assert torch.equal(invariant_mm(x[m // 2 : m], w, b), ref[m // 2 : m]), m
+
+
+def _run(synth, engine, reqs, order, join_after=None):
+    got = {k: [] for k in order}
+
+    def submit(ks):
+        for k in ks:
+            engine.submit(Stream(lambda lane, k=k: _request(synth, *reqs[k], lane), got[k].append))
+
+    submit(order if join_after is None else order[: len(order) // 2])
+    if join_after is not None:
+        for _ in range(join_after):
+            engine.round()
+        submit(order[len(order) // 2:])
+    engine.run()
+    return {k: _result(v) for k, v in got.items()}
+
+
+def _request(synth, kind, text, sampling, lane=None):
+    from minicpm_cli.cli import bench
+    from minicpm_cli.engine import loading
+    from minicpm_cli.engine.llm import LLMSampling
+
+    forced = loading.FORCED_FRAMES_PER_TOKEN
+    if kind == "read":
+        return synth.synthesize(text, sampling, frames_per_token=forced, lane=lane)
+    return synth.reply(text, sampling, llm=LLMSampling(temperature=bench.REPLY_TEMPERATURE),
+                       max_tokens=loading.FORCED_REPLY_TOKENS, frames_per_token=forced, lane=lane)
+
+
+def _result(chunks):
+    import numpy as np
+
+    return (torch.cat([c.codes for c in chunks]), "".join(c.text for c in chunks),
+            np.concatenate([c.samples for c in chunks]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["compile", "int4"])
+def test_requests_alone_equal_batched_on_gpu(backend):
+    """16 of the benchmark's reads and replies, greedy and seeded, full-size random weights in
+    bfloat16: alone, in batches of 3 and of 16 (shuffled rows), and half of them joining mid-flight
+    give the same codes, reply text and samples, to the bit."""
+    import numpy as np
+
+    from minicpm_cli.cli import bench
+
+    kinds = [("read", t) for t in bench.READ_TEXTS] + [("reply", t) for t in bench.REPLY_PROMPTS]
+    kinds = [kinds[k % len(kinds)] for k in range(16)]
+    synth = Synthesizer.load(None, backend=backend, random_weights=True, rows=16)
+    engine = synth.batch()
+    rng = random.Random(0)
+    for greedy in (True, False):
+        reqs = [(kind, text, Sampling(greedy=True) if greedy else Sampling(seed=100 + k))
+                for k, (kind, text) in enumerate(kinds)]
+        alone = {k: _result(list(_request(synth, *r))) for k, r in enumerate(reqs)}
+        order = list(range(16))
+        rng.shuffle(order)
+        runs = [{k: v for i in range(0, 16, 3) for k, v in _run(synth, engine, reqs, order[i : i + 3]).items()},
+                _run(synth, engine, reqs, order), _run(synth, engine, reqs, order[::-1], join_after=40)]
+        for got in runs:
+            for k, (codes, text, samples) in got.items():
+                a_codes, a_text, a_samples = alone[k]
+                assert torch.equal(codes, a_codes) and text == a_text, (greedy, k)
+                assert np.array_equal(samples, a_samples), (greedy, k)

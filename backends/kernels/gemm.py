@@ -4,12 +4,14 @@ token's row of y bit for bit the same whatever the other rows are and however ma
 Why: cuBLAS picks its kernel by shape, and for some shapes (the 7B's o_proj and down_proj: K split
 across programs) by the number of rows, so one request's arithmetic changed with the batch it
 shared (0 of 16 requests gave the same codes alone and batched in bfloat16). Here every output is
-one program's sum over K in blocks of BLOCK_K, in order, float32 accumulation on the tensor cores
-(`tl.dot`), K never split. What changes with the number of tokens is only the tiling of the output
-(`mm_config`: which rows and tokens a program takes, its warps and pipelining stages), and the tile
-does not change an output's sums: measured on an H100 (Triton 3.6), the rows of 16-, 64- and
-128-token tiles, at any offset in the tile, are equal to the bit (tests/test_invariant.py checks
-this on the GPU at the 7B's shapes).
+one program's sum over all of K, in order, float32 accumulation on the tensor cores (`tl.dot`, a
+chain of 16-wide products), K never split across programs. What changes with the number of tokens
+is only how the work is cut (`mm_config`: which rows and tokens a program takes, how much K an
+iteration loads, warps and pipelining stages), and none of it changes an output's sums: measured on
+an H100 (Triton 3.6), every configuration chosen here gives the same bits for a row, at any offset
+in any tile (tests/test_invariant.py checks them at the 7B's shapes on a GPU). One of 86 other
+configurations swept for one token did not (which one went unrecorded): a configuration enters
+`mm_config` only with that test.
 
 Layout as `_q4_mm` (q4.py): the weight rows are the M side of the product and the tokens the N side
 (BLOCK_T of them, padded to at least 16). float32 weights take float32 products ("ieee"); in
@@ -26,16 +28,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-BLOCK_K = 64  # K per iteration at every shape (the one thing a token's sums depend on)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _invariant_mm(x_ptr, w_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _invariant_mm(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                   DOT: tl.constexpr, TOKENS_M: tl.constexpr = False):
     """Program (i, j): weight rows i*BLOCK_N.. against tokens j*BLOCK_T.. of x (M, K) -> out (M, N):
-    the K-blocks in order, one rounding to the output dtype after the bias."""
+    the K-blocks in order, one rounding to the output dtype after the bias. (N and K are not
+    compile-time constants: one compilation a configuration serves every weight.)"""
     pn = tl.program_id(0)
     pt = tl.program_id(1)
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,18 +82,21 @@ def _dot(a, b, acc, DOT: tl.constexpr):
     return acc
 
 
-def mm_config(m: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_T, warps, stages) for m tokens against n weight rows: narrow tiles of rows
-    for a few tokens (enough programs to stream the weights at full bandwidth), square ones for a
-    prefill (each weight tile read by fewer programs). From a sweep at the 7B's shapes on an H100
-    (docs/journal.md). None of it changes a token's sums."""
-    if m <= 16:
-        return (32 if n >= 8192 else 16), 16, 4, 6
-    if m <= 64:
-        return 64, triton.next_power_of_2(m), 4, 4
-    if m <= 256:
-        return 128, 64, 8, 4
-    return 128, 128, 8, 3
+def mm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, tokens as M) for m tokens against n weight rows
+    of k inputs: narrow tiles of rows and long K-blocks for a few tokens (enough programs, and loads
+    long enough, to stream the weights at full bandwidth), wide tiles for a prefill (each weight tile
+    read by fewer programs). From sweeps at the 7B's shapes in CUDA graphs on an H100
+    (docs/journal.md). None of these changes a token's sums (tests/test_invariant.py checks every
+    one at the 7B's shapes on a GPU): the K-blocks are summed in order, each `tl.dot` a chain of
+    16-wide products in order, so K-blocks of 64 or 256 add the same products in the same order."""
+    if m <= 16:  # (a long K, down_proj's: narrower tiles, deeper pipelining)
+        return (32, 16, 256, 4, 6, False) if k >= 4 * n else (64, 16, 256, 4, 4, False)
+    if m <= 128:
+        return 64, 64, 128, 4, 4, False
+    if m <= 512:
+        return 128, 128, 64, 8, 3, False
+    return 128, 256, 64, 8, 4, False
 
 
 def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
@@ -107,10 +112,22 @@ def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Ten
     if out is None:
         out = torch.empty(m, nout, dtype=x.dtype, device=x.device)
     if m:
-        bn, bt, warps, stages, *swap = cfg or mm_config(m, nout)
+        bn, bt, bk, warps, stages, swap = cfg or mm_config(m, nout, k)
+        if _INTERPRETED:  # (its sums: 16 products at a time, in order, as a dot's chain on a GPU)
+            bk = 16
+        elif x.dtype == torch.float32:  # (float32 products: sums whose order follows the K-block, measured)
+            bk = 64
         grid = (triton.cdiv(nout, bn), triton.cdiv(m, bt))
-        _invariant_mm[grid](x2, weight, bias if bias is not None else weight, out, m, N=nout, K=k,
-                            HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=BLOCK_K, STAGES=stages,
+        _invariant_mm[grid](x2, weight, bias if bias is not None else weight, out, m, nout, k,
+                            HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, STAGES=stages,
                             DOT=2 if _INTERPRETED else 1 if x.dtype == torch.float32 else 0,
-                            TOKENS_M=bool(swap and swap[0]), num_warps=warps)
+                            TOKENS_M=swap, num_warps=warps)
     return out.reshape(*shape[:-1], nout)
+
+
+def warm(weight: Tensor) -> None:
+    """Compile every `mm_config` configuration for weights like `weight` (N, K) now (a first use
+    compiles, about a second each, which a batch would otherwise wait for mid-run)."""
+    n, k = weight.shape
+    for m in sorted({1, 17, 129, 513}):
+        invariant_mm(torch.zeros(m, k, dtype=weight.dtype, device=weight.device), weight)

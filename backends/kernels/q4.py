@@ -228,6 +228,25 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
     return y
 
 
+def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
+    """`q4_mm` cut so that a token's row of the output does not depend on how many tokens there
+    are (backends/invariant.py): K-blocks of 64 and a split chosen from the weight alone (the one
+    `q4_mm_config` takes at 16 tokens), whatever the count; tokens in tiles of up to 128 (which do
+    not change a row's sums), at most MM_MAX_M at a time (which bounds the split's scratch). One
+    token too: the GEMV's sums differ from a batch's."""
+    if w.group != w.k:
+        raise ValueError("the batch-invariant 4-bit product takes one-group weights (the official layout)")
+    warps, split = q4_mm_config(16, w)[3], q4_mm_config(16, w)[5]
+    bk = 64
+    outs = []
+    for t0 in range(0, x.shape[0], MM_MAX_M):
+        part = x[t0 : t0 + MM_MAX_M]
+        m = part.shape[0]
+        bt = min(max(16, triton.next_power_of_2(m)), 128)
+        outs.append(q4_mm(part, w, bias, cfg=(64, bt, bk, warps, 4 if m <= 128 else 3, split)))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
     """x (M, K) contiguous -> x @ W^T + bias (M, N) in x's dtype, for a 4-bit W. One row: the GEMV
     kernel. More (prefills): with one group (the official layout) `q4_mm`; with groups, slices of

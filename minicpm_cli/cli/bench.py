@@ -74,6 +74,7 @@ class BenchOptions:
     concurrency: int | None = None  # streams started together (see `concurrent`)
     bulk_lines: int = BULK_LINES  # lines of the bulk workload
     voice: str | None = None  # a reference recording: time voice cloning too
+    batch_variant: bool = False  # the faster kernels whose rounding depends on the batch
 
     def __post_init__(self):
         if self.runs < 1 or self.warmup < 0:
@@ -209,7 +210,8 @@ def run(opts: BenchOptions) -> dict:
         log(f"{backend}: loading")
         t = clock.now()
         synth = Synthesizer.load(opts.model, backend=backend, device=opts.device, dtype=opts.dtype,
-                                 random_weights=opts.random_weights, gguf=opts.gguf if backend == "gguf" else None)
+                                 random_weights=opts.random_weights, gguf=opts.gguf if backend == "gguf" else None,
+                                 batch_invariant=not opts.batch_variant)
         clock.sync()
         load_s = clock.now() - t
         result["environment"].setdefault("backend_versions", {})[backend] = getattr(synth.llm, "version", None)
@@ -390,7 +392,8 @@ def table(result: dict) -> str:
     env = result["environment"]
     lines = [
         f"Device: {env['device']} (driver {env['driver'] or '-'}), torch {env['torch']}, CUDA {env['cuda'] or '-'}, "
-        f"commit {env['commit'] or '-'}, {env['date']}" + (f", measured over HTTP at {env['server']}" if env.get("server") else ""),
+        f"commit {env['commit'] or '-'}, {env['date']}" + (f", measured over HTTP at {env['server']}" if env.get("server") else "")
+        + (", batch-variant kernels" if result["options"].get("batch_variant") else ""),
         "",
         "| backend | workload | TTFA p50 / p90 (ms) | RTF p50 / p90 | LLM prefill (ms) | LLM ms/token | LLM GB/s "
         "| TTS ms/step | codec ms/chunk | peak GPU (GiB) | load (s) | warm-up (s) |",

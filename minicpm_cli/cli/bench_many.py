@@ -91,7 +91,7 @@ def concurrent(opts: BenchOptions) -> dict:
         log(f"{backend}: loading for {n} streams")
         synth = Synthesizer.load(opts.model, backend=backend, device=opts.device, dtype=opts.dtype,
                                  random_weights=opts.random_weights, gguf=opts.gguf if backend == "gguf" else None,
-                                 rows=n)
+                                 rows=n, batch_invariant=not opts.batch_variant)
         for workload in opts.workloads:
             t = clock.now()
             if workload == "bulk":
@@ -178,7 +178,8 @@ def concurrency_table(result: dict) -> str:
     lines = [
         f"Device: {env['device']} (driver {env.get('driver') or '-'}), torch {env.get('torch', '-')}, "
         f"commit {env.get('commit') or '-'}, {env['date']}"
-        + (f", measured over HTTP at {env['server']}" if env.get("server") else ""),
+        + (f", measured over HTTP at {env['server']}" if env.get("server") else "")
+        + (", batch-variant kernels" if result["options"].get("batch_variant") else ""),
         "",
         "| backend | workload | streams | TTFA p50 / p90 (ms) | per-stream RTF p50 / p90 | audio s per wall s "
         "| peak GPU (GiB) | warm-up (s) |",

@@ -38,6 +38,7 @@ VoiceOpt = Annotated[Optional[str], typer.Option("--voice", help="Speak in the v
 RayOpt = Annotated[Optional[str], typer.Option("--ray", help="Run on a Ray cluster: auto (the cluster at $RAY_ADDRESS, else one started on this machine with `ray start --head`, else a local Ray for this command only) or a cluster's ADDRESS (HOST:6379 from one of its nodes, ray://HOST:10001 through Ray Client). Needs pip install 'minicpm-cli[ray]'.", show_default=False)]
 ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", help="With --ray: N model replicas, or MIN-MAX to scale between MIN and MAX with the load [default: bulk: as many as the cluster's GPUs hold, 1 without GPUs; serve: 1].", show_default=False)]
 GpusOpt = Annotated[Optional[float], typer.Option("--gpus-per-replica", help="With --ray: GPUs each replica holds (a fraction shares a GPU) [default: 1 where the cluster has GPUs and --device is not cpu, else 0].", show_default=False)]
+BatchVariantOpt = Annotated[bool, typer.Option("--batch-variant", help="Faster kernels for batches of requests whose rounding depends on the batch: a request's audio may then differ with what else runs at the time (compile and int4 on a GPU). By default the same request gives the same audio alone and in any batch.")]
 FirstChunkOpt = Annotated[Optional[int], typer.Option("--first-chunk", help="Audio frames (of 21.3 ms) in the first streamed chunk, 1-25 [default: 25].", show_default=False)]
 
 
@@ -60,13 +61,14 @@ class SpeakerOptions:
     server: Optional[str] = None
     local: bool = False
     voice: Optional[str] = None
+    batch_variant: bool = False
 
 
 # (name, typer annotation) of each SpeakerOptions field, in the order `--help` lists them
 _SPEAKER_PARAMS = (("raw", RawOpt), ("pcm", PcmOpt), ("first_chunk", FirstChunkOpt), ("model", ModelOpt),
                    ("backend", BackendOpt), ("gguf", GgufOpt), ("seed", SeedOpt), ("greedy", GreedyOpt),
                    ("device", DeviceOpt), ("dtype", DtypeOpt), ("verbose", VerboseOpt), ("server", ServerOpt),
-                   ("local", LocalOpt), ("voice", VoiceOpt))
+                   ("local", LocalOpt), ("voice", VoiceOpt), ("batch_variant", BatchVariantOpt))
 
 
 def with_speaker_options(command):

@@ -19,12 +19,14 @@ from .options import SpeakerOptions, check_model_options
 
 
 def load_here(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None,
-              verbose: bool = False, rows: int = 1):
-    """The model loaded in this process (a Synthesizer), `rows` streams at once."""
+              verbose: bool = False, rows: int = 1, batch_variant: bool = False):
+    """The model loaded in this process (a Synthesizer), `rows` streams at once (`batch_variant`:
+    the faster kernels whose rounding depends on the batch)."""
     from ..engine import loading
 
     trace.mark("imported")
-    synth, backend, model = loading.load(model, backend, device, dtype, gguf, rows=rows)
+    synth, backend, model = loading.load(model, backend, device, dtype, gguf, rows=rows,
+                                         batch_invariant=not batch_variant)
     trace.mark("loaded")
     if verbose:
         print(f"minicpm: backend {backend}, device {synth.device}, model {model}", file=sys.stderr)
@@ -97,11 +99,15 @@ def speaker(opts: SpeakerOptions, rows: int = 1):
             # (one a core), whose start took 25-70 ms of numpy's import on the 2-core machine
             os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
             remote.check(model=opts.model, backend=opts.backend, device=opts.device, dtype=opts.dtype, gguf=opts.gguf)
+            if opts.batch_variant:
+                raise OptionError("--batch-variant chooses the kernels of a model loaded here; the server chose its "
+                                  "own when it started (minicpm serve --batch-variant): add --local")
             if opts.verbose:
                 print(f"minicpm: {remote.describe()}", file=sys.stderr)
             chosen = remote
     if chosen is None:
-        chosen = Local(load_here(opts.model, opts.backend, opts.device, opts.dtype, opts.gguf, opts.verbose, rows))
+        chosen = Local(load_here(opts.model, opts.backend, opts.device, opts.dtype, opts.gguf, opts.verbose, rows,
+                                 opts.batch_variant))
     if voice is not None:
         chosen.take_voice(voice)
     return chosen

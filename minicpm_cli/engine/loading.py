@@ -51,14 +51,15 @@ def pick(model: Optional[str], backend: str, device: str, gguf: Optional[str]) -
 
 
 def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None, *,
-         rows: int = 1, random_weights: bool = False) -> tuple["Synthesizer", str, str]:
+         rows: int = 1, random_weights: bool = False, batch_invariant: bool = True) -> tuple["Synthesizer", str, str]:
     """(the loaded synthesizer, the backend name chosen, the model it was loaded from), `rows` streams
-    at once. With `random_weights` the full-size model is drawn on the device (`model` unused)."""
+    at once. With `random_weights` the full-size model is drawn on the device (`model` unused);
+    `batch_invariant`: see `Synthesizer.load`."""
     name, model_id = pick(model, backend, device, gguf)
     from .pipeline import Synthesizer
 
     synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
-                             gguf=gguf, random_weights=random_weights, rows=rows)
+                             gguf=gguf, random_weights=random_weights, rows=rows, batch_invariant=batch_invariant)
     return synth, name, model_id
 
 

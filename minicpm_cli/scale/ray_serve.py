@@ -52,6 +52,7 @@ class ServeArgs:
     dtype: str = "auto"
     random_weights: bool = False
     batch: int = 8  # requests each replica generates at once (serve --batch)
+    batch_variant: bool = False  # serve --batch-variant
     api_key: str | None = None  # every request but GET /health needs it [default: each replica's MINICPM_API_KEY]
     replicas: tuple[int, int] = (1, 1)  # (min, max): equal for a fixed number
     gpus: float | None = None  # per replica [default: 1 unless device is cpu]
@@ -148,7 +149,7 @@ class Speech:
         from ..serving.service import Service, load_served
 
         self.service = Service(functools.partial(load_served, args.model, args.backend, args.device, args.dtype,
-                                                 args.gguf, args.random_weights, args.batch))
+                                                 args.gguf, args.random_weights, args.batch, args.batch_variant))
         settled = threading.Event()
         self.service.start(lambda loaded: settled.set(), lambda error: settled.set())
         settled.wait()

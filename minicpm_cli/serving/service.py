@@ -55,11 +55,13 @@ class Loaded:
 
 
 def load_served(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str],
-                random_weights: bool, rows: int = 1) -> Loaded:
-    """Load what `serve` serves (here, or in a Ray Serve replica), `rows` requests at once: a Loaded."""
+                random_weights: bool, rows: int = 1, batch_variant: bool = False) -> Loaded:
+    """Load what `serve` serves (here, or in a Ray Serve replica), `rows` requests at once: a Loaded
+    (`batch_variant`: the faster kernels whose rounding depends on the batch)."""
     from ..engine import loading
 
-    synth, name, model_id = loading.load(model, backend, device, dtype, gguf, rows=rows, random_weights=random_weights)
+    synth, name, model_id = loading.load(model, backend, device, dtype, gguf, rows=rows, random_weights=random_weights,
+                                         batch_invariant=not batch_variant)
     path = Path(model_id).expanduser()
     return Loaded(synth, model="random-weights" if random_weights else model_id, backend=name,
                   device=str(synth.device), dtype=str(synth.tts.dtype).removeprefix("torch."),

@@ -11,7 +11,7 @@ import typer
 
 from ... import backends as registry
 from ...errors import OptionError, UsageError
-from ..options import DeviceOpt, DtypeOpt, FirstChunkOpt, GgufOpt, ModelOpt, check_model_options, chunk_frames
+from ..options import BatchVariantOpt, DeviceOpt, DtypeOpt, FirstChunkOpt, GgufOpt, ModelOpt, check_model_options, chunk_frames
 
 
 def bench(
@@ -31,6 +31,7 @@ def bench(
     startup: Annotated[bool, typer.Option("--startup", help="Time one-shot `say` commands in fresh processes on the checkpoint directory --model DIR, phase by phase, with empty and with filled compilation caches.")] = False,
     concurrency: Annotated[Optional[int], typer.Option("--concurrency", "-c", help="Start N requests together (one batch of streams, or N at once to --server): per-request TTFA, per-stream RTF and audio seconds per wall second; the bulk workload reads 256 lines with N in flight.", show_default=False)] = None,
     voice: Annotated[Optional[str], typer.Option("--voice", help="Also time voice cloning with this recording: its encoding, and TTFA with the voice cached and as a new file (needs a checkpoint with the audio encoder, or --random-weights).", show_default=False)] = None,
+    batch_variant: BatchVariantOpt = False,
 ) -> None:
     """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
     if concurrency is not None and (concurrency < 1 or startup or voice is not None):
@@ -91,7 +92,7 @@ def bench(
     opts = b.BenchOptions(backends=names, workloads=workloads, runs=runs, warmup=warmup,
                           random_weights=random_weights, model=model, device=device, dtype=dtype,
                           max_tokens=max_tokens, first_chunk=chunk_frames(first_chunk), gguf=gguf, server=server,
-                          concurrency=concurrency, voice=voice)
+                          concurrency=concurrency, voice=voice, batch_variant=batch_variant)
     result = b.run(opts) if concurrency is None else bench_many.concurrent(opts)
     if json_out:
         b.write_json(result, json_out)

@@ -12,7 +12,7 @@ import typer
 
 from ... import audio
 from ...errors import MinicpmError, OptionError, UsageError
-from ..options import (BackendOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, GreedyOpt, ModelOpt, RayOpt, ReplicasOpt,
+from ..options import (BackendOpt, BatchVariantOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, GreedyOpt, ModelOpt, RayOpt, ReplicasOpt,
                        VerboseOpt, absolute_if_here, check_model_options, check_ray, check_sampling)
 from ..speaker import load_here
 
@@ -33,6 +33,7 @@ def bulk(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     verbose: VerboseOpt = False,
+    batch_variant: BatchVariantOpt = False,
 ) -> None:
     """Speak many texts, one audio file each: DIR/<id>.wav and DIR/manifest.jsonl.
 
@@ -64,7 +65,8 @@ def bulk(
     directory = audio.make_directory(out)
     if address is not None:
         model, gguf = absolute_if_here(model), absolute_if_here(gguf)
-    load = functools.partial(load_here, model, backend, device, dtype, gguf, verbose, batch)  # (rows: a batch at once)
+    load = functools.partial(load_here, model, backend, device, dtype, gguf, verbose, batch,  # (rows: a batch at once)
+                             batch_variant)
     if address is None:
         def results(pending):
             return b.in_process(pending, load, batch)

@@ -11,7 +11,7 @@ import typer
 from ... import backends as registry
 from ... import protocol
 from ...errors import OptionError
-from ..options import (BackendOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, ModelOpt, RayOpt, ReplicasOpt,
+from ..options import (BackendOpt, BatchVariantOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, ModelOpt, RayOpt, ReplicasOpt,
                        absolute_if_here, check_model_options, check_ray)
 
 
@@ -31,6 +31,7 @@ def serve(
     ray_address: RayOpt = None,
     replicas: ReplicasOpt = None,
     gpus_per_replica: GpusOpt = None,
+    batch_variant: BatchVariantOpt = False,
 ) -> None:
     """Load the model once and serve it: an OpenAI-compatible speech API (POST /v1/audio/speech), spoken
     replies (POST /v1/audio/reply), saved voices (GET/POST /v1/voices), GET /health. Runs until SIGTERM
@@ -66,8 +67,8 @@ def serve(
 
         args = ray_serve.ServeArgs(model=absolute_if_here(model), backend=backend, gguf=absolute_if_here(gguf), device=device, dtype=dtype,
                                    random_weights=random_weights, batch=batch, api_key=api_key, replicas=bounds or (1, 1),
-                                   gpus=gpus_per_replica)
+                                   gpus=gpus_per_replica, batch_variant=batch_variant)
         ray_serve.deploy(args, address=address, host=host, port=port)
         return
     srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose),
-            functools.partial(load_served, model, backend, device, dtype, gguf, random_weights, batch))
+            functools.partial(load_served, model, backend, device, dtype, gguf, random_weights, batch, batch_variant))
