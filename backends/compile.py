@@ -15,8 +15,9 @@ code runs without graphs.
 Cost: the model's weights in bf16 on the GPU, as eager (the fused copies replace the originals).
 Much faster than eager on a CUDA GPU, where a one-token step is one CUDA graph replay that the host
 does not hold back. The first command on a machine compiles the Triton kernels (seconds; cached on
-disk for later commands), and each process captures its CUDA graphs as it warms up. As with eager,
-in bfloat16 a request's output in a batch may differ from its output alone.
+disk for later commands), and each process captures its CUDA graphs as it warms up. Batch-invariant
+by default on a GPU (backends/invariant.py): a request's audio is the same alone and in any batch,
+at some cost to one reply's LLM tokens (the tensor-core product where `--batch-variant` runs GEMVs).
 
 Over the house's ~450 lines as one backend: the LLM's and the TTS's compiled steps, their graphs and
 warm-ups, which share their buckets and static buffers (the kernels themselves live in kernels/).

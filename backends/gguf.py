@@ -12,7 +12,8 @@ llama-cpp-python is imported when the backend is created (the `gguf` extra).
 Cost: the `gguf` extra (llama-cpp-python; a CUDA build for the GPU) and a GGUF file of the LLM (the
 official Q4_K_M one is about a third of bf16's size, and llama.cpp holds it on the GPU); the LLM
 decodes at llama.cpp's speed, the TTS head and codec run as on compile. A quantized file's output is
-close to, not equal to, the bf16 model's.
+close to, not equal to, the bf16 model's. The LLM runs one request at a time (never batched), the TTS
+head and codec on compile's batch-invariant kernels; llama.cpp's own rounding was not measured.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ values directly.
 
 Cost: 4-bit weights: the LLM's decoder layers take about a quarter of bf16's memory (embeddings and
 lm_head stay bf16), and a decode token reads a quarter of their bytes, so the LLM decodes faster
-than compile's; the rest (TTS head, codec, first-command compilation) is compile's. Output close to,
+than compile's; the rest (TTS head, codec, first-command compilation) is compile's. Batch-invariant
+by default on a GPU, as compile (its 4-bit products on `q4_invariant`); `--batch-variant` keeps the
+faster 4-bit GEMVs for one token. Output close to,
 not equal to, the bf16 model's. A bf16 checkpoint is quantized while loading (slower to start than
 the official int4 checkpoint).
 """

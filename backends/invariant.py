@@ -86,7 +86,7 @@ def warm_products(module: nn.Module) -> None:
         warm(w)
     dtype = next((w.dtype for w in shapes.values()), torch.bfloat16)
     for m in quantized.values():
-        for t in (1, 17, 33, 65, 129):
+        for t in (1, 16, 17, 32, 33, 64, 65, 128, 129):  # (Triton compiles counts of 16k apart)
             m(torch.zeros(t, m.in_features, dtype=dtype, device=m.packed.device))
 
 

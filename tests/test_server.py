@@ -380,6 +380,37 @@ def test_eight_concurrent_requests_each_get_their_own(served):
     assert len(set(alone.values())) == len(jobs)
 
 
+def test_a_seeded_request_gives_the_same_bytes_among_eight_others(served):
+    """The same seeded request alone and while eight others (their own texts and seeds, streamed
+    and not) run beside it in the server's batch: the same bytes (float32 on the CPU; bfloat16 on a
+    GPU is tests/test_invariant.py's)."""
+    target = {"input": "The same seed gives the same audio, whatever else runs.", "seed": 11, "response_format": "wav"}
+
+    def ask(body: dict) -> bytes:
+        status, _, data = call(served.url, "POST", "/v1/audio/speech", body)
+        assert status == 200
+        return data
+
+    alone = ask(target)
+    others = [{"input": f"Another request, number {i}, {'with more words ' * (i % 3)}beside it.", "seed": i,
+               "response_format": "wav", **({"stream_format": "audio"} if i % 2 else {})} for i in range(8)]
+    results: dict = {}
+    barrier = threading.Barrier(len(others) + 1)
+
+    def worker(k, body):
+        barrier.wait()
+        if k is None:
+            time.sleep(0.2)  # (joins the others' batch mid-flight)
+        results[k] = ask(body)
+
+    threads = [threading.Thread(target=worker, args=(k, b)) for k, b in [(None, target), *enumerate(others)]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 9 and results[None] == alone
+
+
 def test_a_client_that_leaves_stops_its_generation(served):
     """LONG takes over a minute on the tiny model; once its client is gone the next request runs at
     once (well within 30 s, on a loaded machine too), whether the long one was streaming or building a

@@ -31,7 +31,7 @@ from torch import Tensor
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (one compilation for every token count: none mid-batch)
 def _invariant_mm(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
                   DOT: tl.constexpr, TOKENS_M: tl.constexpr = False):
