@@ -1,6 +1,6 @@
 """What the kernels share: programmatic dependent launch (`wait_previous`, `let_next`), split-K
-counting and merging (`arrive_last`, `sum_parts`, `SplitScratch`, `split_k`), rounding to the
-model dtype (`round_to`), the projection weight as the kernels take it (`Weight`) and the GPU's SM count.
+counting and merging (`arrive_last`, `sum_parts`, `SplitScratch`, `split_k`), a tile product
+accumulated three ways (`dot_acc`), rounding to the model dtype (`round_to`), the projection weight as the kernels take it (`Weight`) and the GPU's SM count.
 
 On Hopper and later GPUs the decode step's kernels launch as programmatic dependents: each loads
 what no kernel of the step writes (its first weights), then waits in `wait_previous`.
@@ -52,6 +52,21 @@ def sum_parts(part_ptr, offs, SIZE: tl.constexpr, SPLIT: tl.constexpr):
     for j in tl.static_range(1, SPLIT):
         t += tl.load(part_ptr + j * SIZE + offs, cache_modifier=".cg")
     return t
+
+
+@triton.jit
+def dot_acc(a, w, acc, DOT: tl.constexpr):
+    """acc += a @ w: on the tensor cores (DOT 0); as float32 products (1: float32 weights); as
+    float32 products summed explicitly (2: Triton's interpreter, whose `tl.dot` multiplies bfloat16
+    tiles as their raw bits and sums a row of float32 ones in an order that depends on its place in
+    the tile: numpy's matmul)."""
+    if DOT == 0:
+        acc = tl.dot(a, w, acc)
+    elif DOT == 1:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    else:
+        acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
+    return acc
 
 
 @triton.jit

@@ -15,8 +15,8 @@ configurations swept for one token did not (which one went unrecorded): a config
 
 Layout as `_q4_mm` (q4.py): the weight rows are the M side of the product and the tokens the N side
 (BLOCK_T of them, padded to at least 16). float32 weights take float32 products ("ieee"); in
-Triton's interpreter (the CPU tests) the products are summed explicitly, as mma.py's `_dot` does:
-its `tl.dot` multiplies 16-bit tiles wrongly and sums in an order that depends on the tile.
+Triton's interpreter (the CPU tests) the products are summed explicitly (`dot_acc`): its `tl.dot`
+multiplies 16-bit tiles wrongly and sums in an order that depends on the tile.
 """
 
 from __future__ import annotations
@@ -28,13 +28,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .common import dot_acc
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])  # (one compilation for every token count: none mid-batch)
 def _invariant_mm(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                  DOT: tl.constexpr, TOKENS_M: tl.constexpr = False):
+                  DOT: tl.constexpr):
     """Program (i, j): weight rows i*BLOCK_N.. against tokens j*BLOCK_T.. of x (M, K) -> out (M, N):
     the K-blocks in order, one rounding to the output dtype after the bias. (N and K are not
     compile-time constants: one compilation a configuration serves every weight.)"""
@@ -44,46 +46,20 @@ def _invariant_mm(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
     t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
     nm = n < N
     tm = t < M
-    if TOKENS_M:  # the tokens as the M side: acc (BLOCK_T, BLOCK_N) = x @ W^T
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            xs = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
-            wt = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=nm[None, :] & km[:, None], other=0.0)
-            acc = _dot(xs, wt, acc, DOT)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + t[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=tm[:, None] & nm[None, :])
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
-            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
-            xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & km[:, None], other=0.0)
-            acc = _dot(w, xt, acc, DOT)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + t[None, :] * N + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=nm[:, None] & tm[None, :])
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < K
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+        xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & km[:, None], other=0.0)
+        acc = dot_acc(w, xt, acc, DOT)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + t[None, :] * N + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=nm[:, None] & tm[None, :])
 
 
-@triton.jit
-def _dot(a, b, acc, DOT: tl.constexpr):
-    """acc += a @ b: on the tensor cores (DOT 0), as float32 products (1), summed explicitly (2)."""
-    if DOT == 0:
-        acc = tl.dot(a, b, acc)
-    elif DOT == 1:
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
-    return acc
-
-
-def mm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]:
-    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, tokens as M) for m tokens against n weight rows
+def mm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages) for m tokens against n weight rows
     of k inputs: narrow tiles of rows and long K-blocks for a few tokens (enough programs, and loads
     long enough, to stream the weights at full bandwidth), wide tiles for a prefill (each weight tile
     read by fewer programs). From sweeps at the 7B's shapes in CUDA graphs on an H100
@@ -91,12 +67,12 @@ def mm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, bool]:
     one at the 7B's shapes on a GPU): the K-blocks are summed in order, each `tl.dot` a chain of
     16-wide products in order, so K-blocks of 64 or 256 add the same products in the same order."""
     if m <= 16:  # (a long K, down_proj's: narrower tiles, deeper pipelining)
-        return (32, 16, 256, 4, 6, False) if k >= 4 * n else (64, 16, 256, 4, 4, False)
+        return (32, 16, 256, 4, 6) if k >= 4 * n else (64, 16, 256, 4, 4)
     if m <= 128:
-        return 64, 64, 128, 4, 4, False
+        return 64, 64, 128, 4, 4
     if m <= 512:
-        return 128, 128, 64, 8, 3, False
-    return 128, 256, 64, 8, 4, False
+        return 128, 128, 64, 8, 3
+    return 128, 256, 64, 8, 4
 
 
 def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
@@ -112,7 +88,7 @@ def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Ten
     if out is None:
         out = torch.empty(m, nout, dtype=x.dtype, device=x.device)
     if m:
-        bn, bt, bk, warps, stages, swap = cfg or mm_config(m, nout, k)
+        bn, bt, bk, warps, stages = cfg or mm_config(m, nout, k)
         if _INTERPRETED:  # (its sums: 16 products at a time, in order, as a dot's chain on a GPU)
             bk = 16
         elif x.dtype == torch.float32:  # (float32 products: sums whose order follows the K-block, measured)
@@ -120,8 +96,7 @@ def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Ten
         grid = (triton.cdiv(nout, bn), triton.cdiv(m, bt))
         _invariant_mm[grid](x2, weight, bias if bias is not None else weight, out, m, nout, k,
                             HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, STAGES=stages,
-                            DOT=2 if _INTERPRETED else 1 if x.dtype == torch.float32 else 0,
-                            TOKENS_M=swap, num_warps=warps)
+                            DOT=2 if _INTERPRETED else 1 if x.dtype == torch.float32 else 0, num_warps=warps)
     return out.reshape(*shape[:-1], nout)
 
 

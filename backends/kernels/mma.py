@@ -22,7 +22,7 @@ of row blocks. Unlike `BatchDecode`, a row's results are not those of the single
 eager layer rounds it (a tensor-core operand is in that dtype), and the sums run in another order.
 
 Dense weights only (bfloat16 on the tensor cores; float32 as float32 products). In Triton's
-interpreter the products are summed explicitly (`_dot`).
+interpreter the products are summed explicitly (`dot_acc`, common.py).
 
 Tests: tests/test_batch_kernels.py (rows of 17- and 5-row steps against the same rows in 1- and
 3-row steps, bit for bit, with their cache writes; against the eager decoder; `mma_rows` likewise).
@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .batch import BatchDecode
-from .common import SplitScratch, Weight, arrive_last, let_next, round_to, sum_parts, wait_previous, split_k
+from .common import SplitScratch, Weight, arrive_last, dot_acc, let_next, round_to, sum_parts, wait_previous, split_k
 from .decode import TritonDecode, load_qkv_bias, rotate_pair, silu_mul
 
 BLOCK_M = 16  # step rows a program, at every nb (batch invariance)
@@ -68,21 +68,6 @@ def _inv_rms(x_ptr, m, mm, eps, DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _dot(a, w, acc, DOT: tl.constexpr):
-    """acc += a @ w: on the tensor cores (DOT 0); as float32 products (1: float32 weights); as
-    float32 products summed explicitly (2: Triton's interpreter, whose `tl.dot` multiplies bfloat16
-    tiles as their raw bits and sums a row of float32 ones in an order that depends on its place in
-    the tile: numpy's matmul)."""
-    if DOT == 0:
-        acc = tl.dot(a, w, acc)
-    elif DOT == 1:
-        acc = tl.dot(a, w, acc, input_precision="ieee")
-    else:
-        acc += tl.sum(a.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
-    return acc
-
-
-@triton.jit
 def _dots(acc, acc2, x_ptr, g_ptr, inv, m, mm, ws, ws2, k_lo, K: tl.constexpr, BLOCK_K: tl.constexpr,
           KB: tl.constexpr, NORM: tl.constexpr, TWO: tl.constexpr, DOT: tl.constexpr):
     """A program's K loop: acc += A @ ws (and under TWO acc2 += A @ ws2) over its KB K-blocks from
@@ -96,9 +81,9 @@ def _dots(acc, acc2, x_ptr, g_ptr, inv, m, mm, ws, ws2, k_lo, K: tl.constexpr, B
         if NORM:
             g = tl.load(g_ptr + k, mask=km, other=0.0).to(tl.float32)
             a = (round_to(a.to(tl.float32) * inv[:, None], dtype) * g[None, :]).to(dtype)
-        acc = _dot(a, ws[i], acc, DOT)
+        acc = dot_acc(a, ws[i], acc, DOT)
         if TWO:
-            acc2 = _dot(a, ws2[i], acc2, DOT)
+            acc2 = dot_acc(a, ws2[i], acc2, DOT)
     return acc, acc2
 
 
@@ -212,7 +197,7 @@ def _rows_out(t, y_ptr, x_ptr, out_ptr, m, mm, n, N: tl.constexpr, RESIDUAL: tl.
 
 
 def _dot_mode(y: Tensor) -> int:
-    """`_dot`'s DOT for inputs like y: the interpreter where there is no GPU."""
+    """`dot_acc`'s DOT for inputs like y: the interpreter where there is no GPU."""
     return 2 if y.device.type != "cuda" else int(y.dtype == torch.float32)
 
 
