@@ -154,7 +154,7 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(input_pos, k, v, slice(0, B) if rows is None else rows, kv_len)
-        if T == 1 and self.one_query is not None:
+        if T == 1 and self.one_query is not None and (rows is None or isinstance(rows, slice) and not rows.start):
             return self.one_query(self.kv_cache, q, input_pos)
         if T == 1 and mask is not None:
             # One query: attend per KV head with the query heads of its group stacked, i.e. GQA
