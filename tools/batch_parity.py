@@ -1,14 +1,16 @@
 """Requests alone and in batches, their codes and samples compared for equality (GPU, full-size random weights).
 
     python tools/batch_parity.py [--backend compile] [--streams 16] [--sizes 2 3 16] [--variant]
-                                 [--model DIR] [--dtype auto] [--json FILE]
+                                 [--voice REF.wav] [--model DIR] [--device auto] [--dtype auto] [--json FILE]
 
 The benchmark's read and reply requests (cycled to --streams), each greedy and seeded (its own seed),
 lengths forced as `bench --random-weights` forces them, run alone (the single-stream path), then:
 batches of each --sizes (the requests dealt in a shuffled order, so each lands on other rows), all of
 them at once, and a mid-flight join (half started, the rest submitted once the first have played a
 call). Prints, per configuration and sampling, how many requests gave exactly the same codes (and a
-reply's text) and exactly the same samples as alone. `--variant` loads the batch-variant kernels.
+reply's text) and exactly the same samples as alone. `--variant` loads the batch-variant kernels;
+`--voice` has every other request speak in the voice of that recording (with random weights the
+audio encoder is drawn too; with --model, a checkpoint with the audio encoder).
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ from minicpm_cli.engine.batching import Stream
 from minicpm_cli.engine.llm import LLMSampling
 from minicpm_cli.engine.pipeline import Synthesizer
 from minicpm_cli.engine.sampling import Sampling
+from minicpm_cli.voices.reference import Voice
 
 
-def request(synth, kind: str, text: str, sampling: Sampling, lane=None):
+def request(synth, kind: str, text: str, sampling: Sampling, voice=None, lane=None):
     forced = loading.FORCED_FRAMES_PER_TOKEN
     if kind == "read":
-        return synth.synthesize(text, sampling, frames_per_token=forced, lane=lane)
+        return synth.synthesize(text, sampling, frames_per_token=forced, voice=voice, lane=lane)
     return synth.reply(text, sampling, llm=LLMSampling(temperature=b.REPLY_TEMPERATURE),
-                       max_tokens=loading.FORCED_REPLY_TOKENS, frames_per_token=forced, lane=lane)
+                       max_tokens=loading.FORCED_REPLY_TOKENS, frames_per_token=forced, voice=voice, lane=lane)
 
 
 def result(chunks) -> tuple[torch.Tensor, str, np.ndarray]:
@@ -47,12 +50,12 @@ def together(synth, engine, reqs, order, join_after: int | None = None) -> dict:
     got = {k: [] for k in order}
     first = order if join_after is None else order[: len(order) // 2]
     for k in first:
-        engine.submit(Stream(lambda lane, k=k: request(synth, *reqs[k], lane), got[k].append))
+        engine.submit(Stream(lambda lane, k=k: request(synth, *reqs[k], lane=lane), got[k].append))
     if join_after is not None:
         for _ in range(join_after):
             engine.round()
         for k in order[len(order) // 2:]:
-            engine.submit(Stream(lambda lane, k=k: request(synth, *reqs[k], lane), got[k].append))
+            engine.submit(Stream(lambda lane, k=k: request(synth, *reqs[k], lane=lane), got[k].append))
     engine.run()
     return {k: result(v) for k, v in got.items()}
 
@@ -82,19 +85,22 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--sizes", type=int, nargs="*", default=[2, 3])
     ap.add_argument("--variant", action="store_true", help="the batch-variant kernels")
+    ap.add_argument("--voice", default=None, help="a reference recording: every other request speaks in it")
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: random weights)")
+    ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", default=None, help="write the table here too")
     args = ap.parse_args()
     kinds = [("read", t) for t in b.READ_TEXTS] + [("reply", t) for t in b.REPLY_PROMPTS]
     kinds = [kinds[k % len(kinds)] for k in range(args.streams)]
     synth = Synthesizer.load(args.model, backend=args.backend, random_weights=args.model is None, rows=args.streams,
-                             dtype=args.dtype, batch_invariant=not args.variant)
+                             device=args.device, dtype=args.dtype, batch_invariant=not args.variant)
+    voice = Voice.load(args.voice) if args.voice else None
     engine = synth.batch()
     rng = random.Random(0)
     rows = []
     for mode in ("greedy", "seeded"):
-        reqs = [(kind, text, Sampling(greedy=True) if mode == "greedy" else Sampling(seed=100 + k))
+        reqs = [(kind, text, Sampling(greedy=True) if mode == "greedy" else Sampling(seed=100 + k), voice if k % 2 else None)
                 for k, (kind, text) in enumerate(kinds)]
         alone = {k: result(list(request(synth, *r))) for k, r in enumerate(reqs)}
         again = {k: result(list(request(synth, *r))) for k, r in enumerate(reqs)}
@@ -117,7 +123,8 @@ def main() -> None:
             print(f"{mode:6s} | {name:42s} | codes {codes}/{len(got)} | samples {samples}/{len(got)}"
                   + (f" | {'; '.join(notes)}" if notes else ""), flush=True)
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"({args.backend}, {'batch-variant' if args.variant else 'batch-invariant'}, {synth.tts.dtype}, {dev})")
+    print(f"({args.backend}, {'--variant' if args.variant else 'invariant by default'}, {synth.tts.dtype}, {dev}"
+          f"{', every other request in a voice' if voice is not None else ''})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"backend": args.backend, "variant": args.variant, "device": dev, "rows": rows}, f, indent=1)
