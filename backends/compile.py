@@ -40,7 +40,6 @@ from ..engine.tensorio import Upload, to_device
 from ..engine.tts import FRAMES_PER_CALL, MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
-from .invariant import CODEC_BATCH, fixed_batches, invariant_tokens, make_invariant, warm_products
 
 LLM_BUCKET = 256  # KV length granularity of the LLM graphs
 TTS_BUCKET = 128
@@ -63,6 +62,12 @@ def block_fns(dynamic: bool = False) -> tuple:
         except Exception as e:  # no silent fallback: say which backend failed
             raise BackendError(f"backend 'compile': torch.compile failed: {e}") from None
     return _compiled[dynamic]
+
+
+def _invariant():
+    """backends/invariant.py, imported where the batch-invariant kernels are used (it needs Triton,
+    which a CPU-only torch may lack)."""
+    return importlib.import_module(f"{__package__}.invariant")
 
 
 def _kernels(module: str):
@@ -146,8 +151,8 @@ class CompiledLLM(Rows):
         model.model.setup_cache(max_len, model.lm_head.weight.dtype, dev, rows)
         model.model.setup_rope(model.config.decoder.max_positions, dev)
         if self.invariant:
-            make_invariant(model)
-            invariant_tokens(model.model)
+            _invariant().make_invariant(model)
+            _invariant().invariant_tokens(model.model)
         self.positions = [0] * rows
         self.slots = torch.arange(max_len, device=dev)
         self.ids = torch.zeros(max_len, dtype=torch.long, device=dev)
@@ -294,7 +299,7 @@ class CompiledLLM(Rows):
         if not self.graphs.cuda:
             return
         if self.invariant:
-            warm_products(self.model)
+            _invariant().warm_products(self.model)
         for nb in [1] + batch_sizes(min(rows, self.rows), self.rows):
             saved = self.positions[:nb]
             if max(saved) < self.max_len:
@@ -348,7 +353,7 @@ class GraphTTSRunner(TTSRunner):
         self.invariant = bool(invariant and triton)
         if self.invariant:
             batch_kernels = "mma"
-            make_invariant(model)
+            _invariant().make_invariant(model)
         super().__init__(model, block_fns=None if triton else block_fns(), rows=rows)  # (see CompiledLLM.fns)
         if triton:
             self.batch_fns = None  # (block_fns(True) once a batch runs)
@@ -444,7 +449,7 @@ class GraphTTSRunner(TTSRunner):
         if self.batch is None:
             return
         if self.invariant:
-            warm_products(self.model)
+            _invariant().warm_products(self.model)
         for nb in [1] + batch_sizes(min(rows, self.rows), self.rows):
             idle = [[min(p, self.max_len - 1) for p in self.positions[:nb]], [0] * nb, [0] * nb,
                     [FRAMES_PER_CALL] * nb]
@@ -521,7 +526,7 @@ class GraphCodec:
         """(B, T, num_vq) -> (B, samples), one graph per (B rounded up to a power of two, T); the
         padding rows repeat the first. Batch-invariant: in batches of exactly CODEC_BATCH rows."""
         if self.invariant:
-            return fixed_batches(codes, self._decode_batch)
+            return _invariant().fixed_batches(codes, self._decode_batch)
         return self._decode_batch(codes)
 
     def _decode_batch(self, codes: Tensor) -> Tensor:
@@ -537,7 +542,7 @@ class GraphCodec:
     def warm_batches(self, rows: int) -> None:
         """Capture the batched decodes of a streamed chunk (the first, and a later one with its left
         context) for every row count a batch of up to `rows` streams reaches."""
-        for nb in [CODEC_BATCH] if self.invariant else batch_sizes(rows, 2 * rows):
+        for nb in [_invariant().CODEC_BATCH] if self.invariant else batch_sizes(rows, 2 * rows):
             for t in (FRAMES_PER_CALL, FRAMES_PER_CALL + StreamDecoder.CONTEXT_FRAMES):
                 self.decode_batch(torch.zeros(nb, t, self.codec.num_vq, dtype=torch.long, device=self.codec.device))
 
