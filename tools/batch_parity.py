@@ -115,7 +115,7 @@ def main() -> None:
         order = list(range(len(reqs)))
         rng.shuffle(order)
         configs.append((f"one batch of {len(reqs)}, shuffled", together(synth, engine, reqs, order)))
-        configs.append((f"half joining mid-flight (after 40 rounds)", together(synth, engine, reqs, order, 40)))
+        configs.append(("half joining mid-flight (after 40 rounds)", together(synth, engine, reqs, order, 40)))
         for name, got in configs:
             codes, samples, notes = compare(alone, got, [kind for kind, _ in kinds])
             rows.append({"sampling": mode, "configuration": name, "codes_equal": codes, "samples_equal": samples,
