@@ -23,7 +23,6 @@ from minicpm_cli.backends.invariant import InvariantLinear, InvariantRMSNorm, fi
 from minicpm_cli.backends.kernels.gemm import invariant_mm, mm_config
 from minicpm_cli.engine.batching import Stream
 from minicpm_cli.engine.pipeline import Synthesizer
-from minicpm_cli.engine.sampling import Sampling
 from minicpm_cli.models.transformer import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -168,16 +167,11 @@ def _run(synth, engine, reqs, order, join_after=None):
     return {k: _result(v) for k, v in got.items()}
 
 
-def _request(synth, kind, text, sampling, lane=None):
+def _request(synth, kind, text, seed, lane=None):
+    """The bench's request, lengths forced (seed None: greedy)."""
     from minicpm_cli.cli import bench
-    from minicpm_cli.engine import loading
-    from minicpm_cli.engine.llm import LLMSampling
 
-    forced = loading.FORCED_FRAMES_PER_TOKEN
-    if kind == "read":
-        return synth.synthesize(text, sampling, frames_per_token=forced, lane=lane)
-    return synth.reply(text, sampling, llm=LLMSampling(temperature=bench.REPLY_TEMPERATURE),
-                       max_tokens=loading.FORCED_REPLY_TOKENS, frames_per_token=forced, lane=lane)
+    return bench.request_stream(synth, kind, text, seed, bench.BenchOptions(random_weights=True), lane=lane)
 
 
 def _result(chunks):
@@ -204,8 +198,7 @@ def test_requests_alone_equal_batched_on_gpu(backend):
     engine = synth.batch()
     rng = random.Random(0)
     for greedy in (True, False):
-        reqs = [(kind, text, Sampling(greedy=True) if greedy else Sampling(seed=100 + k))
-                for k, (kind, text) in enumerate(kinds)]
+        reqs = [(kind, text, None if greedy else 100 + k) for k, (kind, text) in enumerate(kinds)]
         alone = {k: _result(list(_request(synth, *r))) for k, r in enumerate(reqs)}
         order = list(range(16))
         rng.shuffle(order)

@@ -23,20 +23,17 @@ import numpy as np
 import torch
 
 from minicpm_cli.cli import bench as b
-from minicpm_cli.engine import loading
 from minicpm_cli.engine.batching import Stream
-from minicpm_cli.engine.llm import LLMSampling
 from minicpm_cli.engine.pipeline import Synthesizer
-from minicpm_cli.engine.sampling import Sampling
 from minicpm_cli.voices.reference import Voice
 
 
-def request(synth, kind: str, text: str, sampling: Sampling, voice=None, lane=None):
-    forced = loading.FORCED_FRAMES_PER_TOKEN
-    if kind == "read":
-        return synth.synthesize(text, sampling, frames_per_token=forced, voice=voice, lane=lane)
-    return synth.reply(text, sampling, llm=LLMSampling(temperature=b.REPLY_TEMPERATURE),
-                       max_tokens=loading.FORCED_REPLY_TOKENS, frames_per_token=forced, voice=voice, lane=lane)
+FORCED = b.BenchOptions(random_weights=True)  # the bench's requests, lengths forced
+
+
+def request(synth, kind: str, text: str, seed: int | None, voice=None, lane=None):
+    """The bench's request (`bench.request_stream`; seed None: greedy)."""
+    return b.request_stream(synth, kind, text, seed, FORCED, lane=lane, voice=voice)
 
 
 def result(chunks) -> tuple[torch.Tensor, str, np.ndarray]:
@@ -100,7 +97,7 @@ def main() -> None:
     rng = random.Random(0)
     rows = []
     for mode in ("greedy", "seeded"):
-        reqs = [(kind, text, Sampling(greedy=True) if mode == "greedy" else Sampling(seed=100 + k), voice if k % 2 else None)
+        reqs = [(kind, text, None if mode == "greedy" else 100 + k, voice if k % 2 else None)
                 for k, (kind, text) in enumerate(kinds)]
         alone = {k: result(list(request(synth, *r))) for k, r in enumerate(reqs)}
         again = {k: result(list(request(synth, *r))) for k, r in enumerate(reqs)}

@@ -236,7 +236,7 @@ def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
     token too: the GEMV's sums differ from a batch's."""
     if w.group != w.k:
         raise ValueError("the batch-invariant 4-bit product takes one-group weights (the official layout)")
-    warps, split = q4_mm_config(16, w)[3], q4_mm_config(16, w)[5]
+    _, _, _, warps, _, split = q4_mm_config(16, w)
     bk = 64
     outs = []
     for t0 in range(0, x.shape[0], MM_MAX_M):

@@ -151,10 +151,11 @@ def workload_texts(workload: str):
     return READ_TEXTS if workload == "read" else REPLY_PROMPTS
 
 
-def request_stream(synth, workload: str, item: str, seed: int, opts: BenchOptions, lane=None, voice=None):
-    """One request of `workload` on `item`, as users make it -> its chunks (a batch's `lane` if given)."""
+def request_stream(synth, workload: str, item: str, seed: int | None, opts: BenchOptions, lane=None, voice=None):
+    """One request of `workload` on `item`, as users make it -> its chunks (a batch's `lane` if given);
+    seed None: greedy."""
     forced = loading.FORCED_FRAMES_PER_TOKEN if opts.random_weights else None
-    sampling = Sampling(seed=seed)
+    sampling = Sampling(greedy=True) if seed is None else Sampling(seed=seed)
     if workload == "read":
         return synth.synthesize(item, sampling, frames_per_token=forced, first_chunk=opts.first_chunk, voice=voice,
                                 lane=lane)
@@ -388,12 +389,18 @@ def cell(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def table(result: dict) -> str:
+def device_line(result: dict) -> str:
+    """The line over a table: where and on what it was measured (a server's environment may lack some)."""
     env = result["environment"]
+    return (f"Device: {env['device']} (driver {env.get('driver') or '-'}), torch {env.get('torch', '-')}, "
+            f"CUDA {env.get('cuda') or '-'}, commit {env.get('commit') or '-'}, {env['date']}"
+            + (f", measured over HTTP at {env['server']}" if env.get("server") else "")
+            + (", batch-variant kernels" if result["options"].get("batch_variant") else ""))
+
+
+def table(result: dict) -> str:
     lines = [
-        f"Device: {env['device']} (driver {env['driver'] or '-'}), torch {env['torch']}, CUDA {env['cuda'] or '-'}, "
-        f"commit {env['commit'] or '-'}, {env['date']}" + (f", measured over HTTP at {env['server']}" if env.get("server") else "")
-        + (", batch-variant kernels" if result["options"].get("batch_variant") else ""),
+        device_line(result),
         "",
         "| backend | workload | TTFA p50 / p90 (ms) | RTF p50 / p90 | LLM prefill (ms) | LLM ms/token | LLM GB/s "
         "| TTS ms/step | codec ms/chunk | peak GPU (GiB) | load (s) | warm-up (s) |",

@@ -21,7 +21,7 @@ import torch
 from ..engine import loading
 from ..engine.loading import environment
 from ..engine.sampling import Sampling
-from .bench import (BenchOptions, Clock, bulk_lines, cell, http_sample, log, percentile, request_stream,
+from .bench import (BenchOptions, Clock, bulk_lines, cell, device_line, http_sample, log, percentile, request_stream,
                     workload_texts)
 
 
@@ -174,12 +174,8 @@ def _concurrent_server(opts: BenchOptions) -> dict:
 
 
 def concurrency_table(result: dict) -> str:
-    env = result["environment"]
     lines = [
-        f"Device: {env['device']} (driver {env.get('driver') or '-'}), torch {env.get('torch', '-')}, "
-        f"commit {env.get('commit') or '-'}, {env['date']}"
-        + (f", measured over HTTP at {env['server']}" if env.get("server") else "")
-        + (", batch-variant kernels" if result["options"].get("batch_variant") else ""),
+        device_line(result),
         "",
         "| backend | workload | streams | TTFA p50 / p90 (ms) | per-stream RTF p50 / p90 | audio s per wall s "
         "| peak GPU (GiB) | warm-up (s) |",
