@@ -25,6 +25,7 @@ warm-ups, which share their buckets and static buffers (the kernels themselves l
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import torch
@@ -366,6 +367,7 @@ class GraphTTSRunner(TTSRunner):
         self.row = torch.zeros(1, dtype=torch.long, device=self.device)
         self.triton = self.batch = None
         self.batch_kernels = batch_kernels
+        self._prompt_hooks = None  # (invariant: `_causal`)
         if triton:  # (tests: the interpreter)
             c = model.config
             self.triton = _kernels("decode").TritonDecode(model.model, self.visible_from)
@@ -382,6 +384,23 @@ class GraphTTSRunner(TTSRunner):
                 self.batch = _kernels("mma").MMADecode(self.triton)
             elif rows > 1:
                 self.batch = _kernels("batch").BatchDecode(self.triton)
+
+    def _prefill(self, *args, **kwargs) -> None:
+        with self._causal():
+            super()._prefill(*args, **kwargs)
+
+    def _prefill_batch(self, nb: int, T: int, kv: int) -> None:
+        with self._causal():
+            super()._prefill_batch(nb, T, kv)
+
+    def _causal(self):
+        """The text prefills' attention on `prompt_attend` when invariant (they are causal; the other
+        forwards of the backbone, a continuation's frames, have a mask of their own)."""
+        if not self.invariant:
+            return contextlib.nullcontext()
+        if self._prompt_hooks is None:
+            self._prompt_hooks = _invariant().PromptHooks(self.model.model)
+        return self._prompt_hooks
 
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
         if self.triton is None:

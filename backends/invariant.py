@@ -13,8 +13,13 @@ compile and int4 backends now run one kind of arithmetic at every batch size (do
 - an LLM token, alone or batched, is the same eager layer (in a CUDA graph per row count) with its
   attention on `rows_attend` (kernels/attention.py), which reads each row's position on the device
   and splits the cache slots the same way at every row count (`RowsAttention`);
-- prompts and text prefills, alone or padded into a batch, attend with SDPA, whose rows do not see
-  the batch (measured on an H100: batch, query count and KV length change no bit);
+- an LLM prompt (alone or padded into a batch, after a kept voice context or not) attends on
+  `prompt_attend` (kernels/attention.py; `PromptAttention`): each query over its row's slots in
+  blocks counted from slot 0, so the padding, the other rows and the KV length change no bit. SDPA's
+  masked grouped-query path, used before, gave a prompt after a 112-token context other bits alone
+  than in a batch of 4 on an H100 (voiced replies: 22/32 equal);
+- the TTS's text prefills (causal too) attend on `prompt_attend` as well (`PromptHooks`); a
+  continuation's carried frames, which see each other both ways, keep SDPA (one row at a time);
 - int4's 4-bit projections run `q4_invariant` (kernels/q4.py): one split of K and one K-block for
   every token count, one token included;
 - the TTS step runs the tensor-core kernels (kernels/mma.py) for one row too;
@@ -34,7 +39,7 @@ from torch import Tensor, nn
 
 from minicpm_cli.models.transformer import RMSNorm
 
-from .kernels.attention import rows_attend
+from .kernels.attention import prompt_attend, rows_attend
 from .kernels.gemm import invariant_mm, warm
 from .kernels.norm import rms_norm
 
@@ -116,11 +121,59 @@ class RowsAttention:
         return y[:, None]  # (B, 1, H*D)
 
 
+class PromptAttention:
+    """The attention of an LLM layer's other forwards (`Attention.many_queries`: prompts, alone or
+    padded into a batch, a voice's turn, a row's own forward) on `prompt_attend`: each query against
+    its sequence's cache row up to its position, in blocks of slots counted from slot 0, so that its
+    result does not depend on the number of queries, the padding, the other sequences or the KV
+    length (SDPA's masked grouped-query path does: on an H100 a prompt after a 112-token context
+    came out otherwise alone than in a batch of 4)."""
+
+    BLOCK_T, BLOCK_S = 64, 64
+
+    def __init__(self, kv_cache, n_heads: int):
+        rows, hkv, _, self.d = kv_cache.k.shape
+        self.h, self.group = n_heads, n_heads // hkv
+        self.all_rows = torch.arange(rows, device=kv_cache.k.device)
+
+    def __call__(self, kv_cache, q: Tensor, input_pos: Tensor, rows) -> Tensor:
+        B, H, T, D = q.shape
+        q = q if q.stride(3) == 1 else q.contiguous()
+        rows = self.all_rows[rows] if isinstance(rows, slice) else rows.contiguous()
+        starts = (input_pos[:, 0] if input_pos.dim() == 2 else input_pos[:1].expand(B)).contiguous()
+        out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+        k, v = kv_cache.k, kv_cache.v
+        prompt_attend[(triton.cdiv(T, self.BLOCK_T), H, B)](
+            q, k, v, rows, starts, out, D**-0.5, T, q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            GROUP=self.group, D=D, BLOCK_T=self.BLOCK_T, BLOCK_S=self.BLOCK_S, num_warps=4)
+        return out.view(B, T, H * D)
+
+
+class PromptHooks:
+    """`PromptAttention` on each layer of `decoder` for the forwards inside `with` only: a backbone
+    whose other forwards are not causal (the TTS's continuation frames) keeps SDPA for those."""
+
+    def __init__(self, decoder):
+        self.layers = [(layer.self_attn, PromptAttention(layer.self_attn.kv_cache, layer.self_attn.n_heads))
+                       for layer in decoder.layers]
+
+    def __enter__(self) -> None:
+        for attn, hook in self.layers:
+            attn.many_queries = hook
+
+    def __exit__(self, *exc) -> None:
+        for attn, _ in self.layers:
+            attn.many_queries = None
+
+
 def invariant_tokens(decoder) -> None:
     """Give each layer of `decoder` (with its KV cache set up) a `RowsAttention` for its one-query
-    steps."""
+    steps and a `PromptAttention` for the rest."""
     for layer in decoder.layers:
-        layer.self_attn.one_query = RowsAttention(layer.self_attn.kv_cache, layer.self_attn.n_heads)
+        attn = layer.self_attn
+        attn.one_query = RowsAttention(attn.kv_cache, attn.n_heads)
+        attn.many_queries = PromptAttention(attn.kv_cache, attn.n_heads)
 
 
 def fixed_batches(codes: Tensor, decode, rows: int = CODEC_BATCH) -> Tensor:

@@ -92,6 +92,51 @@ def test_llm_prompt_and_tokens_alone_equal_batched(tiny_dir, dtype):
         assert torch.equal(ha, hb)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llm_prompt_after_a_context_alone_equal_batched(tiny_dir, dtype):
+    """A prompt after a kept context (a voice's turn: 100 tokens over several blocks of slots),
+    alone at row 0 and at row 2 of a batched prefill beside a fresh prompt and another context's:
+    the same logits and hidden states (SDPA's masked path differed here on an H100)."""
+    s, llm = _llm(tiny_dir, dtype)
+    tok = s.tokenizers.encode_llm
+    context = (tok(PROMPT) * 8)[:100]
+    llm.forward_row(0, context)
+    kept = llm.save_prefix_row(0)
+    ids = tok("<|im_start|>user\nAnd now?<|im_end|>\n")
+    logits, hidden = llm.forward_row(0, ids)
+    alone = logits.clone(), hidden.clone()
+    llm.reset_row(0)
+    llm.load_prefix_row(1, llm.save_prefix_row(0))  # (an empty context)
+    llm.load_prefix_row(2, kept)
+    outs = llm.prefill_rows([0, 1, 2], [tok(PROMPT), tok(PROMPT + "Sure"), ids])
+    assert torch.equal(outs[2][0], alone[0]) and torch.equal(outs[2][1], alone[1])
+
+
+def test_prompt_attention_is_attention_and_row_exact():
+    """`PromptAttention` against SDPA (causal from each sequence's start, grouped heads), and a
+    sequence's rows the same alone, padded, beside others and at another cache row."""
+    from minicpm_cli.backends.invariant import PromptAttention
+    from minicpm_cli.models.transformer import KVCache
+
+    torch.manual_seed(0)
+    H, Hkv, D, S = 4, 2, 16, 160
+    cache = KVCache(S, Hkv, D, torch.float32, DEVICE, rows=3)
+    cache.k.normal_(), cache.v.normal_()
+    attn = PromptAttention(cache, H)
+    q = torch.randn(2, H, 70, D, device=DEVICE)
+    start = torch.tensor([[80], [3]], device=DEVICE) + torch.arange(70, device=DEVICE)
+    both = attn(cache, q, start, torch.tensor([2, 0], device=DEVICE))
+    for b, row in ((0, 2), (1, 0)):
+        k = cache.k[row, :, : int(start[b, -1]) + 1].repeat_interleave(H // Hkv, 0)
+        v = cache.v[row, :, : int(start[b, -1]) + 1].repeat_interleave(H // Hkv, 0)
+        mask = torch.arange(k.shape[1], device=DEVICE)[None] <= start[b][:, None]
+        ref = torch.nn.functional.scaled_dot_product_attention(q[b], k, v, attn_mask=mask)
+        assert (both[b].view(70, H, D).transpose(0, 1) - ref).abs().max() < 1e-4
+    alone = attn(cache, q[:1, :, :9], start[0, :9], slice(2, 3))  # 9 queries, one block, row 2
+    assert torch.equal(alone[0], both[0, :9])
+    assert torch.equal(attn(cache, q[1:, :, :40], start[1:, :40], slice(0, 1))[0], both[1, :40])
+
+
 def test_tts_steps_alone_equal_batched(tiny_dir):
     """The invariant TTS runner: row 0's single-stream steps equal its steps batched with other rows
     (bfloat16, interpreter), after the same text prefill alone and batched."""

@@ -1,7 +1,8 @@
 """Requests alone and in batches, their codes and samples compared for equality (GPU, full-size random weights).
 
     python tools/batch_parity.py [--backend compile] [--streams 16] [--sizes 2 3 16] [--variant]
-                                 [--voice REF.wav] [--model DIR] [--device auto] [--dtype auto] [--json FILE]
+                                 [--voice REF.wav] [--model DIR] [--device auto] [--dtype auto]
+                                 [--sampling greedy seeded] [--json FILE]
 
 The benchmark's read and reply requests (cycled to --streams), each greedy and seeded (its own seed),
 lengths forced as `bench --random-weights` forces them, run alone (the single-stream path), then:
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: random weights)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--sampling", nargs="+", choices=("greedy", "seeded"), default=["greedy", "seeded"])
     ap.add_argument("--json", default=None, help="write the table here too")
     args = ap.parse_args()
     kinds = [("read", t) for t in b.READ_TEXTS] + [("reply", t) for t in b.REPLY_PROMPTS]
@@ -96,7 +98,7 @@ def main() -> None:
     engine = synth.batch()
     rng = random.Random(0)
     rows = []
-    for mode in ("greedy", "seeded"):
+    for mode in args.sampling:
         reqs = [(kind, text, None if mode == "greedy" else 100 + k, voice if k % 2 else None)
                 for k, (kind, text) in enumerate(kinds)]
         alone = {k: result(list(request(synth, *r))) for k, r in enumerate(reqs)}

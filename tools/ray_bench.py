@@ -61,7 +61,8 @@ def pct(xs: list[float], q: float) -> float:
 
 def env() -> dict:
     e = {k: v for k, v in os.environ.items() if k not in ("MINICPM_SERVER", "RAY_ADDRESS")}
-    return {**e, "MINICPM_SERVER": "", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join([str(ROOT), *filter(None, [e.get("PYTHONPATH")])])  # (packages put there too)
+    return {**e, "MINICPM_SERVER": "", "PYTHONPATH": path}
 
 
 def minicpm(*args: str) -> list[str]:

@@ -1,10 +1,12 @@
 """Single-query attention for one-token steps (`attention_kernel`, launched by `TritonDecode`, decode.py):
 a query head against the KV cache's slots up to the position, which is read on the device (one
 CUDA graph serves every position), masked causally or by per-slot "visible from" positions (the
-TTS chunk mask); the slots are split over programs and merged by the last one to finish.
+TTS chunk mask); the slots are split over programs and merged by the last one to finish. And
+`prompt_attend`, the batch-invariant mode's attention for prompts (backends/invariant.py).
 
 Tests: tests/test_kernels.py (`test_decode_step_matches_eager_float32`: grouped and plain heads,
-causal and masked, cache blocks of 64 and 16 slots; the TTS and LLM runners).
+causal and masked, cache blocks of 64 and 16 slots; the TTS and LLM runners); tests/test_invariant.py
+(`prompt_attend` against SDPA, and its rows alone and batched).
 """
 
 from __future__ import annotations
@@ -114,3 +116,48 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
             y = tl.sum(w[:, None] * accs, 0) / tl.sum(w * ls, 0)
             tl.store(out_ptr + h * D + dd, y.to(q_ptr.dtype.element_ty))
             tl.store(cnt_ptr + h, 0)
+
+
+@triton.jit(do_not_specialize=["row_ptr", "start_ptr", "T", "sq_b", "sq_h", "sq_t", "sc_r", "sc_h", "sc_s", "so_b",
+                               "so_t", "so_h"])  # (one compilation for every prompt: none mid-run)
+def prompt_attend(q_ptr, kc_ptr, vc_ptr, row_ptr, start_ptr, out_ptr, scale, T,
+                  sq_b, sq_h, sq_t, sc_r, sc_h, sc_s, so_b, so_t, so_h,
+                  GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Causal attention of a prompt's queries over their cache row, the same arithmetic for a query
+    whatever else is computed beside it. Program (i, h, b): queries i*BLOCK_T.. of sequence b (head
+    h, positions start[b] + t) against cache row row[b] (KV head h // GROUP), blocks of BLOCK_S slots
+    from slot 0 up to the block's last query, online softmax in float32. A block holding no slot that
+    a query sees leaves that query's max, sum and output exactly as they were (its weights are 0 and
+    its rescale 1), so a query's result depends on its position and its row's cache only: not on the
+    number of queries, the padding, the sequences beside it or the cache's length. q (B, H, T, D),
+    cache (rows, Hkv, S, D), out (B, T, H, D), by strides."""
+    i, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = tl.load(row_ptr + b)
+    start = tl.load(start_ptr + b)
+    t = i * BLOCK_T + tl.arange(0, BLOCK_T)
+    dd = tl.arange(0, D)
+    live = t < T
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + t[:, None] * sq_t + dd[None, :], mask=live[:, None], other=0.0)
+    pos = start + t
+    kv = kc_ptr + row * sc_r + (h // GROUP) * sc_h
+    vv = vc_ptr + row * sc_r + (h // GROUP) * sc_h
+    m = tl.full([BLOCK_T], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, D], dtype=tl.float32)
+    end = start + tl.minimum((i + 1) * BLOCK_T, T)  # slots [0, end) are seen by some query here
+    for s0 in range(0, end, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        inside = (s < end)[:, None]
+        k = tl.load(kv + s[:, None] * sc_s + dd[None, :], mask=inside, other=0.0)
+        v = tl.load(vv + s[:, None] * sc_s + dd[None, :], mask=inside, other=0.0)
+        sc = tl.dot(q, tl.trans(k)) * scale
+        sc = tl.where(s[None, :] <= pos[:, None], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    y = acc / total[:, None]
+    tl.store(out_ptr + b * so_b + t[:, None] * so_t + h * so_h + dd[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=live[:, None])

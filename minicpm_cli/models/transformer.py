@@ -79,9 +79,8 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Rows, kv_len: int) -> tuple[Tensor, Tensor]:
-        """k/v (B, Hkv, T, D) into `rows` at input_pos ((T,) or (B, T)) -> those rows' cache slots
-        [0, kv_len) (gathered rows: a copy of just those)."""
+    def write(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Rows) -> None:
+        """k/v (B, Hkv, T, D) into `rows` at input_pos ((T,) or (B, T))."""
         if isinstance(rows, slice):
             kc, vc = self.k[rows], self.v[rows]
             if input_pos.dim() == 1:
@@ -91,10 +90,16 @@ class KVCache(nn.Module):
                 b = torch.arange(len(input_pos), device=input_pos.device)[:, None]
                 kc[b, :, input_pos] = k.transpose(1, 2)  # indexed (B, T, Hkv, D)
                 vc[b, :, input_pos] = v.transpose(1, 2)
-            return kc[:, :, :kv_len], vc[:, :, :kv_len]
+            return
         pos = input_pos if input_pos.dim() == 2 else input_pos.expand(len(rows), -1)
         self.k[rows[:, None], :, pos] = k.transpose(1, 2)
         self.v[rows[:, None], :, pos] = v.transpose(1, 2)
+
+    def update(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Rows, kv_len: int) -> tuple[Tensor, Tensor]:
+        """`write`, then -> those rows' cache slots [0, kv_len) (gathered rows: a copy of just those)."""
+        self.write(input_pos, k, v, rows)
+        if isinstance(rows, slice):
+            return self.k[rows, :, :kv_len], self.v[rows, :, :kv_len]
         return self.k[:, :, :kv_len].index_select(0, rows), self.v[:, :, :kv_len].index_select(0, rows)
 
 
@@ -116,6 +121,9 @@ class Attention(nn.Module):
         # a backend's attention for one query per sequence over cache rows 0..B-1 (after the cache
         # write): (kv_cache, q (B, H, 1, D), input_pos (B, 1)) -> (B, 1, H*D)
         self.one_query = None
+        # a backend's attention for every other forward with a cache (after the write):
+        # (kv_cache, q (B, H, T, D), input_pos (T,) or (B, T), rows) -> (B, T, H*D)
+        self.many_queries = None
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection with the concatenated weights (same results); idempotent."""
@@ -153,9 +161,14 @@ class Attention(nn.Module):
         [0, kv_len) -> (B, T, H*D) before o_proj."""
         B, _, T, _ = q.shape
         if self.kv_cache is not None:
-            k, v = self.kv_cache.update(input_pos, k, v, slice(0, B) if rows is None else rows, kv_len)
-        if T == 1 and self.one_query is not None and (rows is None or isinstance(rows, slice) and not rows.start):
-            return self.one_query(self.kv_cache, q, input_pos)
+            rows = slice(0, B) if rows is None else rows
+            if T == 1 and self.one_query is not None and isinstance(rows, slice) and not rows.start:
+                self.kv_cache.write(input_pos, k, v, rows)
+                return self.one_query(self.kv_cache, q, input_pos)
+            if self.many_queries is not None:
+                self.kv_cache.write(input_pos, k, v, rows)
+                return self.many_queries(self.kv_cache, q, input_pos, rows)
+            k, v = self.kv_cache.update(input_pos, k, v, rows, kv_len)
         if T == 1 and mask is not None:
             # One query: attend per KV head with the query heads of its group stacked, i.e. GQA
             # without repeating K/V (SDPA's masked GQA path repeats them and takes the math kernel).
