@@ -5,7 +5,7 @@ what a server's client and a bulk job's files get.
 
     python tools/load_parity.py [--backend compile] [--skip serve|bulk] [--model DIR]
                                 [--targets 16] [--others 48] [--items 64] [--alone-items 16]
-                                [--batches 16 64] [--replicas 1 2] [--json FILE]
+                                [--batches 16 64] [--replicas 1 2] [--in-process] [--json FILE]
 
 Serve (`serve --model DIR`, or `--random-weights` with lengths forced as the bench forces them): --targets speech requests
 (the bench's read texts; even ones seeded, odd ones greedy; pcm, streamed and not) sent one at a time,
@@ -13,8 +13,9 @@ then all at once among --others concurrent requests (their own texts and seeds),
 targets sent while the others are mid-flight. Bulk (needs --model, a checkpoint directory, e.g. from
 tools/write_full_checkpoint.py): --items lines (the bench's read texts cut into sentences), `--seed 7`,
 with each --batches size, each --replicas count (`--ray auto --gpus-per-replica 1`), and `--batch 1`
-over the first --alone-items lines; every file compared with the largest batch's. Prints a Markdown
-table: configuration, requests or files equal / total.
+over the first --alone-items lines; every file compared with the largest batch's. `--in-process`:
+the same reads at each batch size in this one process, codes and samples compared apart. Prints a
+Markdown table: configuration, requests or files equal / total.
 """
 
 from __future__ import annotations
@@ -112,11 +113,46 @@ def bulk_rows(model: str, backend: str, items: int, alone_items: int, batches: l
     return rows
 
 
+def in_process_rows(model: str, backend: str, items: int, alone_items: int, batches: list[int],
+                    variant: bool) -> list[tuple[str, int, int]]:
+    """bulk's reads (`say_batch`'s jobs: segment decoding, lengths as the model gives them) in this
+    process: `say_many` at each batch size and `say` alone for the first lines, each against the
+    largest batch, codes and samples apart; tells a batch's effect from a process's."""
+    import numpy as np
+    import torch
+
+    from minicpm_cli.engine.pipeline import Synthesizer
+    from minicpm_cli.engine.sampling import Sampling
+
+    top = max(batches)
+    synth = Synthesizer.load(model, backend=backend, rows=top, batch_invariant=not variant)
+    texts = sentences()
+    reqs = [(texts[i % len(texts)], Sampling(seed=1000 + i)) for i in range(items)]
+
+    def run(batch: int, n: int) -> list:
+        outs = synth.say_many(reqs[:n], batch=batch) if batch > 1 else (
+            list(synth.synthesize(t, s, decode="segment")) for t, s in reqs[:n])
+        return [(torch.cat([c.codes for c in chunks]), np.concatenate([c.samples for c in chunks])) for chunks in outs]
+
+    ref = run(top, items)
+    rows = []
+    for name, got in [(f"in one process: batch {top} again", run(top, items)),
+                      *[(f"in one process: batch {b}", run(b, items)) for b in sorted(batches)[:-1]],
+                      ("in one process: alone (first lines)", run(1, alone_items))]:
+        codes = sum(len(c) == len(rc) and bool(torch.equal(c, rc)) for (c, _), (rc, _) in zip(got, ref))
+        samples = sum(a.shape == ra.shape and bool(np.array_equal(a, ra)) for (_, a), (_, ra) in zip(got, ref))
+        rows += [(f"{name} against batch {top}: codes", codes, len(got)),
+                 (f"{name} against batch {top}: samples", samples, len(got))]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="compile")
     ap.add_argument("--variant", action="store_true", help="the batch-variant kernels")
     ap.add_argument("--skip", choices=("serve", "bulk"), action="append", default=[])
+    ap.add_argument("--in-process", action="store_true",
+                    help="also bulk's reads at each batch size in this process (needs --model)")
     ap.add_argument("--model", default=None, help="a checkpoint directory (bulk needs one)")
     ap.add_argument("--targets", type=int, default=16)
     ap.add_argument("--others", type=int, default=48)
@@ -126,7 +162,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="*", default=[])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if "bulk" not in args.skip and not args.model:
+    if ("bulk" not in args.skip or args.in_process) and not args.model:
         ap.error("bulk needs --model DIR (or --skip bulk)")
     rows = []
     if "serve" not in args.skip:
@@ -134,6 +170,8 @@ def main() -> None:
     if "bulk" not in args.skip:
         rows += bulk_rows(args.model, args.backend, args.items, args.alone_items, args.batches, args.replicas,
                           args.variant)
+    if args.in_process:
+        rows += in_process_rows(args.model, args.backend, args.items, args.alone_items, args.batches, args.variant)
     print(f"{describe()}; backend {args.backend}{' (batch-variant)' if args.variant else ''}\n")
     print("| configuration | equal / total |\n|---|---|")
     for name, eq, n in rows:
