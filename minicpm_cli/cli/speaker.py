@@ -51,6 +51,15 @@ class Local:
         return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk,
                                      voice=self.voice)
 
+    def read_arriving(self, arrivals, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int,
+                      pcm: Optional[str] = None):
+        """`read` of text still arriving ((text, ended) items: `streams.arriving`), speech starting on
+        its first part ready (`Synthesizer.synthesize_arriving`)."""
+        from ..engine.sampling import Sampling
+
+        return self.synth.synthesize_arriving(arrivals, Sampling(greedy=greedy, seed=seed), decode=decode,
+                                              first_chunk=first_chunk, voice=self.voice)
+
     def read_many(self, texts, *, batch: int, greedy: bool, seed: Optional[int], decode: str, first_chunk: int):
         """Each text's chunks (a list), in input order, `batch` of them generated at once."""
         from ..engine.batching import in_order

@@ -5,6 +5,7 @@ stderr, the reader of stdout going away). No torch.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,47 @@ def read_text(text: Optional[str], file: Optional[str]) -> str:
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("no text: give it as an argument, with -f FILE, or on standard input")
     return sys.stdin.read()
+
+
+ARRIVAL_QUIET = 0.005  # s: after a read, more input within this long belongs to the same arrival
+
+
+def arriving(file: Optional[str]):
+    """Standard input (no -f, or -f -) as it arrives -> (text, ended): each item all that was there
+    to read (what more came within ARRIVAL_QUIET included), and whether the input ended right after
+    it. `echo TEXT | minicpm say` therefore gives its text whole in one item; a slow writer's text
+    comes as it is written."""
+    if file is not None and file != "-":
+        raise ValueError("arriving() reads standard input")
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("no text: give it as an argument, with -f FILE, or on standard input")
+    return _arrivals(sys.stdin.fileno())
+
+
+def _arrivals(fd: int):
+    import codecs
+    import select
+
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+
+    def text(data: bytes, final: bool) -> str:
+        try:
+            return utf8.decode(data, final)
+        except UnicodeDecodeError as e:
+            raise UsageError(f"standard input is not UTF-8 text: {e}") from None
+
+    while True:
+        data = os.read(fd, 1 << 16)  # (waits for the writer)
+        if not data:
+            yield text(b"", True), True
+            return
+        while select.select([fd], [], [], ARRIVAL_QUIET)[0]:
+            more = os.read(fd, 1 << 16)
+            if not more:
+                yield text(data, True), True
+                return
+            data += more
+        yield text(data, False), False
 
 
 def input_lines(file: Optional[str]):

@@ -40,8 +40,8 @@ from ..models.chattts import ChatTTS, TTSConfig, fold_weight_norm
 from .codec import StreamDecoder
 from .llm import LLMSampling, reply_pieces
 from .sampling import Sampling
-from .streaming import Frames, NewSegment, StreamingTTS, read_cut, reply_cut
-from .text import Tokenizers, read_pieces, read_prompt
+from .streaming import FLUSH, Frames, NewSegment, StreamingTTS, read_cut, reply_cut
+from .text import Tokenizers, read_pieces, read_prompt, ready_parts
 from .tts import FRAMES_PER_CALL, TTSRunner
 from ..voices.reference import Voice, as_voice
 
@@ -400,6 +400,45 @@ class Synthesizer:
                                frames_per_token=frames_per_token)
         events = machine.run("", iter(pieces))
         yield from self._audio(events, decode, lane)
+
+    def synthesize_arriving(self, arrivals: Iterable[tuple[str, bool]], sampling: Sampling = Sampling(), *,
+                            decode: str = "stream", first_chunk: int = FRAMES_PER_CALL,
+                            voice: Voice | np.ndarray | None = None, lane=None) -> Iterator[AudioChunk]:
+        """Read text that is still arriving: `arrivals` gives (text, ended) as it comes (each item all
+        that could be read at once, and whether the input ended right after it). Speech starts on the
+        first part ready by `text.arrival_cut` (a sentence, a clause long enough, or a long run cut
+        at a word). A part comes as its writer pauses, so its segment is spoken to its EOS then
+        (`streaming.FLUSH`) and the next part continues it as a long text's next segment (the same
+        speaker vector, seeded with the last frames); it ends when the input does. The speaker
+        vector comes from the first part's read prompt. A text that arrives whole (ended with its first
+        part) is exactly `synthesize(text)`."""
+        tok = self.tokenizers
+        count = lambda t: len(tok.encode_bert(t))  # noqa: E731
+        parts = ready_parts(arrivals, count)
+        first, last = next(parts)
+        while not last and not tok.encode_bert(first):  # (nothing the TTS reads yet: "..." alone)
+            more, last = next(parts)
+            first += more
+        first = first.lstrip()
+        if last:
+            yield from self.synthesize(first, sampling, decode=decode, first_chunk=first_chunk, voice=voice, lane=lane)
+            return
+        spk = self._read_speaker(first.strip(), as_voice(voice), lane and lane.llm)
+
+        def pieces() -> Iterator[str]:
+            # (each part came as its writer paused: what is there is spoken to its end now, and what
+            # follows continues it as the next segment)
+            yield from read_pieces(first, count)
+            yield FLUSH
+            for part, last in parts:
+                if part.strip():
+                    yield from read_pieces(part, count)
+                if not last:
+                    yield FLUSH
+
+        machine = StreamingTTS(lane.tts if lane else self.tts, tok, spk, sampling.generator(self.device),
+                               normalize=False, cut=read_cut, read_all=True, first_chunk=first_chunk)
+        yield from self._audio(machine.run("", pieces()), decode, lane)
 
     def reply(self, user_text: str, sampling: Sampling = Sampling(), *, llm: LLMSampling = LLMSampling(),
               max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,

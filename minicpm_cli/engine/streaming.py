@@ -29,6 +29,10 @@ SEGMENT_CUT_TOKENS = 300 - 180  # the reference's streaming_text_reserved_len - 
 SEED_TEXT_IDS = 5
 SEED_FRAMES = 50
 TTS_EOS_TEXT = "<|tts_eos|>"
+# Among a read's pieces (read_all): the text so far is all there is for now (a writer paused), so the
+# segment ends at its EOS as a last one would; what comes later continues it as a new segment, seeded
+# as a long text's next segment is.
+FLUSH = "\x00flush"
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,15 @@ class StreamingTTS:
         lang = None
         new_segment = finished = False
         text_left = ""
-        for t, piece in enumerate(pieces, start=1):
+        pending = seed is not None and bool(seed[2].strip())  # text carried over, not yet spoken
+        t = 0
+        for piece in pieces:
+            if piece is FLUSH:
+                if t == 0 and not pending:
+                    continue  # (nothing in this segment to end yet)
+                new_segment = True
+                break
+            t += 1
             txt = piece.split(TTS_EOS_TEXT)[0]
             gen_raw += txt
             if t == 1 and txt == "" and seed is not None:

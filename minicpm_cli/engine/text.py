@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +60,50 @@ def read_pieces(text: str, count: Callable[[str], int], max_tokens: int = READ_P
         if acc:
             out.append(acc)
     return out
+
+
+# Text arriving (a pipe, a socket) is spoken from the first part ready: up to its last sentence end
+# (.!? and their CJK forms); up to its last clause end (,;:) once that part holds CLAUSE_TOKENS TTS
+# tokens (a clause of a word or two is better read with what follows it); up to its last word boundary
+# once READ_PIECE_TOKENS have come without either (a long run without punctuation). A Latin mark
+# counts once the whitespace after it has arrived, so "3.5" or "e.g" arriving in two writes is not cut.
+_SENTENCE_END = re.compile(r"[.!?\u2026]+[\"')\]\u201d\u2019\u00bb]*\s+|[\u3002\uff01\uff1f]+\s*")
+_CLAUSE_END = re.compile(rf"{_PUNCT}\s+|{_CJK_PUNCT}\s*")
+CLAUSE_TOKENS = 8
+
+
+def arrival_cut(text: str, count: Callable[[str], int], max_tokens: int = READ_PIECE_TOKENS,
+                clause_tokens: int = CLAUSE_TOKENS) -> int:
+    """How many leading characters of `text` (what has arrived and is not yet spoken) are ready to be
+    spoken now, by the rule above; 0 while none are. The cut keeps the whitespace after it, so the
+    parts join back to the text."""
+    ends = [m.end() for m in _SENTENCE_END.finditer(text)]
+    if ends:
+        return ends[-1]
+    ends = [m.end() for m in _CLAUSE_END.finditer(text)]
+    if ends and count(text[: ends[-1]]) >= clause_tokens:
+        return ends[-1]
+    if count(text) > max_tokens:
+        spaces = [m.end() for m in re.finditer(r"\s+", text) if m.start() > 0]
+        return spaces[-1] if spaces else len(text)
+    return 0
+
+
+def ready_parts(arrivals: Iterable[tuple[str, bool]], count: Callable[[str], int]) -> Iterator[tuple[str, bool]]:
+    """(text, ended) as it arrives (each item all that could be read at once, and whether the input
+    ended right after it) -> (part, last) in order, each part ready by `arrival_cut`; the text left
+    at the end is the last part. The parts join back to the input. A first part that is also the last
+    is the whole text given at once."""
+    buf = ""
+    for text, ended in arrivals:
+        buf += text
+        if ended:
+            break
+        cut = arrival_cut(buf, count)
+        if cut:
+            yield buf[:cut], False
+            buf = buf[cut:]
+    yield buf, True
 
 
 def read_prompt(text: str) -> str:

@@ -167,6 +167,15 @@ class Remote:
             body["stream_format"] = "audio"
         return _sent(self._samples(body, pcm))
 
+    def read_arriving(self, arrivals, *, greedy: bool, seed: int | None, decode: str, first_chunk: int,
+                      pcm: str | None = None) -> Iterator[Chunk]:
+        """Text still arriving, through the server: the speech endpoint takes one finished text, so the
+        text is sent once the input has ended (`say --local` starts speaking as it arrives)."""
+        text = "".join(t for t, _ in arrivals).strip()
+        if not text:
+            raise UsageError("no text to speak")
+        return self.read(text, greedy=greedy, seed=seed, decode=decode, first_chunk=first_chunk, pcm=pcm)
+
     def _samples(self, body: dict, pcm: str | None) -> Iterator[Chunk]:
         with self._post("/v1/audio/speech", body) as conn:
             yield None  # (sent: see _sent)

@@ -18,7 +18,7 @@ from ... import audio, trace
 from ...errors import OptionError, UsageError
 from ..options import OutputOpt, SpeakerOptions, check_sampling, chunk_frames, output_target, with_speaker_options
 from ..speaker import speaker as find_speaker
-from ..streams import input_lines, play, progress, read_text
+from ..streams import arriving, input_lines, play, progress, read_text
 
 
 @with_speaker_options
@@ -35,7 +35,8 @@ def say(
     """Read text aloud: to an audio file, or streamed to stdout as it is generated.
 
     A file gets each segment decoded in one piece (the reference's read-aloud waveform); stdout and
-    --raw get audio chunk by chunk as soon as it is generated. A running `minicpm serve` does the
+    --raw get audio chunk by chunk as soon as it is generated. Text on standard input is spoken as it
+    arrives, from its first sentence (or clause long enough), until the input ends. A running `minicpm serve` does the
     work when one answers (the same bytes come out); --local loads the model here.
     """
     trace.mark("parsed")
@@ -55,9 +56,11 @@ def say(
     else:
         output = output_target(output)
         audio.check_output(output, pcm, raw)
-    whole = None if lines else read_text(text, file).strip()
     if lines and text is not None:
         raise OptionError("--lines reads standard input or -f FILE, not an argument")
+    # standard input is spoken as it arrives (whole when it comes at once: `echo TEXT | minicpm say`)
+    arrivals = arriving(file) if not lines and text is None and file in (None, "-") else None
+    whole = None if lines or arrivals is not None else read_text(text, file).strip()
     if whole is not None and not whole:
         raise UsageError("no text to speak")
 
@@ -80,6 +83,13 @@ def say(
     try:
         if whole is not None:
             speak(whole, output, output != "-" and not raw)
+            trace.mark("written")
+        elif arrivals is not None:
+            to_file = output != "-" and not raw
+            stream = spk.read_arriving(arrivals, greedy=opts.greedy, seed=opts.seed,
+                                       decode="segment" if to_file else "stream", first_chunk=frames,
+                                       pcm=pcm if audio.takes_pcm(output, pcm, raw) else None)
+            play(stream, audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
             trace.mark("written")
         elif directory is not None:
             texts = (line for line in input_lines(file) if line.strip())
