@@ -16,8 +16,8 @@ PACKAGE = ROOT / "minicpm_cli"
 BACKENDS = ROOT / "backends"
 
 # The house: which part may import which (docs/design.md, and each folder's __init__ docstring). The
-# shared leaves (errors, trace, protocol, audio) import nothing of ours but each other.
-LEAVES = {"errors", "trace", "protocol", "audio"}
+# shared leaves (errors, trace, protocol, audio, captions) import nothing of ours but each other.
+LEAVES = {"errors", "trace", "protocol", "audio", "captions"}
 MAY_IMPORT = {
     "leaves": {"leaves"},
     "models": {"models"},

@@ -29,6 +29,7 @@ DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA, 
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible output).")]
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Take the most likely code/token everywhere (deterministic).")]
 PcmOpt = Annotated[str, typer.Option("--pcm", help="Sample format: s16 (16-bit integer) or f32 (32-bit float, WAV only).")]
+CaptionsOpt = Annotated[Optional[str], typer.Option("--captions", help="Also write captions to FILE.srt or FILE.vtt: a cue per text piece, timed by the audio's samples.", show_default=False)]
 OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output .wav or .flac file, or - for stdout (the default when stdout is not a terminal).")]
 RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f32le with --pcm f32) instead of WAV.")]
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
@@ -92,6 +93,13 @@ def with_speaker_options(command):
 
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
+
+
+def check_captions(path: Optional[str], speaker) -> None:
+    """--captions needs the model here: its marks are what the cues are timed by."""
+    if path is not None and getattr(speaker, "synth", None) is None:
+        raise OptionError("--captions times the cues by the model's own marks: add --local (a server gives them "
+                          "as `timestamps`, docs/streaming.md)")
 
 
 def check_model_options(backend: str, device: str, dtype: str, gguf: Optional[str]) -> None:

@@ -64,6 +64,10 @@ class AudioChunk:
     codes: Tensor  # (k, num_vq) audio frames generated since the previous chunk, on the CPU
     segment: int  # 0 for the first segment; continuations count up
     final: bool = False  # the last chunk of the stream
+    # (sample, text) for each piece of `text`: the sample, counted from the stream's start, where the
+    # audio of the first frame generated after the TTS was given that text begins (captions.py);
+    # it may lie past this chunk's samples (a streamed chunk holds back the crossfade tail)
+    marks: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ class Utterance:
     codes: Tensor  # (T, num_vq) audio codes, on the CPU
     audio: np.ndarray  # float32 mono samples at `sample_rate`
     sample_rate: int = SAMPLE_RATE
+    marks: tuple[tuple[int, str], ...] = ()  # the chunks' marks (AudioChunk.marks)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -323,7 +328,8 @@ class Synthesizer:
 
     @staticmethod
     def _utterance(chunks: list[AudioChunk]) -> Utterance:
-        return Utterance(codes=torch.cat([c.codes for c in chunks]), audio=np.concatenate([c.samples for c in chunks]))
+        return Utterance(codes=torch.cat([c.codes for c in chunks]), audio=np.concatenate([c.samples for c in chunks]),
+                         marks=tuple(m for c in chunks for m in c.marks))
 
     def read_job(self, text: str, sampling: Sampling, *, voice=None, decode: str = "segment",
                  frames_per_token: int | None = None, first_chunk: int = FRAMES_PER_CALL) -> Job:
@@ -463,29 +469,41 @@ class Synthesizer:
         yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream", lane)
 
     def _audio(self, events: Iterator[Frames | NewSegment], decode: str, lane=None) -> Iterator[AudioChunk]:
+        """The events' frames decoded into chunks. Each event's text is marked at the first sample of
+        its first frame: a segment's frame j begins (lead + j) * samples_per_frame after the segment's
+        first sample, where lead is the context a streamed continuation decodes (and plays) again."""
         if decode not in ("stream", "segment"):
             raise UsageError(f"unknown decode mode '{decode}' (stream or segment)")
         codec = lane.codec if lane else self.codec  # (a batch's lane: its decodes batched with others')
-        text, codes, segment = "", [], 0
+        spf = codec.samples_per_frame
+        text, codes, segment, marks = "", [], 0, []
         dec = StreamDecoder(codec, hold_first=False) if decode == "stream" else None
         context = None  # segment mode: frames a continuation carried over
+        made = start = lead = frames = 0  # samples yielded; the segment's first sample, lead, new frames
         for ev in events:
             if isinstance(ev, NewSegment):
                 audio = dec.flush() if dec else self._decode_segment(codec, context, codes)
-                yield from self._chunk(audio, text, codes, segment)
-                text, codes, segment, context = "", [], segment + 1, ev.carried
+                yield from self._chunk(audio, text, codes, segment, marks=marks)
+                made += len(audio)
+                text, codes, segment, context, marks = "", [], segment + 1, ev.carried, []
+                start, frames = made, 0
                 if dec:
                     dec.reset(ev.carried)
+                    lead = min(len(ev.carried), dec.context_frames)
                 continue
+            if ev.text:
+                marks.append((start + (lead + frames) * spf, ev.text))
+            frames += len(ev.codes)
             text += ev.text
             codes.append(ev.codes)
             if dec:
                 out = dec.feed(ev.codes)
                 if out is not None:
-                    yield from self._chunk(out, text, codes, segment)
-                    text, codes = "", []
+                    yield from self._chunk(out, text, codes, segment, marks=marks)
+                    made += len(out)
+                    text, codes, marks = "", [], []
         audio = dec.flush() if dec else self._decode_segment(codec, context, codes)
-        yield from self._chunk(audio, text, codes, segment, final=True)
+        yield from self._chunk(audio, text, codes, segment, final=True, marks=marks)
 
     def _decode_segment(self, codec, context: Tensor | None, frames: list[Tensor]) -> Tensor:
         """One-call decode; a continuation is decoded after the frames it carried over (already heard),
@@ -497,10 +515,11 @@ class Synthesizer:
         return wav[len(context) * codec.samples_per_frame :]
 
     def _chunk(self, audio: Tensor, text: str, codes: list[Tensor], segment: int,
-               final: bool = False) -> Iterator[AudioChunk]:
+               final: bool = False, marks: list[tuple[int, str]] = ()) -> Iterator[AudioChunk]:
         if len(audio) or text or codes or final:
             frames = torch.cat(codes).cpu() if codes else torch.zeros(0, self.codec.num_vq, dtype=torch.long)
-            yield AudioChunk(audio.float().cpu().numpy(), self.sample_rate, text, frames, segment, final)
+            yield AudioChunk(audio.float().cpu().numpy(), self.sample_rate, text, frames, segment, final,
+                             tuple(marks))
 
     def say(self, text: str, sampling: Sampling = Sampling(), *,
             voice: Voice | np.ndarray | None = None) -> Utterance:

@@ -302,7 +302,8 @@ class Speaker:
     """One model, loaded once; a batch of items in, their audio out. The batch is a dict of columns
     (numpy arrays), Ray Data's "numpy" batch format: `id`, `text`, `seed` (the seed in decimal, ""
     for greedy), `voice` (a path, "" for none). Out: `id`, `audio` (float32 samples, little-endian
-    bytes), `seconds`, `error` ("" or the item's one-line error: the batch goes on without it)."""
+    bytes), `seconds`, `marks` (the utterance's caption marks, `Utterance.marks`, as JSON), `error`
+    ("" or the item's one-line error: the batch goes on without it)."""
 
     loader: Callable[[], Any] | None = None  # (set by `speaker_class`)
 
@@ -337,6 +338,7 @@ class Speaker:
         audio[:] = [b"" if u is None else np.asarray(u.audio, "<f4").tobytes() for u in utterances]
         return {"id": np.asarray(batch["id"], dtype=object), "audio": audio,
                 "seconds": np.array([0.0 if u is None else len(u.audio) / u.sample_rate for u in utterances]),
+                "marks": np.array(["[]" if u is None else json.dumps(u.marks) for u in utterances], dtype=object),
                 "error": np.array(errors, dtype=object)}
 
     def _speak(self, requests: list, errors: list[str]) -> list:
@@ -437,19 +439,22 @@ class Summary:
 
 
 def run(items: Sequence[Item], out: Path, results: Callable[[Sequence[Item]], Iterable[dict]],
-        progress: bool) -> Summary:
+        progress: bool, captions: str | None = None) -> Summary:
     """Speak the items of `items` that are not complete in `out` (resume), writing each file and its
-    manifest line as its audio arrives from `results(pending)`."""
-    from .. import audio
+    manifest line as its audio arrives from `results(pending)`; with `captions` ("srt" or "vtt"),
+    each item's caption file beside its audio (`<id>.srt`), written before its manifest line."""
+    from .. import audio, captions as cc
 
     t0 = time.monotonic()
     with _lock(out):
         manifest = Manifest(out)
         manifest.tidy()
-        for name in [MANIFEST] + [i.file for i in items]:  # (temporary files of a run that was killed:
+        extra = [f"{i.id}.{captions}" for i in items] if captions else []
+        for name in [MANIFEST] + [i.file for i in items] + extra:  # (temporary files of a run that was killed:
             for tmp in out.glob(f".{glob_escape(name)}.*.partial"):  # nothing else writes here, we hold the lock)
                 tmp.unlink(missing_ok=True)
-        pending = [i for i in items if not manifest.complete(i, out)]
+        pending = [i for i in items if not manifest.complete(i, out)
+                   or (captions and not (out / f"{i.id}.{captions}").is_file())]
         summary = Summary(len(items), len(items) - len(pending), 0, 0.0, 0.0, [])
         if not pending:
             return summary
@@ -457,21 +462,28 @@ def run(items: Sequence[Item], out: Path, results: Callable[[Sequence[Item]], It
         bar = _bar(len(pending)) if progress else None
         try:
             for result in results(pending):
-                for rid, data, seconds, error in zip(result["id"], result["audio"], result["seconds"], result["error"]):
+                for rid, data, seconds, marks, error in zip(result["id"], result["audio"], result["seconds"],
+                                                            result["marks"], result["error"]):
                     item = by_id[str(rid)]
                     if error:
                         summary.failed.append((item.id, str(error)))
                     else:
+                        samples = np.frombuffer(data, "<f4")
                         sink = audio.FileSink(str(out / item.file), "s16", SAMPLE_RATE)
                         try:
-                            sink.write(np.frombuffer(data, "<f4"))
+                            sink.write(samples)
                             sink.close()
                         except BaseException:
                             sink.abort()
                             raise
-                        manifest.append({"id": item.id, "text": item.text, "file": item.file,
-                                         "seconds": round(float(seconds), 4), "seed": item.seed,
-                                         "voice": item.voice, "bytes": (out / item.file).stat().st_size})
+                        entry = {"id": item.id, "text": item.text, "file": item.file,
+                                 "seconds": round(float(seconds), 4), "seed": item.seed,
+                                 "voice": item.voice, "bytes": (out / item.file).stat().st_size}
+                        if captions is not None:
+                            entry["captions"] = f"{item.id}.{captions}"
+                            cues = cc.utterance_cues(len(samples), [tuple(m) for m in json.loads(str(marks))])
+                            cc.write(str(out / entry["captions"]), cues, SAMPLE_RATE, captions)
+                        manifest.append(entry)
                         summary.spoken += 1
                         summary.seconds += float(seconds)
                     if bar is not None:

@@ -6,10 +6,15 @@ Contract:
   it is what `say -o -` streams (decoded chunk by chunk, sent as generated); `"sse"` carries the same
   bytes in `speech.audio.delta` events, then `speech.audio.done`. Extensions: `seed`, `greedy`,
   `first_chunk`, the `pcm_f32` format (the samples as generated, what the thin client asks for) and
-  `voice_samples` (a reference voice's 16 kHz float32 samples, base64: what the thin client sends).
+  `voice_samples` (a reference voice's 16 kHz float32 samples, base64: what the thin client sends)
+  and `timestamps: true`: the captions' cues (`captions.Cue.timestamp`), as `speech.caption` events
+  in an sse stream (each once the next starts, the last before `speech.audio.done`), or, for a whole
+  file, a JSON response `{"audio": base64 file, "response_format", "sample_rate", "samples",
+  "timestamps": [cues]}` (a raw audio stream has nowhere to put them: a 400).
 - `POST /v1/audio/reply`: a spoken answer, as `minicpm reply`: server-sent events `reply.text.delta`,
   `reply.audio.delta`, then `reply.done` (the text; `usage`: `output_tokens`, the reply text's LLM
-  tokens, and `audio_frames`, the audio frames spoken).
+  tokens, and `audio_frames`, the audio frames spoken); with `timestamps: true`, `reply.caption`
+  events too.
 - `GET /health` (200 once the model is loaded and warm), `GET /v1/models`, `GET /props` (what is
   served: model, backend, device, formats, limits), `GET /v1/voices` and `GET /v1/audio/voices` (the
   voices), `POST /v1/voices` (save one: multipart `name` and `file`).
@@ -32,9 +37,9 @@ from typing import Annotated
 
 import numpy as np
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .. import protocol
+from .. import captions, protocol
 from ..audio import wav_header
 from ..errors import UsageError, VoiceError
 from ..voices.store import VoiceExists, VoiceStore, check_name
@@ -152,9 +157,13 @@ async def speech(req: SpeechRequest, request: Request, service: ServiceDep):
     if req.stream_format is not None and fmt not in protocol.STREAMABLE:
         raise ApiError(400, f"{fmt} comes as a whole file: leave stream_format out, or stream "
                             f"{', '.join(protocol.STREAMABLE)}", param="stream_format")
+    if req.timestamps and req.stream_format == "audio":
+        raise ApiError(400, "a raw audio stream has no room for timestamps: use stream_format sse, or none for "
+                            "a JSON response", param="timestamps")
     voice = await service.voice(req)
     synth, sampling, frames = ld.synth, _sampling(req), _first_chunk(req)
     decode = "segment" if req.stream_format is None else "stream"
+    timeline = captions.Timeline()
     usage = {"input_tokens": 0, "output_tokens": 0}
 
     def work(lane):
@@ -175,6 +184,11 @@ async def speech(req: SpeechRequest, request: Request, service: ServiceDep):
             end()
         samples = np.concatenate([c.samples for c in chunks]) if chunks else np.zeros(0, np.float32)
         data = await asyncio.to_thread(encode, samples, fmt, rate)
+        if req.timestamps:
+            cues = captions.cues(chunks)
+            return JSONResponse({"audio": _b64(data), "response_format": fmt, "sample_rate": rate,
+                                 "samples": len(samples), "timestamps": [c.timestamp(rate) for c in cues]},
+                                headers=timing)
         return Response(data, media_type=MEDIA_TYPES[fmt], headers=timing)
 
     def pieces(chunk) -> bytes:
@@ -190,6 +204,10 @@ async def speech(req: SpeechRequest, request: Request, service: ServiceDep):
                 async for chunk in _rest(job, first):
                     if data := pieces(chunk):
                         yield sse({"type": "speech.audio.delta", "audio": _b64(data)})
+                    for cue in timeline.add(chunk) if req.timestamps else ():
+                        yield sse({"type": "speech.caption", **cue.timestamp(rate)})
+                for cue in timeline.finish() if req.timestamps else ():
+                    yield sse({"type": "speech.caption", **cue.timestamp(rate)})
                 total = usage["input_tokens"] + usage["output_tokens"]
                 yield sse({"type": "speech.audio.done", "usage": {**usage, "total_tokens": total}})
             except Exception as e:
@@ -235,6 +253,7 @@ async def reply(req: ReplyRequest, request: Request, service: ServiceDep):
     voice = await service.voice(req)
     synth, sampling, frames = ld.synth, _sampling(req), _first_chunk(req)
     llm = LLMSampling(temperature=req.temperature)
+    timeline, rate = captions.Timeline(), synth.sample_rate
 
     # output_tokens: the reply text's tokens in the LLM's vocabulary (counted on the worker, the
     # tokenizer's thread, once the reply ends); audio_frames: the audio frames spoken
@@ -261,6 +280,10 @@ async def reply(req: ReplyRequest, request: Request, service: ServiceDep):
                 if chunk.text:
                     said.append(chunk.text)
                     yield sse({"type": "reply.text.delta", "text": chunk.text})
+                for cue in timeline.add(chunk) if req.timestamps else ():
+                    yield sse({"type": "reply.caption", **cue.timestamp(rate)})
+            for cue in timeline.finish() if req.timestamps else ():
+                yield sse({"type": "reply.caption", **cue.timestamp(rate)})
             yield sse({"type": "reply.done", "text": "".join(said), "usage": usage})
         except Exception as e:
             yield sse({"type": "error", **internal_error(e).body()})

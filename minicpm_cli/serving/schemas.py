@@ -33,6 +33,7 @@ class AudioRequest(BaseModel):
     greedy: bool = Field(default=False, strict=True)
     first_chunk: int | None = Field(default=None, strict=True)
     voice_samples: str | None = None  # base64 of float32 little-endian 16 kHz mono samples
+    timestamps: bool = Field(default=False, strict=True)  # the cues (captions.py): events, or JSON
 
     @property
     def voice_name(self) -> str:

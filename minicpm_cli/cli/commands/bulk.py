@@ -25,6 +25,7 @@ def bulk(
     gpus_per_replica: GpusOpt = None,
     batch: Annotated[int, typer.Option("--batch", help="Items per batch given to a model.")] = 8,
     fmt: Annotated[str, typer.Option("--format", help="Audio files: wav or flac (16-bit).")] = "wav",
+    captions: Annotated[Optional[str], typer.Option("--captions", help="Also write DIR/<id>.srt or .vtt beside each audio file (named in the manifest): srt or vtt.", show_default=False)] = None,
     model: ModelOpt = None,
     backend: BackendOpt = "auto",
     gguf: GgufOpt = None,
@@ -46,6 +47,8 @@ def bulk(
 
     if fmt not in b.FORMATS:
         raise OptionError(f"--format must be wav or flac, not '{fmt}'")
+    if captions is not None and captions not in ("srt", "vtt"):
+        raise OptionError(f"--captions must be srt or vtt, not '{captions}'")
     if batch < 1:
         raise OptionError("--batch must be at least 1")
     check_sampling(greedy, seed)
@@ -77,7 +80,7 @@ def bulk(
         def results(pending):
             return b.on_ray(pending, load, batch, opts, device, say)
     try:
-        summary = b.run(items, directory, results, progress=sys.stderr.isatty())
+        summary = b.run(items, directory, results, progress=sys.stderr.isatty(), captions=captions)
     finally:
         if address is not None:
             from ...scale.cluster import disconnect

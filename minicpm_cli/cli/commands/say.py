@@ -14,9 +14,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from ... import audio, trace
+from ... import audio, captions as cc, trace
 from ...errors import OptionError, UsageError
-from ..options import OutputOpt, SpeakerOptions, check_sampling, chunk_frames, output_target, with_speaker_options
+from ..options import (CaptionsOpt, OutputOpt, SpeakerOptions, check_captions, check_sampling, chunk_frames,
+                       output_target, with_speaker_options)
 from ..speaker import speaker as find_speaker
 from ..streams import arriving, input_lines, play, progress, read_text
 
@@ -29,6 +30,7 @@ def say(
     lines: Annotated[bool, typer.Option("--lines", help="Speak each input line as soon as it arrives.")] = False,
     directory: Annotated[Optional[str], typer.Option("--dir", "-d", help="With --lines: one file per line in DIR (names printed on stderr).")] = None,
     batch: Annotated[int, typer.Option("--batch", help="With --dir: lines generated at once (a batch on the model here, or concurrent requests to a server); each file is still written whole and named in input order.")] = 1,
+    captions: CaptionsOpt = None,
     *,
     opts: SpeakerOptions,
 ) -> None:
@@ -40,6 +42,11 @@ def say(
     work when one answers (the same bytes come out); --local loads the model here.
     """
     trace.mark("parsed")
+    if captions is not None:
+        cc.check_target(captions)
+        if directory is not None:
+            raise OptionError("--captions writes one file for one stream: for a caption file per line, "
+                              "use minicpm bulk --captions")
     frames = chunk_frames(opts.first_chunk)
     raw, pcm = opts.raw, opts.pcm
     if batch < 1:
@@ -66,6 +73,8 @@ def say(
 
     check_sampling(opts.greedy, opts.seed)
     spk = find_speaker(opts, rows=batch)
+    check_captions(captions, spk)
+    timeline = cc.Timeline()
     bar = progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
 
@@ -78,7 +87,7 @@ def say(
         # (the chunks are asked for before the sink is opened: a server starts on them while opening
         # it may load numpy and libsndfile)
         stream = chunks(t, "segment" if to_file else "stream", target)
-        play(stream, audio.open_sink(target, pcm, spk.sample_rate, raw), advance)
+        play(cc.timed(stream, timeline), audio.open_sink(target, pcm, spk.sample_rate, raw), advance)
 
     try:
         if whole is not None:
@@ -106,7 +115,10 @@ def say(
         else:
             # every line into one stream, each line's chunks as soon as they exist
             every = (chunk for line in input_lines(file) if line.strip() for chunk in chunks(line, "stream", output))
-            play(every, audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
+            play(cc.timed(every, timeline), audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
+        if captions is not None:
+            timeline.finish()
+            cc.write(captions, timeline.cues, spk.sample_rate)
     finally:
         if bar:
             bar.close()
@@ -119,6 +131,7 @@ def reply(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most LLM tokens in the reply.")] = 512,
     text_out: Annotated[Optional[str], typer.Option("--text-out", help="Write the reply text to FILE instead of stderr.")] = None,
     temperature: Annotated[float, typer.Option("--temperature", help="LLM sampling temperature.")] = 0.7,
+    captions: CaptionsOpt = None,
     *,
     opts: SpeakerOptions,
 ) -> None:
@@ -127,6 +140,8 @@ def reply(
     The reply text goes to stderr as it is spoken (or to --text-out FILE); audio goes where `say`
     would put it.
     """
+    if captions is not None:
+        cc.check_target(captions)
     frames = chunk_frames(opts.first_chunk)
     output = output_target(output)
     audio.check_output(output, opts.pcm, opts.raw)
@@ -142,6 +157,8 @@ def reply(
 
     check_sampling(opts.greedy, opts.seed)
     spk = find_speaker(opts)
+    check_captions(captions, spk)
+    timeline = cc.Timeline()
     said: list[str] = []
 
     def show(chunk) -> None:
@@ -152,8 +169,12 @@ def reply(
 
     chunks = spk.reply(message, greedy=opts.greedy, seed=opts.seed, temperature=temperature, max_tokens=max_tokens,
                          first_chunk=frames, pcm=opts.pcm if audio.takes_pcm(output, opts.pcm, opts.raw) else None)
-    play(chunks, audio.open_sink(output, opts.pcm, spk.sample_rate, opts.raw), show)
+    play(cc.timed(chunks, timeline), audio.open_sink(output, opts.pcm, spk.sample_rate, opts.raw), show)
+    if captions is not None:
+        timeline.finish()
+        cc.write(captions, timeline.cues, spk.sample_rate)
     if text_out is None:
         sys.stderr.write("\n")
     else:
         Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")
+
