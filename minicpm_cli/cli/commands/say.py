@@ -98,7 +98,7 @@ def say(
             stream = spk.read_arriving(arrivals, greedy=opts.greedy, seed=opts.seed,
                                        decode="segment" if to_file else "stream", first_chunk=frames,
                                        pcm=pcm if audio.takes_pcm(output, pcm, raw) else None)
-            play(stream, audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
+            play(cc.timed(stream, timeline), audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
             trace.mark("written")
         elif directory is not None:
             texts = (line for line in input_lines(file) if line.strip())
