@@ -11,6 +11,10 @@ reply), and the speaker vector taken at `<|spk|>` carries it to every segment. T
 loaded when a voice is first used (with random weights: drawn then, from the same seed); without a
 voice nothing of it is loaded, drawn or run.
 
+A `speed` (0.25-4, protocol.SPEED_RANGE) changes the tempo, not the pitch: the codes are the same
+as at speed 1, and the codec resamples their mel in time before Vocos (codec.py). Speed 1 is the
+plain path, bit for bit.
+
 Over the house's ~450 lines because it is one thing, the algorithm read top to bottom: loading the
 stages, the read path, the reply path and their batched forms, each a few lines over the runners.
 """
@@ -32,8 +36,8 @@ from .. import backends
 
 from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, resolve
 from .cloning import AUDIO_PREFIXES, VoiceEncoder, load_voice_encoder
-from .. import trace
-from .codec import Codec
+from .. import protocol, trace
+from .codec import Codec, samples_at
 from ..errors import CheckpointError, DeviceError, UsageError
 from .features import FeatureConfig
 from ..models.chattts import ChatTTS, TTSConfig, fold_weight_norm
@@ -298,13 +302,15 @@ class Synthesizer:
         self._warm_rows = rows
 
     def say_many(self, items: Iterable[tuple[str, Sampling]], *, batch: int = 1, voice=None,
-                 decode: str = "segment", frames_per_token: int | None = None) -> Iterator[list[AudioChunk]]:
+                 decode: str = "segment", frames_per_token: int | None = None,
+                 speed: float = 1.0) -> Iterator[list[AudioChunk]]:
         """Read many texts, up to `batch` at a time in one batch of streams; each text's chunks (as
         `synthesize` gives them) in input order. `batch=1` reads them one after another."""
         from .batching import in_order
 
         voice = as_voice(voice)
-        jobs = (self.read_job(text, sampling, voice=voice, decode=decode, frames_per_token=frames_per_token)
+        jobs = (self.read_job(text, sampling, voice=voice, decode=decode, frames_per_token=frames_per_token,
+                              speed=speed)
                 for text, sampling in items)
         if batch == 1:
             for job in jobs:
@@ -312,13 +318,14 @@ class Synthesizer:
             return
         yield from in_order(self.batch(batch), jobs, batch)
 
-    def say_batch(self, requests: list[tuple[str, Sampling, Voice | np.ndarray | None]]) -> list[Utterance]:
+    def say_batch(self, requests: list[tuple[str, Sampling, Voice | np.ndarray | None]], *,
+                  speed: float = 1.0) -> list[Utterance]:
         """`say` for each (text, sampling, voice), generated together, up to `rows` at a time; in order."""
         from .batching import in_order
 
         if self.rows == 1 or len(requests) == 1:
-            return [self.say(text, sampling, voice=voice) for text, sampling, voice in requests]
-        jobs = (self.read_job(text, sampling, voice=as_voice(voice)) for text, sampling, voice in requests)
+            return [self.say(text, sampling, voice=voice, speed=speed) for text, sampling, voice in requests]
+        jobs = (self.read_job(text, sampling, voice=as_voice(voice), speed=speed) for text, sampling, voice in requests)
         return [self._utterance(chunks) for chunks in in_order(self.batch(), jobs, self.rows)]
 
     @staticmethod
@@ -326,14 +333,14 @@ class Synthesizer:
         return Utterance(codes=torch.cat([c.codes for c in chunks]), audio=np.concatenate([c.samples for c in chunks]))
 
     def read_job(self, text: str, sampling: Sampling, *, voice=None, decode: str = "segment",
-                 frames_per_token: int | None = None, first_chunk: int = FRAMES_PER_CALL) -> Job:
+                 frames_per_token: int | None = None, first_chunk: int = FRAMES_PER_CALL, speed: float = 1.0) -> Job:
         """`synthesize(text, ...)` as a job of a batch (`batching.in_order`), sized by the text's TTS
         tokens (the audio's length grows with them)."""
         from .batching import Job
 
         def make(lane):
             return self.synthesize(text, sampling, decode=decode, first_chunk=first_chunk,
-                                   frames_per_token=frames_per_token, voice=voice, lane=lane)
+                                   frames_per_token=frames_per_token, voice=voice, lane=lane, speed=speed)
 
         return Job(make, len(self.tokenizers.encode_bert(text)))
 
@@ -375,7 +382,7 @@ class Synthesizer:
 
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
                    first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
-                   voice: Voice | np.ndarray | None = None, lane=None) -> Iterator[AudioChunk]:
+                   voice: Voice | np.ndarray | None = None, lane=None, speed: float = 1.0) -> Iterator[AudioChunk]:
         """Read `text` aloud (spec §4.3: the caller's text, not an LLM rewrite), as audio chunks, in
         the model's default voice or in a cloned `voice` (16 kHz mono float32 samples or a Voice).
         `lane`: the rows of a batch (`batching.Lane`) it runs on; default the single stream.
@@ -386,7 +393,9 @@ class Synthesizer:
         segment (< 300 TTS tokens) this is exactly the reference's read-aloud waveform.
         Text longer than one segment is cut at sentence ends into segments that continue each other
         as the reference's streaming path does (spec §4.5 step 7); nothing is dropped.
+        `speed`: the tempo (0.25-4), the pitch kept (the module's docstring).
         """
+        check_speed(speed)
         text = text.strip()
         if not text:
             raise UsageError("no text to speak")
@@ -399,14 +408,15 @@ class Synthesizer:
                                cut=read_cut, read_all=True, first_chunk=first_chunk,
                                frames_per_token=frames_per_token)
         events = machine.run("", iter(pieces))
-        yield from self._audio(events, decode, lane)
+        yield from self._audio(events, decode, lane, speed)
 
     def reply(self, user_text: str, sampling: Sampling = Sampling(), *, llm: LLMSampling = LLMSampling(),
               max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
-              voice: Voice | np.ndarray | None = None, lane=None) -> Iterator[AudioChunk]:
+              voice: Voice | np.ndarray | None = None, lane=None, speed: float = 1.0) -> Iterator[AudioChunk]:
         """The spoken answer to a user message (spec §4.5), streamed: LLM text pieces feed the TTS as
         they are generated; each chunk carries the reply text it speaks. With a `voice`, the
         reference's audio-assistant system turn comes first and the answer is spoken in that voice."""
+        check_speed(speed)
         if not user_text.strip():
             raise UsageError("no text to reply to")
         if max_tokens < 1:
@@ -421,18 +431,19 @@ class Synthesizer:
         spk = self._project(first.spk_hidden)
         machine = StreamingTTS(lane.tts if lane else self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,
                                first_chunk=first_chunk, frames_per_token=frames_per_token)
-        yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream", lane)
+        yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream", lane, speed)
 
-    def _audio(self, events: Iterator[Frames | NewSegment], decode: str, lane=None) -> Iterator[AudioChunk]:
+    def _audio(self, events: Iterator[Frames | NewSegment], decode: str, lane=None,
+               speed: float = 1.0) -> Iterator[AudioChunk]:
         if decode not in ("stream", "segment"):
             raise UsageError(f"unknown decode mode '{decode}' (stream or segment)")
         codec = lane.codec if lane else self.codec  # (a batch's lane: its decodes batched with others')
         text, codes, segment = "", [], 0
-        dec = StreamDecoder(codec, hold_first=False) if decode == "stream" else None
+        dec = StreamDecoder(codec, hold_first=False, speed=speed) if decode == "stream" else None
         context = None  # segment mode: frames a continuation carried over
         for ev in events:
             if isinstance(ev, NewSegment):
-                audio = dec.flush() if dec else self._decode_segment(codec, context, codes)
+                audio = dec.flush() if dec else self._decode_segment(codec, context, codes, speed)
                 yield from self._chunk(audio, text, codes, segment)
                 text, codes, segment, context = "", [], segment + 1, ev.carried
                 if dec:
@@ -445,13 +456,18 @@ class Synthesizer:
                 if out is not None:
                     yield from self._chunk(out, text, codes, segment)
                     text, codes = "", []
-        audio = dec.flush() if dec else self._decode_segment(codec, context, codes)
+        audio = dec.flush() if dec else self._decode_segment(codec, context, codes, speed)
         yield from self._chunk(audio, text, codes, segment, final=True)
 
-    def _decode_segment(self, codec, context: Tensor | None, frames: list[Tensor]) -> Tensor:
+    def _decode_segment(self, codec, context: Tensor | None, frames: list[Tensor], speed: float = 1.0) -> Tensor:
         """One-call decode; a continuation is decoded after the frames it carried over (already heard),
         whose audio is then dropped, so the segment starts with full left context."""
         codes = torch.cat(frames) if frames else torch.zeros(0, codec.num_vq, dtype=torch.long)
+        if speed != 1.0:
+            if context is not None:
+                codes = torch.cat([context.to(codes.device), codes])
+            wav = codec.decode_at(codes, speed)
+            return wav if context is None else wav[samples_at(codec, len(context), speed):]
         if context is None:
             return codec.decode(codes)
         wav = codec.decode(torch.cat([context.to(codes.device), codes]))
@@ -464,6 +480,13 @@ class Synthesizer:
             yield AudioChunk(audio.float().cpu().numpy(), self.sample_rate, text, frames, segment, final)
 
     def say(self, text: str, sampling: Sampling = Sampling(), *,
-            voice: Voice | np.ndarray | None = None) -> Utterance:
+            voice: Voice | np.ndarray | None = None, speed: float = 1.0) -> Utterance:
         """The whole read-aloud utterance at once (decoded per segment, as the reference reads)."""
-        return self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice)))
+        return self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice, speed=speed)))
+
+
+def check_speed(speed: float) -> None:
+    """A speed in protocol.SPEED_RANGE, or a one-line UsageError (NaN included)."""
+    low, high = protocol.SPEED_RANGE
+    if not low <= speed <= high:
+        raise UsageError(f"speed must be between {low:g} and {high:g}, not {speed:g}")
