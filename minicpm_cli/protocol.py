@@ -42,4 +42,7 @@ MAX_VOICE_SAMPLES_CHARS = 4 * -(-MAX_VOICE_SECONDS * 16000 * 4 // 3)  # base64 o
 MAX_VOICE_BODY_BYTES = MAX_BODY_BYTES + MAX_VOICE_SAMPLES_CHARS
 MAX_UPLOAD_BYTES = 32 << 20
 
+# `speed` (OpenAI's field, and --speed): the tempo, from a quarter to four times as fast, the pitch kept
+SPEED_RANGE = (0.25, 4.0)
+
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (and so `--seed`)

@@ -240,3 +240,16 @@ def test_batched_codec_decodes_each_row_as_alone(tiny_dir):
     together = synth.codec.decode_batch(codes)
     for row, wav in zip(codes, together):
         torch.testing.assert_close(wav, synth.codec.decode(row), rtol=0, atol=3e-4)  # (H200: 9.4e-5 apart)
+
+
+def test_speed_in_a_batch_is_the_single_streams(synth):
+    """The batched engine gives each text, at speed 1.5, the audio it has alone (streamed and per
+    segment), two streams running at once."""
+    texts = ["Good morning to you.", "Could you tell me the way to the library, please?"]
+    for decode in ("stream", "segment"):
+        batched = list(synth.say_many([(t, Sampling(seed=i)) for i, t in enumerate(texts)], batch=2,
+                                      decode=decode, speed=1.5))
+        for i, (t, chunks) in enumerate(zip(texts, batched)):
+            alone = list(synth.synthesize(t, Sampling(seed=i), decode=decode, speed=1.5))
+            assert np.array_equal(np.concatenate([c.samples for c in chunks]),
+                                  np.concatenate([c.samples for c in alone])), (decode, t)

@@ -7,6 +7,8 @@ goldens came from, streamed chunks differ by ~2e-8 from the reference's crossfad
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -156,3 +158,145 @@ def test_stream_edge_cases(codec, goldens):
     assert len(stream.flush()) == 12800  # a reply that ends after one chunk
     assert len(stream.flush()) == 0
     assert_close(run_stream(stream, codes)[0], goldens["decode_stream_chunk0"])  # flush left a fresh stream
+
+
+# -- speed: the mel resampled in time between the DVAE and Vocos ------------------------------------
+
+SPEEDS = [0.5, 1.5, 2.0]
+
+
+def _tone(f0: float, seconds: float, rate: int = 16000) -> torch.Tensor:
+    """A voiced-like harmonic tone: the fundamental and three harmonics, each half as loud."""
+    t = torch.arange(int(seconds * rate), dtype=torch.float64) / rate
+    return sum(0.5**k * torch.sin(2 * torch.pi * (k + 1) * f0 * t) for k in range(4)).float() * 0.3
+
+
+def _peaks_follow_sources(stretched: torch.Tensor, mel: torch.Tensor, speed: float) -> bool:
+    """Whether every stretched frame's strongest mel bin is that of one of its two source frames."""
+    pos = torch.arange(stretched.shape[-1], dtype=torch.float64) * speed
+    lo = pos.floor().long().clamp(max=mel.shape[-1] - 1)
+    hi = (lo + 1).clamp(max=mel.shape[-1] - 1)
+    peaks, src = stretched.argmax(0), mel.argmax(0)
+    return bool(((peaks == src[lo]) | (peaks == src[hi])).all())
+
+
+@pytest.mark.parametrize("speed", SPEEDS)
+def test_stretch_keeps_the_pitch(speed):
+    """Pitch preserved, without listening: the log-mel (features.log_mel) of 200 Hz then 320 Hz
+    harmonic tones goes through `stretch`, the function the codec applies before Vocos. Its frame
+    count scales by 1/speed while each frame's strongest bin stays the one of the fundamental it came
+    from (200 or 320 Hz), so the tempo changes and the pitch does not. The check can fail: speeding
+    up the waveform instead (the naive way, which raises the pitch by `speed`) moves those peaks and
+    is caught by the same assertion. (The tiny Vocos has random weights and cannot render a pitch, so
+    the mel is where this is checked; `test_decode_at_is_stretch_then_vocos` ties it to the audio.)"""
+    from minicpm_cli.engine.codec import stretch
+    from minicpm_cli.engine.features import log_mel
+
+    low, high = _tone(200, 0.5), _tone(320, 0.5)
+    mel = log_mel(torch.cat([low, high]))  # (80, F)
+    bin_low, bin_high = log_mel(low)[:, 10:-10].argmax(0).unique(), log_mel(high)[:, 10:-10].argmax(0).unique()
+    assert len(bin_low) == len(bin_high) == 1 and bin_low != bin_high
+
+    out = stretch(mel, speed)
+    n = mel.shape[-1]
+    assert out.shape == (mel.shape[0], math.ceil(n / speed))
+    assert _peaks_follow_sources(out, mel, speed)
+    src = torch.arange(out.shape[-1]) * speed  # source frames: the steady parts keep their fundamental
+    assert (out.argmax(0)[(src > 10) & (src < n / 2 - 10)] == bin_low).all()
+    assert (out.argmax(0)[(src > n / 2 + 10) & (src < n - 10)] == bin_high).all()
+
+    # the control: the waveform itself sped up (pitch raised by `speed`) fails the same check
+    wave = torch.cat([low, high]).numpy()
+    fast = np.interp(np.arange(0, len(wave), speed), np.arange(len(wave)), wave).astype(np.float32)
+    assert not _peaks_follow_sources(log_mel(torch.from_numpy(fast)), mel, speed)
+
+
+def test_decode_at_is_stretch_then_vocos(codec, goldens):
+    """Speed != 1 is the DVAE's mel, resampled by `stretch`, through Vocos; speed 1 is `decode` bit
+    for bit (the plain path, whatever a backend made of it)."""
+    from minicpm_cli.engine.codec import stretch
+
+    codes = torch.from_numpy(goldens["decode_codes"])
+    assert torch.equal(codec.decode_at(codes, 1.0), codec.decode(codes))
+    for speed in SPEEDS:
+        expected = codec.vocos(stretch(codec.mel(codes), speed)[None])[0]
+        assert torch.equal(codec.decode_at(codes, speed), expected)
+
+
+@pytest.mark.parametrize("speed", SPEEDS)
+def test_stretched_windows_line_up_with_the_whole(speed):
+    """Chunk boundaries stay seamless: a window [a, b) of a segment's mel, stretched with its place
+    `a`, gives exactly the frames of the whole mel's stretch for that span (those before the window's
+    last frame; the last ones, clamped, are the next window's context). A stretch relative to each
+    window (F.interpolate per chunk) would shift them by up to a frame at every chunk."""
+    from minicpm_cli.engine.codec import stretch, stretched_frames
+
+    mel = torch.randn(3, 120, dtype=torch.float64)
+    whole = stretch(mel, speed)
+    for a, b in [(0, 50), (42, 100), (92, 120), (7, 9)]:
+        part = stretch(mel[:, a:b], speed, a)
+        first = stretched_frames(a, speed)
+        assert part.shape[-1] == stretched_frames(b, speed) - first
+        exact = (torch.arange(first, first + part.shape[-1]) * speed <= b - 1).numpy()
+        torch.testing.assert_close(part[:, exact], whole[:, first : first + part.shape[-1]][:, exact],
+                                   rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("speed", SPEEDS)
+@pytest.mark.parametrize("step", [25, 7])
+def test_stream_at_speed(codec, goldens, speed, step):
+    """Duration within 3% of 1/speed of speed 1's, streamed as in one call (the same total, sample
+    for sample in count); the first chunk leaves at once, all but its context's span; each crossfade
+    spans exactly the audio its context decodes again, so the streamed audio stays as close to the
+    one-call decode as at speed 1."""
+    from minicpm_cli.engine.codec import samples_at
+
+    codes = torch.from_numpy(goldens["reply_fine_codes"])
+    one = codec.decode_at(codes, speed)
+    assert abs(len(one) / (512 * len(codes) / speed) - 1) < 0.03
+    stream = StreamDecoder(codec, hold_first=False, speed=speed)
+    first = stream.feed(codes[:step])
+    assert len(first) == samples_at(codec, step - 4, speed)
+    streamed = torch.cat([first] + run_stream(stream, codes[step:], step))
+    assert len(streamed) == len(one)
+    # (at speed 1 the stitched audio differs from the one-call decode by the chunks' missing right
+    # context, up to ~0.07 here: a misplaced crossfade adds the chunk-to-chunk jump on top)
+    plain = run_stream(StreamDecoder(codec, hold_first=False), codes, step)
+    bound = 1.6 * float((torch.cat(plain) - codec.decode(codes)).abs().max())
+    assert float((streamed - one).abs().max()) < bound
+
+
+def test_stream_at_speed_holds_first_as_the_reference(codec, goldens):
+    """hold_first at another speed: the same audio as released early, only later."""
+    codes = torch.from_numpy(goldens["reply_fine_codes"])
+    held = run_stream(StreamDecoder(codec, hold_first=True, speed=1.5), codes)
+    early = run_stream(StreamDecoder(codec, hold_first=False, speed=1.5), codes)
+    assert torch.equal(torch.cat(held), torch.cat(early))
+
+
+def test_speed_one_streams_the_plain_path(codec, goldens, decoded_windows):
+    """speed=1.0 decodes the very windows of today's path and gives its samples bit for bit."""
+    codes = torch.from_numpy(goldens["reply_fine_codes"])
+    plain = run_stream(StreamDecoder(codec, hold_first=True), codes)
+    n = len(decoded_windows)
+    at_one = run_stream(StreamDecoder(codec, hold_first=True, speed=1.0), codes)
+    assert len(decoded_windows) == 2 * n
+    assert all(torch.equal(a, b) for a, b in zip(decoded_windows[:n], decoded_windows[n:]))
+    assert len(plain) == len(at_one) and all(torch.equal(a, b) for a, b in zip(plain, at_one))
+    assert_close(torch.cat(at_one), goldens["reply_fine_wav"])
+
+
+def test_codec_lane_at_speed_decodes_as_the_codec(codec, goldens):
+    """A batch's lane (batching.CodecLane) decodes another speed on the codec's own halves, so a
+    stream's audio is the single stream's; speed 1 goes through the batch's decoder."""
+    from minicpm_cli.engine.batching import CodecLane
+
+    asked = []
+    lane = CodecLane(codec, 3, lambda row, codes: asked.append(row) or codec.decode(codes))
+    codes = torch.from_numpy(goldens["reply_fine_codes"])
+    for speed in (1.0, 1.5):
+        alone = run_stream(StreamDecoder(codec, hold_first=False, speed=speed), codes)
+        laned = run_stream(StreamDecoder(lane, hold_first=False, speed=speed), codes)
+        assert torch.equal(torch.cat(alone), torch.cat(laned))
+        assert bool(asked) == (speed == 1.0)
+        asked.clear()

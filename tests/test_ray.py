@@ -347,13 +347,13 @@ class FakeSynth:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def say_batch(self, requests):
-        return [self.say(text, sampling, voice=voice) for text, sampling, voice in requests]
+    def say_batch(self, requests, *, speed=1.0):
+        return [self.say(text, sampling, voice=voice, speed=speed) for text, sampling, voice in requests]
 
-    def say(self, text, sampling, *, voice=None):
+    def say(self, text, sampling, *, voice=None, speed=1.0):
         from types import SimpleNamespace
 
-        self.calls.append((text, sampling, voice))
+        self.calls.append((text, sampling, voice, speed))
         if text == "unreadable":
             raise UsageError("the text has nothing the TTS tokenizer can read")
         return SimpleNamespace(audio=fake_audio(text, sampling.seed), sample_rate=24000)
@@ -386,6 +386,23 @@ def test_the_speaker_maps_a_batch_through_one_function_and_fails_only_the_bad_it
     assert batches == [3, 1, 1, 1]  # the batch failed: each item alone, to find which
     assert list(out["error"]) == ["", "the text has nothing the TTS tokenizer can read", ""]
     assert out["audio"][1] == b"" and len(out["audio"][0]) and len(out["audio"][2])
+
+
+def test_bulk_speed_reaches_the_model_and_the_manifest(tmp_path):
+    """--speed: every item's request carries it (one say_batch at that speed), the manifest records
+    it, and a run at another speed speaks the items again rather than taking the old files."""
+    synth = FakeSynth()
+    speaker = bulk.Speaker(lambda: synth)
+    items = bulk.plan([{"text": "Hi."}, {"text": "Yo."}], fmt="wav", greedy=True, seed=None, base=tmp_path, speed=1.5)
+    assert [i.speed for i in items] == [1.5, 1.5]
+    bulk.run(items, tmp_path, lambda pending: [speaker(bulk._columns(pending))], progress=False)
+    assert [c[3] for c in synth.calls] == [1.5, 1.5]
+    assert [e["speed"] for e in entries(tmp_path)] == [1.5, 1.5]
+    again = bulk.run(items, tmp_path, lambda pending: [speaker(bulk._columns(pending))], progress=False)
+    assert again.skipped == 2 and len(synth.calls) == 2
+    slower = bulk.plan([{"text": "Hi."}, {"text": "Yo."}], fmt="wav", greedy=True, seed=None, base=tmp_path)
+    redone = bulk.run(slower, tmp_path, lambda pending: [speaker(bulk._columns(pending))], progress=False)
+    assert redone.spoken == 2 and [c[3] for c in synth.calls[2:]] == [1.0, 1.0]
 
 
 def test_run_writes_what_arrives_shows_progress_and_leaves_failed_items_for_the_next_run(tmp_path, capsys):

@@ -151,6 +151,9 @@ CASES = {
     "lines": (["say", "--lines", "--seed", "5", "-o", "-"], b"One line.\nAnd another one.\n"),
     "dir": (["say", "--lines", "--greedy", "--dir", "{dir}"], b"One line.\n\nAnd another one.\n"),
     "reply": (["reply", "Hi there", "--greedy", "-o", "-"], b""),
+    "speed-file": (["say", TEXT, "--seed", "4", "--speed", "1.5", "-o", "{dir}/a.wav"], b""),
+    "speed-stdout": (["say", TEXT, "--greedy", "--speed", "0.5", "-o", "-"], b""),
+    "speed-reply": (["reply", "Hi there", "--greedy", "--speed", "2", "-o", "-"], b""),
 }
 
 
@@ -233,6 +236,24 @@ def test_openai_whole_file_is_say_file(served, local):
     pcm = c.audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="pcm",
                                 extra_body={"greedy": True}).content
     assert pcm == audio.astype("<i2").tobytes()
+
+
+def test_openai_speed_is_say_speed(served, local):
+    """OpenAI's `speed`: the file and the stream `say --speed` writes in-process, same bytes (same
+    seed); the tempo changes the length, by 1/speed within 3%."""
+    c = client(served.url)
+    wav = c.audio.speech.create(model="tts-1", voice="default", input=TEXT, response_format="wav", speed=1.5,
+                                extra_body={"seed": 4}).content
+    assert wav == local("speed-file").files["a.wav"]
+    with c.audio.speech.with_streaming_response.create(model="tts-1", voice="default", input=TEXT, speed=0.5,
+                                                       response_format="wav", stream_format="audio",
+                                                       extra_body={"greedy": True}) as r:
+        slow = r.read()
+    assert slow == local("speed-stdout").stdout
+    plain = sf.read(io.BytesIO(local("stdout").stdout))[0]
+    assert abs(len(sf.read(io.BytesIO(slow))[0]) / (2 * len(plain)) - 1) < 0.03
+    error = error_of(*call(served.url, "POST", "/v1/audio/speech", {"input": "Hi.", "speed": 8})[::2], 400)
+    assert error["param"] == "speed" and error["type"] == "invalid_request_error"
 
 
 def test_openai_stream_is_say_stdout(served, local):
@@ -448,7 +469,9 @@ BAD = [
     ("/v1/audio/speech", {"input": "Hi.", "voice_samples": base64.b64encode(
         (0.5 * np.sin(np.arange(16000) / 5)).astype("<f4").tobytes()).decode()}, 400, ["no audio encoder"]),
     ("/v1/audio/speech", {"input": "Hi.", "response_format": "aac"}, 400, ["aac"]),
-    ("/v1/audio/speech", {"input": "Hi.", "speed": 1.5}, 400, ["speed"]),
+    ("/v1/audio/speech", {"input": "Hi.", "speed": 4.5}, 400, ["speed must be between 0.25 and 4"]),
+    ("/v1/audio/speech", {"input": "Hi.", "speed": 0.2}, 400, ["speed"]),
+    ("/v1/audio/reply", {"input": "Hi.", "speed": 0}, 400, ["speed"]),
     ("/v1/audio/speech", {"input": "Hi.", "instructions": "Whisper."}, 400, ["instructions"]),
     ("/v1/audio/speech", {"input": "Hi.", "stream_format": "video"}, 400, ["stream_format"]),
     ("/v1/audio/speech", {"input": "Hi.", "stream_format": "audio", "response_format": "flac"}, 400, ["whole file"]),
@@ -679,7 +702,8 @@ class FakeSynth:
         self.max_tokens: dict[str, int] = {}
         self.voices: dict[str, object] = {}  # the voice each request was given
 
-    def synthesize(self, text, sampling, *, decode, first_chunk, frames_per_token=None, voice=None, lane=None):
+    def synthesize(self, text, sampling, *, decode, first_chunk, frames_per_token=None, voice=None, lane=None,
+                   speed=1.0):
         name, *opts = text.split()
         o = dict(x.split("=") for x in opts)
         n, delay, fail = int(o.get("n", 3)), float(o.get("delay", 0)), int(o.get("fail", -1))
@@ -694,7 +718,8 @@ class FakeSynth:
             self.produced[name] += 1
             yield FakeChunk(np.full(240, value(name, i), np.float32), np.zeros((1, 4)))
 
-    def reply(self, message, sampling, *, llm, max_tokens, first_chunk, frames_per_token=None, voice=None, lane=None):
+    def reply(self, message, sampling, *, llm, max_tokens, first_chunk, frames_per_token=None, voice=None, lane=None,
+              speed=1.0):
         self.max_tokens[message.split()[0]] = max_tokens
         for chunk in self.synthesize(message, sampling, decode="stream", first_chunk=first_chunk,
                                      frames_per_token=frames_per_token, voice=voice):
@@ -1083,6 +1108,20 @@ def test_an_older_server_without_voices_is_an_error_not_the_default_voice():
     with pytest.raises(UsageError, match="does not take voices"):
         remote.take_voice(Voice(_ref_samples()))
     remote.take_voice(None)  # (no voice asked for: nothing to refuse)
+
+
+def test_an_older_server_without_speed_is_an_error_not_another_tempo():
+    """A server that does not list `speed` (whose reply endpoint would drop it) is refused before
+    anything is sent; speed 1 asks nothing of it."""
+    from minicpm_cli.serving.client import Remote
+    from minicpm_cli.errors import UsageError
+
+    remote = Remote("http://127.0.0.1:1", {"sample_rate": 24000, "model": "m"}, None)
+    with pytest.raises(UsageError, match="does not take --speed"):
+        remote.reply("Hi.", greedy=True, seed=None, temperature=0.7, max_tokens=5, first_chunk=25, speed=1.5)
+    with pytest.raises(UsageError, match="does not take --speed"):
+        remote.read("Hi.", greedy=True, seed=None, decode="stream", first_chunk=25, speed=0.5)
+    assert remote._speed(1.0) is None
 
 
 # The tiny voice checkpoint served, with saved voices of its own; the commands' results compared with

@@ -278,3 +278,67 @@ def test_text_longer_than_the_llm_context_keeps_its_beginning_in_the_prompt(synt
         synth.llm_context = 4096
     assert len(ids) <= 200 and ids.count(synth.tokenizers.spk_id) == 1
     assert synth.tokenizers.llm.decode(ids).startswith("<|im_start|>user\nPlease read the text below.\nthe leaves")
+
+
+# -- speed ---------------------------------------------------------------------------------------
+
+SPEED_TEXT = "Good morning! Could you tell me the way to the library?"
+
+
+@pytest.mark.parametrize("speed", [0.5, 1.5, 2.0])
+def test_speed_changes_the_duration_not_the_codes(synth, speed):
+    """At speed X the file and the stream last 1/X of speed 1's (within 3%; the same length both
+    ways, as at speed 1), from the same codes; the stream's first chunk still leaves after the first
+    generation call, all of it but the 4 context frames' span."""
+    from minicpm_cli.engine.codec import samples_at
+
+    base = list(synth.synthesize(SPEED_TEXT, Sampling(seed=2), decode="segment"))
+    file = list(synth.synthesize(SPEED_TEXT, Sampling(seed=2), decode="segment", speed=speed))
+    stream = list(synth.synthesize(SPEED_TEXT, Sampling(seed=2), decode="stream", speed=speed))
+    codes = torch.cat([c.codes for c in base])
+    for chunks in (file, stream):
+        assert torch.equal(torch.cat([c.codes for c in chunks]), codes)
+        n = sum(len(c.samples) for c in chunks)
+        assert abs(n / (sum(len(c.samples) for c in base) / speed) - 1) < 0.03
+        assert n == samples_at(synth.codec, len(codes), speed)
+    assert len(stream[0].codes) == 25 and len(stream[0].samples) == samples_at(synth.codec, 21, speed)
+
+
+def test_speed_one_is_todays_path(synth, monkeypatch):
+    """speed=1.0, file and stream: bit for bit the audio of the call without it, and the file is the
+    plain one-call decode of its codes (no resampling on the way)."""
+    u = synth.say(SPEED_TEXT, Sampling(seed=3), speed=1.0)
+    assert np.array_equal(u.audio, synth.say(SPEED_TEXT, Sampling(seed=3)).audio)
+    assert np.array_equal(u.audio, synth.codec.decode(u.codes).numpy())
+    import minicpm_cli.engine.codec as codec_module
+
+    def no_stretch(*args, **kwargs):
+        raise AssertionError("speed 1 resampled the mel")
+
+    monkeypatch.setattr(codec_module, "stretch", no_stretch)
+    at_one = [c.samples for c in synth.synthesize(SPEED_TEXT, Sampling(seed=3), speed=1.0)]
+    plain = [c.samples for c in synth.synthesize(SPEED_TEXT, Sampling(seed=3))]
+    assert len(at_one) == len(plain) and all(np.array_equal(a, b) for a, b in zip(at_one, plain))
+
+
+def test_speed_over_segment_continuations(synth):
+    """A text of several segments at speed 2: each segment's audio spans its own frames on the
+    stretched grid (the carried-over context's audio dropped, as at speed 1)."""
+    from minicpm_cli.engine.codec import samples_at
+
+    chunks = list(synth.synthesize(long_text(260), Sampling(greedy=True), decode="segment", speed=2.0))
+    by_segment: dict[int, list] = {}
+    for c in chunks:
+        by_segment.setdefault(c.segment, []).append(c)
+    assert len(by_segment) > 1
+    for seg, cs in by_segment.items():
+        frames = sum(len(c.codes) for c in cs)
+        assert sum(len(c.samples) for c in cs) == samples_at(synth.codec, frames, 2.0), seg
+
+
+def test_speed_out_of_range_is_a_usage_error(synth):
+    from minicpm_cli.errors import UsageError
+
+    for speed in (0.2, 4.5, float("nan")):
+        with pytest.raises(UsageError, match="speed must be between 0.25 and 4"):
+            next(synth.synthesize(SPEED_TEXT, speed=speed))

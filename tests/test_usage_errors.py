@@ -86,6 +86,10 @@ def test_voice_add_to_an_unwritable_voices_folder_is_one_line(tmp_path):
     (("say", "Hi.", "--dtype", "float16"), "float16"),
     (("reply", "Hi.", "--max-tokens", "0"), "--max-tokens"),
     (("say", "Hi.", "--batch", "0"), "--batch"),
+    (("say", "Hi.", "--speed", "4.5"), "--speed must be between 0.25 and 4"),
+    (("say", "Hi.", "--speed", "0.2"), "--speed"),
+    (("say", "Hi.", "--speed", "nan"), "--speed"),
+    (("reply", "Hi.", "--speed", "0"), "--speed"),
     (("serve", "--backend", "turbo"), "turbo"),
     (("serve", "--device", "tpu"), "tpu"),
     (("bench", "--workload", "sing"), "sing"),
@@ -102,6 +106,7 @@ def test_bulk_invalid_values_exit_2(tmp_path):
     items.write_text("One.\n")
     assert_usage_error(run("bulk", str(items), "--out", str(tmp_path / "o"), "--device", "tpu", *NO_MODEL), "tpu")
     assert_usage_error(run("bulk", str(items), "--out", str(tmp_path / "o"), "--backend", "turbo", *NO_MODEL), "turbo")
+    assert_usage_error(run("bulk", str(items), "--out", str(tmp_path / "o"), "--speed", "5", *NO_MODEL), "--speed")
 
 
 def test_an_unreachable_hub_is_said_at_once_and_fails_within_seconds(tmp_path):

@@ -40,6 +40,7 @@ RayOpt = Annotated[Optional[str], typer.Option("--ray", help="Run on a Ray clust
 ReplicasOpt = Annotated[Optional[str], typer.Option("--replicas", help="With --ray: N model replicas, or MIN-MAX to scale between MIN and MAX with the load [default: bulk: as many as the cluster's GPUs hold, 1 without GPUs; serve: 1].", show_default=False)]
 GpusOpt = Annotated[Optional[float], typer.Option("--gpus-per-replica", help="With --ray: GPUs each replica holds (a fraction shares a GPU) [default: 1 where the cluster has GPUs and --device is not cpu, else 0].", show_default=False)]
 BatchVariantOpt = Annotated[bool, typer.Option("--batch-variant", help="Faster kernels for batches of requests whose rounding depends on the batch: a request's audio may then differ with what else runs at the time (compile and int4 on a GPU). By default the same request gives the same audio alone and in any batch.")]
+SpeedOpt = Annotated[float, typer.Option("--speed", help=f"Tempo, {protocol.SPEED_RANGE[0]:g}-{protocol.SPEED_RANGE[1]:g} (2 twice as fast), the pitch kept: the mel is resampled in time before the vocoder.")]
 FirstChunkOpt = Annotated[Optional[int], typer.Option("--first-chunk", help="Audio frames (of 21.3 ms) in the first streamed chunk, 1-25 [default: 25].", show_default=False)]
 
 
@@ -63,13 +64,15 @@ class SpeakerOptions:
     local: bool = False
     voice: Optional[str] = None
     batch_variant: bool = False
+    speed: float = 1.0
 
 
 # (name, typer annotation) of each SpeakerOptions field, in the order `--help` lists them
 _SPEAKER_PARAMS = (("raw", RawOpt), ("pcm", PcmOpt), ("first_chunk", FirstChunkOpt), ("model", ModelOpt),
                    ("backend", BackendOpt), ("gguf", GgufOpt), ("seed", SeedOpt), ("greedy", GreedyOpt),
                    ("device", DeviceOpt), ("dtype", DtypeOpt), ("verbose", VerboseOpt), ("server", ServerOpt),
-                   ("local", LocalOpt), ("voice", VoiceOpt), ("batch_variant", BatchVariantOpt))
+                   ("local", LocalOpt), ("voice", VoiceOpt), ("batch_variant", BatchVariantOpt),
+                   ("speed", SpeedOpt))
 
 
 def with_speaker_options(command):
@@ -118,6 +121,14 @@ def check_model_options(backend: str, device: str, dtype: str, gguf: Optional[st
 def check_sampling(greedy: bool, seed: Optional[int]) -> None:
     if greedy and seed is not None:
         raise OptionError("--greedy takes no --seed: greedy decoding draws nothing (give one or the other)")
+
+
+def check_speed(speed: float) -> float:
+    """--speed, checked: within protocol.SPEED_RANGE (exit 2 otherwise)."""
+    low, high = protocol.SPEED_RANGE
+    if not low <= speed <= high:
+        raise OptionError(f"--speed must be between {low:g} and {high:g}")
+    return speed
 
 
 def chunk_frames(frames: Optional[int]) -> int:

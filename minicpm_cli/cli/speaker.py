@@ -45,38 +45,39 @@ class Local:
         self.voice = voice
 
     def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int,
-             pcm: Optional[str] = None):
+             speed: float = 1.0, pcm: Optional[str] = None):
         from ..engine.sampling import Sampling
 
         return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk,
-                                     voice=self.voice)
+                                     voice=self.voice, speed=speed)
 
     def read_arriving(self, arrivals, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int,
-                      pcm: Optional[str] = None):
+                      speed: float = 1.0, pcm: Optional[str] = None):
         """`read` of text still arriving ((text, ended) items: `streams.arriving`), speech starting on
         its first part ready (`Synthesizer.synthesize_arriving`)."""
         from ..engine.sampling import Sampling
 
         return self.synth.synthesize_arriving(arrivals, Sampling(greedy=greedy, seed=seed), decode=decode,
-                                              first_chunk=first_chunk, voice=self.voice)
+                                              first_chunk=first_chunk, voice=self.voice, speed=speed)
 
-    def read_many(self, texts, *, batch: int, greedy: bool, seed: Optional[int], decode: str, first_chunk: int):
+    def read_many(self, texts, *, batch: int, greedy: bool, seed: Optional[int], decode: str, first_chunk: int,
+                  speed: float = 1.0):
         """Each text's chunks (a list), in input order, `batch` of them generated at once."""
         from ..engine.batching import in_order
         from ..engine.sampling import Sampling
 
         sampling = Sampling(greedy=greedy, seed=seed)
-        jobs = (self.synth.read_job(t, sampling, voice=self.voice, decode=decode, first_chunk=first_chunk)
+        jobs = (self.synth.read_job(t, sampling, voice=self.voice, decode=decode, first_chunk=first_chunk, speed=speed)
                 for t in texts)
         return in_order(self.synth.batch(batch), jobs, batch)
 
     def reply(self, message: str, *, greedy: bool, seed: Optional[int], temperature: float, max_tokens: int,
-              first_chunk: int, pcm: Optional[str] = None):
+              first_chunk: int, speed: float = 1.0, pcm: Optional[str] = None):
         from ..engine.llm import LLMSampling
         from ..engine.sampling import Sampling
 
         return self.synth.reply(message, Sampling(greedy=greedy, seed=seed), llm=LLMSampling(temperature=temperature),
-                                max_tokens=max_tokens, first_chunk=first_chunk, voice=self.voice)
+                                max_tokens=max_tokens, first_chunk=first_chunk, voice=self.voice, speed=speed)
 
 
 def resolve_voice(ref: Optional[str]):

@@ -88,11 +88,13 @@ class LLMLane:
 
 class CodecLane:
     """The synthesizer's codec as one stream of a batch sees it: its decodes go through `decoder`
-    (row, codes) -> audio, which runs those of a round together."""
+    (row, codes) -> audio, which runs those of a round together. A decode at another speed than 1
+    runs alone, on the codec's eager halves, as the single stream runs it (`Codec.decode_at`), so a
+    stream's audio at any speed is the one it has alone."""
 
     def __init__(self, codec, row: int, decoder: Callable[[int, Tensor], Tensor]):
         self.codec, self.row, self.decoder = codec, row, decoder
-        self.num_vq, self.samples_per_frame = codec.num_vq, codec.samples_per_frame
+        self.num_vq, self.samples_per_frame, self.hop = codec.num_vq, codec.samples_per_frame, codec.hop
 
     @property
     def device(self) -> torch.device:
@@ -100,6 +102,9 @@ class CodecLane:
 
     def decode(self, codes: Tensor) -> Tensor:
         return self.decoder(self.row, codes) if len(codes) else self.codec.decode(codes)
+
+    def decode_at(self, codes: Tensor, speed: float, begin: int = 0) -> Tensor:
+        return self.decode(codes) if speed == 1.0 else self.codec.decode_at(codes, speed, begin)
 
 
 @dataclass(frozen=True)

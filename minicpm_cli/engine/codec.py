@@ -5,9 +5,20 @@
 together with the last 4 frames before it as left context, and the audio of those context frames is
 crossfaded with the tail of the previous chunk. It knows nothing about the LLM, the TTS head or text:
 callers hand it frames and get samples back.
+
+Speed (tempo without a change of pitch) is a resampling of the mel frames in time between the DVAE
+and Vocos (`stretch`): each output frame is a linear mix of the two input frames around its source
+position, so every frame's spectrum, pitch and formants included, is kept and only the frame rate
+changes. The positions are on one grid per segment (output frame j comes from input mel frame
+j * speed), so a chunk decoded with its left context yields exactly the output frames of its span and
+streamed chunks meet where a one-call decode would have them. Speed 1 takes the plain path: `decode`,
+untouched, whatever a backend made of it (compile's CUDA graphs); another speed runs the codec's
+eager halves (`mel`, then Vocos) with the resampling between them.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -29,6 +40,7 @@ class Codec:
     def __init__(self, dvae: DVAEDecoder, vocos: Vocos):
         self.dvae, self.vocos = dvae.eval(), vocos.eval().float()
         self.num_vq = dvae.config.num_vq
+        self.hop = vocos.config.hop  # samples per mel frame
         self.samples_per_frame = dvae.config.groups * vocos.config.hop  # 2 mel frames x hop 256
 
     @classmethod
@@ -65,6 +77,53 @@ class Codec:
         return self.vocos(self.dvae(codes.to(self.device)).float())
 
 
+    @torch.inference_mode()
+    def decode_at(self, codes: Tensor, speed: float, begin: int = 0) -> Tensor:
+        """codes (T, num_vq), frames [begin, begin + T) of a segment -> float32 audio at `speed`, the
+        samples of that span on the segment's stretched grid (`samples_at(begin + T) - samples_at(begin)`).
+        Speed 1 is `decode` itself."""
+        if speed == 1.0:
+            return self.decode(codes)
+        groups = self.samples_per_frame // self.hop
+        mel = stretch(self.mel(codes), speed, begin * groups) if len(codes) else None
+        if mel is None or mel.shape[-1] == 0:
+            return torch.zeros(0, device=self.device)
+        return self.vocos(mel[None].float())[0]
+
+
+def stretched_frames(frames: int, speed: float) -> int:
+    """How many frames of a mel stretched by `speed` come from its first `frames` frames: the output
+    frames j whose source position j * speed lies before `frames`."""
+    if speed == 1.0:
+        return frames
+    # (the tolerance keeps an exact multiple, e.g. 6 / 1.5, from rounding up to one frame more)
+    return max(math.ceil(frames / speed - 1e-9), 0)
+
+
+def samples_at(codec, frames: int, speed: float) -> int:
+    """The samples of a segment's first `frames` code frames at `speed` (`codec`: a Codec or a lane
+    of one): `samples_per_frame` each at speed 1, else the stretched mel frames' hops."""
+    if speed == 1.0:
+        return frames * codec.samples_per_frame
+    return stretched_frames(frames * (codec.samples_per_frame // codec.hop), speed) * codec.hop
+
+
+def stretch(mel: Tensor, speed: float, begin: int = 0) -> Tensor:
+    """mel (..., F), frames [begin, begin + F) of a segment -> the frames of the segment's mel played
+    at `speed` whose source positions fall in that span: output frame j (from stretched_frames(begin)
+    to stretched_frames(begin + F)) is the linear interpolation at input frame j * speed, the span's
+    last frame standing for those past it (a chunk's last frames, which the next chunk's left context
+    decodes again). Frequencies are untouched: only the frame axis is resampled. Our own gather, not
+    F.interpolate, whose grid is relative to each call and so would not line chunks up."""
+    n = mel.shape[-1]
+    first, stop = stretched_frames(begin, speed), stretched_frames(begin + n, speed)
+    pos = (torch.arange(first, stop, device=mel.device, dtype=torch.float64) * speed - begin).clamp(0, n - 1)
+    lo = pos.floor().long()
+    hi = (lo + 1).clamp(max=n - 1)
+    w = (pos - lo).to(mel.dtype)
+    return mel[..., lo] * (1 - w) + mel[..., hi] * w
+
+
 def crossfade(fade_out: Tensor, fade_in: Tensor) -> Tensor:
     """The reference's overlap-add of two equal-length pieces: sample i is weighted (L-i)/(L+1) and
     (i+1)/(L+1), so neither side ever gets weight exactly 1 or 0 (the goldens pin this)."""
@@ -88,6 +147,11 @@ class StreamDecoder:
     `hold_first=False` returns everything except the tail the next chunk will crossfade: the
     concatenated audio is identical, it only comes out earlier.
 
+    `speed` other than 1 decodes each window at that tempo (`Codec.decode_at`) on the segment's
+    stretched grid: a window's context frames then stand for the samples they span on that grid (a
+    whole number of mel hops, 2048 / speed give or take a hop), and that is the crossfade's length, so
+    each chunk still crossfades with exactly the audio it decodes again.
+
     `reset(context)` starts a new segment (spec §4.5 step 7): nothing is held, there is no crossfade
     with the previous segment, and the last frames of `context` (frames already heard, e.g. carried
     over by a continuation) are decoded again as left context of the first chunk, so their audio
@@ -96,8 +160,9 @@ class StreamDecoder:
 
     CONTEXT_FRAMES = 4  # the reference's left context of a chunk
 
-    def __init__(self, codec: Codec, *, hold_first: bool = True, context_frames: int = CONTEXT_FRAMES):
-        self.codec, self.hold_first, self.context_frames = codec, hold_first, context_frames
+    def __init__(self, codec: Codec, *, hold_first: bool = True, context_frames: int = CONTEXT_FRAMES,
+                 speed: float = 1.0):
+        self.codec, self.hold_first, self.context_frames, self.speed = codec, hold_first, context_frames, speed
         self.reset()
 
     def reset(self, context: Tensor | None = None) -> None:
@@ -105,6 +170,7 @@ class StreamDecoder:
         empty = torch.zeros(0, self.codec.num_vq, dtype=torch.long, device=self.codec.device)
         self._context = empty if context is None else self._last(self._codes(context))
         self._held = torch.zeros(0, device=self.codec.device)  # decoded audio not yet returned
+        self._begin = 0  # the next window's first frame in the segment (its context's first)
 
     def _codes(self, codes: Tensor) -> Tensor:
         return codes.to(self.codec.device, torch.long)
@@ -112,19 +178,28 @@ class StreamDecoder:
     def _last(self, codes: Tensor) -> Tensor:
         return codes[max(len(codes) - self.context_frames, 0):]
 
+    def _span(self, frames: int) -> int:
+        """Samples of the context's `frames` frames, which start the window at `self._begin`."""
+        if self.speed == 1.0:
+            return frames * self.codec.samples_per_frame
+        return samples_at(self.codec, self._begin + frames, self.speed) - samples_at(self.codec, self._begin, self.speed)
+
     def feed(self, codes: Tensor) -> Tensor | None:
         """New frames (k, num_vq) -> audio ready to play (1-D float32), or None while it is held back."""
         if len(codes) == 0:
             return None
-        spf = self.codec.samples_per_frame
         window = torch.cat([self._context, self._codes(codes)])
-        wav = self.codec.decode(window)
-        overlap = len(self._context) * spf if len(self._held) else 0  # no crossfade at a segment start
+        if self.speed == 1.0:
+            wav = self.codec.decode(window)
+        else:
+            wav = self.codec.decode_at(window, self.speed, self._begin)
+        overlap = self._span(len(self._context)) if len(self._held) else 0  # no crossfade at a segment start
         if overlap:
             head = crossfade(self._held[-overlap:], wav[:overlap])
             wav = torch.cat([self._held[:-overlap], head, wav[overlap:]])
         self._context = self._last(window)
-        ready = len(wav) - len(self._context) * spf  # the next chunk crossfades the rest
+        self._begin += len(window) - len(self._context)
+        ready = len(wav) - self._span(len(self._context))  # the next chunk crossfades the rest
         if self.hold_first:
             ready = min(ready, len(self._held))
         out, self._held = wav[:ready], wav[ready:]

@@ -11,6 +11,10 @@ reply), and the speaker vector taken at `<|spk|>` carries it to every segment. T
 loaded when a voice is first used (with random weights: drawn then, from the same seed); without a
 voice nothing of it is loaded, drawn or run.
 
+A `speed` (0.25-4, protocol.SPEED_RANGE) changes the tempo, not the pitch: the codes are the same
+as at speed 1, and the codec resamples their mel in time before Vocos (codec.py). Speed 1 is the
+plain path, bit for bit.
+
 Over the house's ~450 lines because it is one thing, the algorithm read top to bottom: loading the
 stages, the read path, the reply path and their batched forms, each a few lines over the runners.
 """
@@ -32,8 +36,8 @@ from .. import backends
 
 from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, resolve
 from .cloning import AUDIO_PREFIXES, VoiceEncoder, load_voice_encoder
-from .. import trace
-from .codec import Codec
+from .. import protocol, trace
+from .codec import Codec, samples_at
 from ..errors import CheckpointError, DeviceError, UsageError
 from .features import FeatureConfig
 from ..models.chattts import ChatTTS, TTSConfig, fold_weight_norm
@@ -303,13 +307,15 @@ class Synthesizer:
         self._warm_rows = rows
 
     def say_many(self, items: Iterable[tuple[str, Sampling]], *, batch: int = 1, voice=None,
-                 decode: str = "segment", frames_per_token: int | None = None) -> Iterator[list[AudioChunk]]:
+                 decode: str = "segment", frames_per_token: int | None = None,
+                 speed: float = 1.0) -> Iterator[list[AudioChunk]]:
         """Read many texts, up to `batch` at a time in one batch of streams; each text's chunks (as
         `synthesize` gives them) in input order. `batch=1` reads them one after another."""
         from .batching import in_order
 
         voice = as_voice(voice)
-        jobs = (self.read_job(text, sampling, voice=voice, decode=decode, frames_per_token=frames_per_token)
+        jobs = (self.read_job(text, sampling, voice=voice, decode=decode, frames_per_token=frames_per_token,
+                              speed=speed)
                 for text, sampling in items)
         if batch == 1:
             for job in jobs:
@@ -317,13 +323,14 @@ class Synthesizer:
             return
         yield from in_order(self.batch(batch), jobs, batch)
 
-    def say_batch(self, requests: list[tuple[str, Sampling, Voice | np.ndarray | None]]) -> list[Utterance]:
+    def say_batch(self, requests: list[tuple[str, Sampling, Voice | np.ndarray | None]], *,
+                  speed: float = 1.0) -> list[Utterance]:
         """`say` for each (text, sampling, voice), generated together, up to `rows` at a time; in order."""
         from .batching import in_order
 
         if self.rows == 1 or len(requests) == 1:
-            return [self.say(text, sampling, voice=voice) for text, sampling, voice in requests]
-        jobs = (self.read_job(text, sampling, voice=as_voice(voice)) for text, sampling, voice in requests)
+            return [self.say(text, sampling, voice=voice, speed=speed) for text, sampling, voice in requests]
+        jobs = (self.read_job(text, sampling, voice=as_voice(voice), speed=speed) for text, sampling, voice in requests)
         return [self._utterance(chunks) for chunks in in_order(self.batch(), jobs, self.rows)]
 
     @staticmethod
@@ -332,14 +339,14 @@ class Synthesizer:
                          marks=tuple(m for c in chunks for m in c.marks))
 
     def read_job(self, text: str, sampling: Sampling, *, voice=None, decode: str = "segment",
-                 frames_per_token: int | None = None, first_chunk: int = FRAMES_PER_CALL) -> Job:
+                 frames_per_token: int | None = None, first_chunk: int = FRAMES_PER_CALL, speed: float = 1.0) -> Job:
         """`synthesize(text, ...)` as a job of a batch (`batching.in_order`), sized by the text's TTS
         tokens (the audio's length grows with them)."""
         from .batching import Job
 
         def make(lane):
             return self.synthesize(text, sampling, decode=decode, first_chunk=first_chunk,
-                                   frames_per_token=frames_per_token, voice=voice, lane=lane)
+                                   frames_per_token=frames_per_token, voice=voice, lane=lane, speed=speed)
 
         return Job(make, len(self.tokenizers.encode_bert(text)))
 
@@ -381,7 +388,7 @@ class Synthesizer:
 
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
                    first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
-                   voice: Voice | np.ndarray | None = None, lane=None) -> Iterator[AudioChunk]:
+                   voice: Voice | np.ndarray | None = None, lane=None, speed: float = 1.0) -> Iterator[AudioChunk]:
         """Read `text` aloud (spec §4.3: the caller's text, not an LLM rewrite), as audio chunks, in
         the model's default voice or in a cloned `voice` (16 kHz mono float32 samples or a Voice).
         `lane`: the rows of a batch (`batching.Lane`) it runs on; default the single stream.
@@ -392,7 +399,9 @@ class Synthesizer:
         segment (< 300 TTS tokens) this is exactly the reference's read-aloud waveform.
         Text longer than one segment is cut at sentence ends into segments that continue each other
         as the reference's streaming path does (spec §4.5 step 7); nothing is dropped.
+        `speed`: the tempo (0.25-4), the pitch kept (the module's docstring).
         """
+        check_speed(speed)
         text = text.strip()
         if not text:
             raise UsageError("no text to speak")
@@ -405,11 +414,12 @@ class Synthesizer:
                                cut=read_cut, read_all=True, first_chunk=first_chunk,
                                frames_per_token=frames_per_token)
         events = machine.run("", iter(pieces))
-        yield from self._audio(events, decode, lane)
+        yield from self._audio(events, decode, lane, speed)
 
     def synthesize_arriving(self, arrivals: Iterable[tuple[str, bool]], sampling: Sampling = Sampling(), *,
                             decode: str = "stream", first_chunk: int = FRAMES_PER_CALL,
-                            voice: Voice | np.ndarray | None = None, lane=None) -> Iterator[AudioChunk]:
+                            voice: Voice | np.ndarray | None = None, speed: float = 1.0,
+                            lane=None) -> Iterator[AudioChunk]:
         """Read text that is still arriving: `arrivals` gives (text, ended) as it comes (each item all
         that could be read at once, and whether the input ended right after it). Speech starts on the
         first part ready by `text.arrival_cut` (a sentence, a clause long enough, or a long run cut
@@ -418,6 +428,7 @@ class Synthesizer:
         speaker vector, seeded with the last frames); it ends when the input does. The speaker
         vector comes from the first part's read prompt. A text that arrives whole (ended with its first
         part) is exactly `synthesize(text)`."""
+        check_speed(speed)
         tok = self.tokenizers
         count = lambda t: len(tok.encode_bert(t))  # noqa: E731
         parts = ready_parts(arrivals, count)
@@ -427,7 +438,8 @@ class Synthesizer:
             first += more
         first = first.lstrip()
         if last:
-            yield from self.synthesize(first, sampling, decode=decode, first_chunk=first_chunk, voice=voice, lane=lane)
+            yield from self.synthesize(first, sampling, decode=decode, first_chunk=first_chunk, voice=voice,
+                                       speed=speed, lane=lane)
             return
         spk = self._read_speaker(first.strip(), as_voice(voice), lane and lane.llm)
 
@@ -444,14 +456,15 @@ class Synthesizer:
 
         machine = StreamingTTS(lane.tts if lane else self.tts, tok, spk, sampling.generator(self.device),
                                normalize=False, cut=read_cut, read_all=True, first_chunk=first_chunk)
-        yield from self._audio(machine.run("", pieces()), decode, lane)
+        yield from self._audio(machine.run("", pieces()), decode, lane, speed)
 
     def reply(self, user_text: str, sampling: Sampling = Sampling(), *, llm: LLMSampling = LLMSampling(),
               max_tokens: int = 512, first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
-              voice: Voice | np.ndarray | None = None, lane=None) -> Iterator[AudioChunk]:
+              voice: Voice | np.ndarray | None = None, lane=None, speed: float = 1.0) -> Iterator[AudioChunk]:
         """The spoken answer to a user message (spec §4.5), streamed: LLM text pieces feed the TTS as
         they are generated; each chunk carries the reply text it speaks. With a `voice`, the
         reference's audio-assistant system turn comes first and the answer is spoken in that voice."""
+        check_speed(speed)
         if not user_text.strip():
             raise UsageError("no text to reply to")
         if max_tokens < 1:
@@ -466,23 +479,24 @@ class Synthesizer:
         spk = self._project(first.spk_hidden)
         machine = StreamingTTS(lane.tts if lane else self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,
                                first_chunk=first_chunk, frames_per_token=frames_per_token)
-        yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream", lane)
+        yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream", lane, speed)
 
-    def _audio(self, events: Iterator[Frames | NewSegment], decode: str, lane=None) -> Iterator[AudioChunk]:
+    def _audio(self, events: Iterator[Frames | NewSegment], decode: str, lane=None,
+               speed: float = 1.0) -> Iterator[AudioChunk]:
         """The events' frames decoded into chunks. Each event's text is marked at the first sample of
-        its first frame: a segment's frame j begins (lead + j) * samples_per_frame after the segment's
-        first sample, where lead is the context a streamed continuation decodes (and plays) again."""
+        its first frame: a segment's frame j begins `samples_at(lead + j)` after the segment's first
+        sample (j * samples_per_frame at speed 1), where lead is the context a streamed continuation
+        decodes (and plays) again."""
         if decode not in ("stream", "segment"):
             raise UsageError(f"unknown decode mode '{decode}' (stream or segment)")
         codec = lane.codec if lane else self.codec  # (a batch's lane: its decodes batched with others')
-        spf = codec.samples_per_frame
         text, codes, segment, marks = "", [], 0, []
-        dec = StreamDecoder(codec, hold_first=False) if decode == "stream" else None
+        dec = StreamDecoder(codec, hold_first=False, speed=speed) if decode == "stream" else None
         context = None  # segment mode: frames a continuation carried over
         made = start = lead = frames = 0  # samples yielded; the segment's first sample, lead, new frames
         for ev in events:
             if isinstance(ev, NewSegment):
-                audio = dec.flush() if dec else self._decode_segment(codec, context, codes)
+                audio = dec.flush() if dec else self._decode_segment(codec, context, codes, speed)
                 yield from self._chunk(audio, text, codes, segment, marks=marks)
                 made += len(audio)
                 text, codes, segment, context, marks = "", [], segment + 1, ev.carried, []
@@ -492,7 +506,7 @@ class Synthesizer:
                     lead = min(len(ev.carried), dec.context_frames)
                 continue
             if ev.text:
-                marks.append((start + (lead + frames) * spf, ev.text))
+                marks.append((start + samples_at(codec, lead + frames, speed), ev.text))
             frames += len(ev.codes)
             text += ev.text
             codes.append(ev.codes)
@@ -502,13 +516,18 @@ class Synthesizer:
                     yield from self._chunk(out, text, codes, segment, marks=marks)
                     made += len(out)
                     text, codes, marks = "", [], []
-        audio = dec.flush() if dec else self._decode_segment(codec, context, codes)
+        audio = dec.flush() if dec else self._decode_segment(codec, context, codes, speed)
         yield from self._chunk(audio, text, codes, segment, final=True, marks=marks)
 
-    def _decode_segment(self, codec, context: Tensor | None, frames: list[Tensor]) -> Tensor:
+    def _decode_segment(self, codec, context: Tensor | None, frames: list[Tensor], speed: float = 1.0) -> Tensor:
         """One-call decode; a continuation is decoded after the frames it carried over (already heard),
         whose audio is then dropped, so the segment starts with full left context."""
         codes = torch.cat(frames) if frames else torch.zeros(0, codec.num_vq, dtype=torch.long)
+        if speed != 1.0:
+            if context is not None:
+                codes = torch.cat([context.to(codes.device), codes])
+            wav = codec.decode_at(codes, speed)
+            return wav if context is None else wav[samples_at(codec, len(context), speed):]
         if context is None:
             return codec.decode(codes)
         wav = codec.decode(torch.cat([context.to(codes.device), codes]))
@@ -522,6 +541,13 @@ class Synthesizer:
                              tuple(marks))
 
     def say(self, text: str, sampling: Sampling = Sampling(), *,
-            voice: Voice | np.ndarray | None = None) -> Utterance:
+            voice: Voice | np.ndarray | None = None, speed: float = 1.0) -> Utterance:
         """The whole read-aloud utterance at once (decoded per segment, as the reference reads)."""
-        return self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice)))
+        return self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice, speed=speed)))
+
+
+def check_speed(speed: float) -> None:
+    """A speed in protocol.SPEED_RANGE, or a one-line UsageError (NaN included)."""
+    low, high = protocol.SPEED_RANGE
+    if not low <= speed <= high:
+        raise UsageError(f"speed must be between {low:g} and {high:g}, not {speed:g}")

@@ -5,14 +5,14 @@ In: INPUT, read here (`read_items`): a text file (an item each non-empty line), 
 folder, `default`, or a saved voice's name), `seed`).
 Out, in DIR: a file per item, `<id>.wav` (or `.flac`), written to a temporary name and renamed when
 complete by the writer of `say -o FILE` (`audio.FileSink`), and `manifest.jsonl`: one JSON line per
-completed item (id, text, file, seconds, seed, voice, bytes), appended and flushed to disk once its
+completed item (id, text, file, seconds, seed, voice, speed, bytes), appended and flushed to disk once its
 file is in place. Items without an id are named as `say --lines --dir` names its lines, by their
 position among the items: `line-0001`, `line-0002`, ...
 
-Where an item runs changes nothing. Its audio depends only on the model, its text, its voice and its
-seed: `--greedy` draws nothing; `--seed S` gives each item the seed `derive_seed(S, id)` (an item's own
+Where an item runs changes nothing. Its audio depends only on the model, its text, its voice, its
+seed and the run's `--speed`: `--greedy` draws nothing; `--seed S` gives each item the seed `derive_seed(S, id)` (an item's own
 `seed` wins); with neither, S is drawn once per run. The manifest records the seed each item got, and
-its file is the one `minicpm say TEXT --seed SEED -o FILE` writes, whichever process, batch or run
+its file is the one `minicpm say TEXT --seed SEED [--speed X] -o FILE` writes, whichever process, batch or run
 made it (each utterance has its own generator; the pipeline resets the model per utterance).
 
 Resume: a run skips the items that the manifest lists with their file in place (same text, voice,
@@ -78,6 +78,7 @@ class Item:
     seed: int | None  # None: greedy
     voice: str | None = None  # absolute path of a reference recording
     seed_given: bool = True  # False: drawn for this run (a finished item's recorded seed is as good)
+    speed: float = 1.0  # the tempo (--speed)
 
 
 # -- reading INPUT ---------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base: Path,
-         store: VoiceStore | None = None) -> list[Item]:
+         store: VoiceStore | None = None, speed: float = 1.0) -> list[Item]:
     """The items of `rows`, checked: text present, ids unique and usable as file names, seeds in
     range and not with --greedy; voices as `say --voice` takes them (`voices.store.locate`: relative
     paths from `base`, INPUT's folder; saved names from `store`, by default the user's)."""
@@ -169,7 +170,7 @@ def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base
             item_seed, given = own, True
         else:
             item_seed, given = derive_seed(run_seed, item_id), not drawn
-        items.append(Item(item_id, text.strip(), f"{item_id}.{fmt}", item_seed, voice, given))
+        items.append(Item(item_id, text.strip(), f"{item_id}.{fmt}", item_seed, voice, given, speed))
     return items
 
 
@@ -220,6 +221,8 @@ class Manifest:
         """Whether `item` is done: its entry says what it is now, and its file is there, whole."""
         e = self.entries.get(item.id)
         if e is None or (e.get("text"), e.get("voice"), e.get("file")) != (item.text, item.voice, item.file):
+            return False
+        if e.get("speed", 1.0) != item.speed:
             return False
         if item.seed_given and e.get("seed") != item.seed:
             return False
@@ -289,21 +292,29 @@ class Request:
     text: str
     sampling: Any  # a sampling.Sampling
     voice: Any = None
+    speed: float = 1.0
 
 
 def synthesize_batch(synth, requests: Sequence[Request]) -> list:
     """A batch of requests -> their utterances (`pipeline.Utterance`), in order: the one place where
     `bulk` speaks, generated together (`Synthesizer.say_batch`, as many at once as the model was
-    loaded with rows). Each utterance is the one `synth.say` gives for its request alone."""
-    return synth.say_batch([(r.text, r.sampling, r.voice) for r in requests])
+    loaded with rows). Each utterance is the one `synth.say` gives for its request alone (requests of
+    another speed, which a run does not mix, in a batch of their own)."""
+    out: list = [None] * len(requests)
+    for speed in dict.fromkeys(r.speed for r in requests):
+        mine = [i for i, r in enumerate(requests) if r.speed == speed]
+        said = synth.say_batch([(requests[i].text, requests[i].sampling, requests[i].voice) for i in mine], speed=speed)
+        for i, u in zip(mine, said):
+            out[i] = u
+    return out
 
 
 class Speaker:
     """One model, loaded once; a batch of items in, their audio out. The batch is a dict of columns
     (numpy arrays), Ray Data's "numpy" batch format: `id`, `text`, `seed` (the seed in decimal, ""
-    for greedy), `voice` (a path, "" for none). Out: `id`, `audio` (float32 samples, little-endian
-    bytes), `seconds`, `marks` (the utterance's caption marks, `Utterance.marks`, as JSON), `error`
-    ("" or the item's one-line error: the batch goes on without it)."""
+    for greedy), `voice` (a path, "" for none), `speed` (decimal). Out: `id`, `audio` (float32 samples,
+    little-endian bytes), `seconds`, `marks` (the utterance's caption marks, `Utterance.marks`, as JSON),
+    `error` ("" or the item's one-line error: the batch goes on without it)."""
 
     loader: Callable[[], Any] | None = None  # (set by `speaker_class`)
 
@@ -324,11 +335,11 @@ class Speaker:
         from ..engine.sampling import Sampling
 
         requests, errors = [], []
-        for text, seed, voice in zip(batch["text"], batch["seed"], batch["voice"]):
+        for text, seed, voice, speed in zip(batch["text"], batch["seed"], batch["voice"], batch["speed"]):
             seed = str(seed)
             try:
                 requests.append(Request(str(text), Sampling(greedy=not seed, seed=int(seed) if seed else None),
-                                        self._voice(str(voice))))
+                                        self._voice(str(voice)), float(speed)))
                 errors.append("")
             except MinicpmError as e:  # (a voice that this machine cannot read)
                 requests.append(None)
@@ -379,7 +390,7 @@ def _columns(items: Sequence[Item]) -> dict[str, np.ndarray]:
 
     return {"id": col([i.id for i in items]), "text": col([i.text for i in items]),
             "seed": col(["" if i.seed is None else str(i.seed) for i in items]),
-            "voice": col([i.voice or "" for i in items])}
+            "voice": col([i.voice or "" for i in items]), "speed": col([repr(i.speed) for i in items])}
 
 
 # -- where the batches run -------------------------------------------------------------------------
@@ -478,7 +489,7 @@ def run(items: Sequence[Item], out: Path, results: Callable[[Sequence[Item]], It
                             raise
                         entry = {"id": item.id, "text": item.text, "file": item.file,
                                  "seconds": round(float(seconds), 4), "seed": item.seed,
-                                 "voice": item.voice, "bytes": (out / item.file).stat().st_size}
+                                 "voice": item.voice, "speed": item.speed, "bytes": (out / item.file).stat().st_size}
                         if captions is not None:
                             entry["captions"] = f"{item.id}.{captions}"
                             cues = cc.utterance_cues(len(samples), [tuple(m) for m in json.loads(str(marks))])

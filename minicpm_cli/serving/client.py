@@ -155,26 +155,36 @@ class Remote:
     # -- speaking ------------------------------------------------------------------------------
 
     def read(self, text: str, *, greedy: bool, seed: int | None, decode: str, first_chunk: int,
-             pcm: str | None = None) -> Iterator[Chunk]:
+             speed: float = 1.0, pcm: str | None = None) -> Iterator[Chunk]:
         """`Synthesizer.synthesize` on the server: decode "stream" (chunk by chunk) or "segment". With
         `pcm` ("s16" or "f32", for a sink that writes it as it comes: `audio.takes_pcm`) the server
         converts the samples as that sink would (`audio.to_pcm`) and the chunks hold `audio.Pcm`;
         else float32 samples."""
         body = {"model": self.props["model"], "input": text, "voice": protocol.DEFAULT_VOICE,
                 "voice_samples": self._voice_samples, "response_format": FORMAT_OF[pcm], "greedy": greedy,
-                "seed": seed, "first_chunk": first_chunk}
+                "seed": seed, "first_chunk": first_chunk, "speed": self._speed(speed)}
         if decode == "stream":
             body["stream_format"] = "audio"
         return _sent(self._samples(body, pcm))
 
     def read_arriving(self, arrivals, *, greedy: bool, seed: int | None, decode: str, first_chunk: int,
-                      pcm: str | None = None) -> Iterator[Chunk]:
+                      speed: float = 1.0, pcm: str | None = None) -> Iterator[Chunk]:
         """Text still arriving, through the server: the speech endpoint takes one finished text, so the
         text is sent once the input has ended (`say --local` starts speaking as it arrives)."""
         text = "".join(t for t, _ in arrivals).strip()
         if not text:
             raise UsageError("no text to speak")
-        return self.read(text, greedy=greedy, seed=seed, decode=decode, first_chunk=first_chunk, pcm=pcm)
+        return self.read(text, greedy=greedy, seed=seed, decode=decode, first_chunk=first_chunk, speed=speed, pcm=pcm)
+
+    def _speed(self, speed: float) -> float | None:
+        """The request's `speed` (None, left out, at 1: what any server takes); a server that does not
+        take it on every endpoint (an older minicpm, whose reply endpoint would ignore it) is an error,
+        never audio at another tempo than asked for."""
+        if speed == 1.0:
+            return None
+        if "speed" not in self.props.get("extensions", ()):
+            raise UsageError(f"the server at {self.url} does not take --speed (an older minicpm): add --local")
+        return speed
 
     def _samples(self, body: dict, pcm: str | None) -> Iterator[Chunk]:
         with self._post("/v1/audio/speech", body) as conn:
@@ -210,13 +220,14 @@ class Remote:
                     f.cancel()
 
     def reply(self, message: str, *, greedy: bool, seed: int | None, temperature: float, max_tokens: int,
-              first_chunk: int, pcm: str | None = None) -> Iterator[Chunk]:
+              first_chunk: int, speed: float = 1.0, pcm: str | None = None) -> Iterator[Chunk]:
         """`Synthesizer.reply` on the server: audio and the text it speaks, as they are generated (`pcm`
         as for `read`)."""
         body = {"model": self.props["model"], "input": message, "voice": protocol.DEFAULT_VOICE,
                 "voice_samples": self._voice_samples, "response_format": FORMAT_OF[pcm], "stream_format": "sse",
                 "greedy": greedy, "seed": seed,
-                "temperature": temperature, "max_tokens": max_tokens, "first_chunk": first_chunk}
+                "temperature": temperature, "max_tokens": max_tokens, "first_chunk": first_chunk,
+                "speed": self._speed(speed)}
         return _sent(self._replies(body, pcm))
 
     def _replies(self, body: dict, pcm: str | None) -> Iterator[Chunk]:

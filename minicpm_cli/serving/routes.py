@@ -11,6 +11,7 @@ Contract:
   in an sse stream (each once the next starts, the last before `speech.audio.done`), or, for a whole
   file, a JSON response `{"audio": base64 file, "response_format", "sample_rate", "samples",
   "timestamps": [cues]}` (a raw audio stream has nowhere to put them: a 400).
+  OpenAI's `speed` (0.25-4) is the tempo, the pitch kept; the reply endpoint takes it too.
 - `POST /v1/audio/reply`: a spoken answer, as `minicpm reply`: server-sent events `reply.text.delta`,
   `reply.audio.delta`, then `reply.done` (the text; `usage`: `output_tokens`, the reply text's LLM
   tokens, and `audio_frames`, the audio frames spoken); with `timestamps: true`, `reply.caption`
@@ -148,8 +149,6 @@ async def speech(req: SpeechRequest, request: Request, service: ServiceDep):
     t0 = time.perf_counter()
     ld = service.require_ready()
     fmt = _check_common(req, ld, service, request)
-    if req.speed != 1.0:
-        raise ApiError(400, f"speed {req.speed} is not supported: only 1.0", param="speed")
     if req.instructions:
         raise ApiError(400, "instructions are not supported (one voice, read as written)", param="instructions")
     if req.stream_format is not None and req.stream_format not in protocol.STREAM_FORMATS:
@@ -169,7 +168,7 @@ async def speech(req: SpeechRequest, request: Request, service: ServiceDep):
     def work(lane):
         usage["input_tokens"] = len(synth.tokenizers.encode_bert(req.input.strip()))
         return synth.synthesize(req.input, sampling, decode=decode, first_chunk=frames,
-                                frames_per_token=ld.frames_per_token, voice=voice, lane=lane)
+                                frames_per_token=ld.frames_per_token, voice=voice, lane=lane, speed=req.speed)
 
     job, end = await service.run(request, work)
     first = await first_block(job, end)
@@ -261,7 +260,8 @@ async def reply(req: ReplyRequest, request: Request, service: ServiceDep):
 
     def work(lane):
         chunks = synth.reply(req.input, sampling, llm=llm, max_tokens=ld.reply_tokens or req.max_tokens,
-                             first_chunk=frames, frames_per_token=ld.frames_per_token, voice=voice, lane=lane)
+                             first_chunk=frames, frames_per_token=ld.frames_per_token, voice=voice, lane=lane,
+                             speed=req.speed)
         return _count_llm_tokens(chunks, synth.tokenizers, usage)
 
     job, end = await service.run(request, work)
@@ -327,6 +327,9 @@ def _check_common(req: AudioRequest, ld: Loaded, service: Service, request: Requ
     if req.seed is not None and not protocol.SEED_RANGE[0] <= req.seed <= protocol.SEED_RANGE[1]:
         raise ApiError(400, f"seed must be between {protocol.SEED_RANGE[0]} and {protocol.SEED_RANGE[1]}",
                        param="seed")
+    low, high = protocol.SPEED_RANGE
+    if not low <= req.speed <= high:
+        raise ApiError(400, f"speed must be between {low:g} and {high:g}", param="speed")
     if req.first_chunk is not None and not 1 <= req.first_chunk <= protocol.FRAMES_PER_CALL:
         raise ApiError(400, f"first_chunk must be between 1 and {protocol.FRAMES_PER_CALL} frames",
                        param="first_chunk")

@@ -1,7 +1,8 @@
 """The request bodies of the speech API, as OpenAI's schema: pydantic models, field by field.
 
 Contract: lenient on fields we do not know (OpenAI clients send their own), strict on the values of
-those we do (`seed`, `greedy`, `first_chunk`, `max_tokens` are not coerced from strings). Checks that
+those we do (`seed`, `greedy`, `first_chunk`, `max_tokens` are not coerced from strings). `speed` is
+OpenAI's (0.25-4), taken by the reply endpoint too. Checks that
 need the served model (its formats, limits, voices) are the routes'; these models know only shapes.
 """
 
@@ -28,6 +29,7 @@ class AudioRequest(BaseModel):
     voice: str | VoiceRef = protocol.DEFAULT_VOICE
     response_format: str = "wav"
     stream_format: str | None = None
+    speed: float = 1.0
     # extensions
     seed: int | None = Field(default=None, strict=True)
     greedy: bool = Field(default=False, strict=True)
@@ -43,7 +45,6 @@ class AudioRequest(BaseModel):
 class SpeechRequest(AudioRequest):
     """`POST /v1/audio/speech`."""
 
-    speed: float = 1.0
     instructions: str | None = None
 
 

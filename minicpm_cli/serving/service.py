@@ -119,7 +119,7 @@ class Service:
                 "limits": {"max_input_chars": protocol.MAX_INPUT_CHARS, "max_body_bytes": protocol.MAX_BODY_BYTES,
                            "max_voice_body_bytes": protocol.MAX_VOICE_BODY_BYTES,
                            "max_upload_bytes": protocol.MAX_UPLOAD_BYTES},
-                "extensions": ["voice_samples"],
+                "extensions": ["voice_samples", "speed"],
                 "forced_lengths": None if ld.frames_per_token is None else
                 {"frames_per_token": ld.frames_per_token, "reply_tokens": ld.reply_tokens},
                 "environment": ld.environment}

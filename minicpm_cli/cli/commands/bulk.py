@@ -13,7 +13,8 @@ import typer
 from ... import audio
 from ...errors import MinicpmError, OptionError, UsageError
 from ..options import (BackendOpt, BatchVariantOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, GreedyOpt, ModelOpt, RayOpt, ReplicasOpt,
-                       VerboseOpt, absolute_if_here, check_model_options, check_ray, check_sampling)
+                       SpeedOpt, VerboseOpt, absolute_if_here, check_model_options, check_ray, check_sampling,
+                       check_speed)
 from ..speaker import load_here
 
 
@@ -31,6 +32,7 @@ def bulk(
     gguf: GgufOpt = None,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Give each item the seed derived from this one and its id (docs/scale-out.md): its audio is then `say --seed <derived>`'s, wherever it runs [default: a seed drawn for the run].", show_default=False)] = None,
     greedy: GreedyOpt = False,
+    speed: SpeedOpt = 1.0,
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     verbose: VerboseOpt = False,
@@ -52,6 +54,7 @@ def bulk(
     if batch < 1:
         raise OptionError("--batch must be at least 1")
     check_sampling(greedy, seed)
+    check_speed(speed)
     check_model_options(backend, device, dtype, gguf)
     address, bounds = check_ray(ray_address, replicas, gpus_per_replica)
     if address is not None:
@@ -61,7 +64,7 @@ def bulk(
     path = Path(input).expanduser()
     if not path.is_file():
         raise UsageError(f"no such file: {input}")
-    items = b.plan(b.read_rows(path), fmt=fmt, greedy=greedy, seed=seed, base=path.resolve().parent)
+    items = b.plan(b.read_rows(path), fmt=fmt, greedy=greedy, seed=seed, base=path.resolve().parent, speed=speed)
     if not items:
         raise UsageError(f"no items in {input}")
     b.check_voices(items)

@@ -16,8 +16,8 @@ import typer
 
 from ... import audio, captions as cc, trace
 from ...errors import OptionError, UsageError
-from ..options import (CaptionsOpt, OutputOpt, SpeakerOptions, check_captions, check_sampling, chunk_frames,
-                       output_target, with_speaker_options)
+from ..options import (CaptionsOpt, OutputOpt, SpeakerOptions, check_captions, check_sampling, check_speed,
+                       chunk_frames, output_target, with_speaker_options)
 from ..speaker import speaker as find_speaker
 from ..streams import arriving, input_lines, play, progress, read_text
 
@@ -48,6 +48,7 @@ def say(
             raise OptionError("--captions writes one file for one stream: for a caption file per line, "
                               "use minicpm bulk --captions")
     frames = chunk_frames(opts.first_chunk)
+    speed = check_speed(opts.speed)
     raw, pcm = opts.raw, opts.pcm
     if batch < 1:
         raise OptionError("--batch must be at least 1")
@@ -80,8 +81,8 @@ def say(
 
     def chunks(t: str, decode: str, target: str):
         # (a server sends the sink's own samples when it writes them as they are)
-        return spk.read(t, greedy=opts.greedy, seed=opts.seed, decode=decode, first_chunk=frames,
-                          pcm=pcm if audio.takes_pcm(target, pcm, raw) else None)
+        return spk.read(t, greedy=opts.greedy, seed=opts.seed, decode=decode, first_chunk=frames, speed=speed,
+                        pcm=pcm if audio.takes_pcm(target, pcm, raw) else None)
 
     def speak(t: str, target: str, to_file: bool) -> None:
         # (the chunks are asked for before the sink is opened: a server starts on them while opening
@@ -96,7 +97,7 @@ def say(
         elif arrivals is not None:
             to_file = output != "-" and not raw
             stream = spk.read_arriving(arrivals, greedy=opts.greedy, seed=opts.seed,
-                                       decode="segment" if to_file else "stream", first_chunk=frames,
+                                       decode="segment" if to_file else "stream", first_chunk=frames, speed=speed,
                                        pcm=pcm if audio.takes_pcm(output, pcm, raw) else None)
             play(cc.timed(stream, timeline), audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
             trace.mark("written")
@@ -108,7 +109,7 @@ def say(
                 spoken = ((path, chunks(t, decode, path)) for t, path in zip(texts, paths))
             else:
                 spoken = zip(paths, spk.read_many(texts, batch=batch, greedy=opts.greedy, seed=opts.seed,
-                                                    decode=decode, first_chunk=frames))
+                                                    decode=decode, first_chunk=frames, speed=speed))
             for path, line_chunks in spoken:
                 play(line_chunks, audio.open_sink(path, pcm, spk.sample_rate, raw), advance)
                 print(path, file=sys.stderr, flush=True)
@@ -143,6 +144,7 @@ def reply(
     if captions is not None:
         cc.check_target(captions)
     frames = chunk_frames(opts.first_chunk)
+    speed = check_speed(opts.speed)
     output = output_target(output)
     audio.check_output(output, opts.pcm, opts.raw)
     if temperature <= 0:
@@ -168,7 +170,7 @@ def reply(
             sys.stderr.flush()
 
     chunks = spk.reply(message, greedy=opts.greedy, seed=opts.seed, temperature=temperature, max_tokens=max_tokens,
-                         first_chunk=frames, pcm=opts.pcm if audio.takes_pcm(output, opts.pcm, opts.raw) else None)
+                         first_chunk=frames, speed=speed, pcm=opts.pcm if audio.takes_pcm(output, opts.pcm, opts.raw) else None)
     play(cc.timed(chunks, timeline), audio.open_sink(output, opts.pcm, spk.sample_rate, opts.raw), show)
     if captions is not None:
         timeline.finish()
