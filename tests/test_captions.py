@@ -109,6 +109,19 @@ def test_say_to_a_file_and_to_stdout(said, spf):
     assert sorted(f.name for f in tmp.iterdir()) == ["a.srt", "a.wav", "b.vtt"]  # no temporary file left
 
 
+def test_cues_follow_the_speed(said, tmp_path, spf):
+    """At --speed 2 the cues are the same texts, each starting where its frame lands on the stretched
+    audio (half as far in, to within a frame), the last ending at the (shorter) audio's length."""
+    tmp, _ = said
+    p = minicpm("say", TEXT, *LOCAL, "--speed", "2", "-o", str(tmp_path / "f.wav"), "--captions", str(tmp_path / "f.srt"))
+    assert p.returncode == 0, p.stderr.decode()
+    normal, fast = parsed(tmp / "a.srt"), parsed(tmp_path / "f.srt")
+    check_cues(fast, seconds_of(tmp_path / "f.wav"), spf, TEXT)
+    assert [t for _, _, t in fast] == [t for _, _, t in normal]
+    for (s1, _, _), (s2, _, _) in zip(normal, fast):
+        assert abs(s2 - s1 / 2) <= spf / RATE
+
+
 def test_reply(tmp_path, spf):
     p = minicpm("reply", "Say something.", *LOCAL, "--max-tokens", "24", "-o", str(tmp_path / "r.wav"),
                 "--text-out", str(tmp_path / "r.txt"), "--captions", str(tmp_path / "r.srt"))

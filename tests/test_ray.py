@@ -356,7 +356,7 @@ class FakeSynth:
         self.calls.append((text, sampling, voice, speed))
         if text == "unreadable":
             raise UsageError("the text has nothing the TTS tokenizer can read")
-        return SimpleNamespace(audio=fake_audio(text, sampling.seed), sample_rate=24000)
+        return SimpleNamespace(audio=fake_audio(text, sampling.seed), sample_rate=24000, marks=((0, text),))
 
 
 def test_the_speaker_maps_a_batch_through_one_function_and_fails_only_the_bad_item(monkeypatch):
@@ -420,6 +420,7 @@ def test_run_writes_what_arrives_shows_progress_and_leaves_failed_items_for_the_
                 audio[:] = [b"" if i.id in fail else fake_audio(i.text, i.seed).tobytes() for i in group]
                 yield {"id": cols["id"], "audio": audio,
                        "seconds": np.array([0.0 if i.id in fail else len(fake_audio(i.text, i.seed)) / 24000 for i in group]),
+                       "marks": np.array(["[]" if i.id in fail else json.dumps([[0, i.text]]) for i in group], dtype=object),
                        "error": np.array(["nothing readable" if i.id in fail else "" for i in group], dtype=object)}
         return produce
 
