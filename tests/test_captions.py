@@ -15,7 +15,7 @@ import soundfile as sf
 
 from minicpm_cli import captions
 from minicpm_cli.captions import Cue, Timeline
-from test_server import TINY, Served, call, minicpm, sse_events
+from test_server import TINY, call, minicpm, served, sse_events  # noqa: F401  (served: the fixture)
 
 srt = pytest.importorskip("srt")
 webvtt = pytest.importorskip("webvtt")
@@ -154,16 +154,6 @@ def test_bad_captions_name_is_a_usage_error(tmp_path, args):
 
 
 # -- the server -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = Served()
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
 
 
 def as_srt(stamps: list[dict]) -> str:
