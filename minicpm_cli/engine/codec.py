@@ -76,7 +76,6 @@ class Codec:
         gives it up to the rounding of batched convolutions (exact on the CPU without oneDNN)."""
         return self.vocos(self.dvae(codes.to(self.device)).float())
 
-
     @torch.inference_mode()
     def decode_at(self, codes: Tensor, speed: float, begin: int = 0) -> Tensor:
         """codes (T, num_vq), frames [begin, begin + T) of a segment -> float32 audio at `speed`, the
