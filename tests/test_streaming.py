@@ -143,15 +143,21 @@ def test_read_pieces_keep_every_character(synth):
     assert max(count(p) for p in pieces) <= 50
 
 
+def segments(chunks) -> dict[int, list]:
+    """A stream's chunks by segment number."""
+    out: dict[int, list] = {}
+    for c in chunks:
+        out.setdefault(c.segment, []).append(c)
+    return out
+
+
 def test_long_text_reads_every_segment(synth):
     """2,000 words: every piece of text is read by exactly one segment, every segment has audio,
     and no segment's text exceeds the TTS window."""
     text = long_text(2000)
     chunks = list(synth.synthesize(text, Sampling(greedy=True), decode="segment"))
     assert "".join(c.text for c in chunks) == text
-    by_segment: dict[int, list] = {}
-    for c in chunks:
-        by_segment.setdefault(c.segment, []).append(c)
+    by_segment = segments(chunks)
     assert len(by_segment) > 10
     for seg, cs in by_segment.items():
         frames = sum(len(c.codes) for c in cs)
@@ -327,9 +333,7 @@ def test_speed_over_segment_continuations(synth):
     from minicpm_cli.engine.codec import samples_at
 
     chunks = list(synth.synthesize(long_text(260), Sampling(greedy=True), decode="segment", speed=2.0))
-    by_segment: dict[int, list] = {}
-    for c in chunks:
-        by_segment.setdefault(c.segment, []).append(c)
+    by_segment = segments(chunks)
     assert len(by_segment) > 1
     for seg, cs in by_segment.items():
         frames = sum(len(c.codes) for c in cs)

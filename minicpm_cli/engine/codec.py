@@ -179,8 +179,6 @@ class StreamDecoder:
 
     def _span(self, frames: int) -> int:
         """Samples of the context's `frames` frames, which start the window at `self._begin`."""
-        if self.speed == 1.0:
-            return frames * self.codec.samples_per_frame
         return samples_at(self.codec, self._begin + frames, self.speed) - samples_at(self.codec, self._begin, self.speed)
 
     def feed(self, codes: Tensor) -> Tensor | None:
@@ -188,10 +186,7 @@ class StreamDecoder:
         if len(codes) == 0:
             return None
         window = torch.cat([self._context, self._codes(codes)])
-        if self.speed == 1.0:
-            wav = self.codec.decode(window)
-        else:
-            wav = self.codec.decode_at(window, self.speed, self._begin)
+        wav = self.codec.decode_at(window, self.speed, self._begin)  # (speed 1: `decode` itself)
         overlap = self._span(len(self._context)) if len(self._held) else 0  # no crossfade at a segment start
         if overlap:
             head = crossfade(self._held[-overlap:], wav[:overlap])

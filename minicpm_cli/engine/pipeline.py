@@ -523,15 +523,10 @@ class Synthesizer:
         """One-call decode; a continuation is decoded after the frames it carried over (already heard),
         whose audio is then dropped, so the segment starts with full left context."""
         codes = torch.cat(frames) if frames else torch.zeros(0, codec.num_vq, dtype=torch.long)
-        if speed != 1.0:
-            if context is not None:
-                codes = torch.cat([context.to(codes.device), codes])
-            wav = codec.decode_at(codes, speed)
-            return wav if context is None else wav[samples_at(codec, len(context), speed):]
         if context is None:
-            return codec.decode(codes)
-        wav = codec.decode(torch.cat([context.to(codes.device), codes]))
-        return wav[len(context) * codec.samples_per_frame :]
+            return codec.decode_at(codes, speed)  # (speed 1: `decode` itself)
+        wav = codec.decode_at(torch.cat([context.to(codes.device), codes]), speed)
+        return wav[samples_at(codec, len(context), speed) :]
 
     def _chunk(self, audio: Tensor, text: str, codes: list[Tensor], segment: int,
                final: bool = False, marks: list[tuple[int, str]] = ()) -> Iterator[AudioChunk]:

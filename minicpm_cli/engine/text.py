@@ -27,7 +27,8 @@ AUDIO_START, AUDIO_END, AUDIO_SLOT = "<|audio_start|>", "<|audio_end|>", "<unk>"
 
 # A run of sentence/clause punctuation (and closing quotes/brackets) followed by space or the end;
 # CJK full-width punctuation needs no space after it.
-_PUNCT = r"[.!?;:,\u2026]+[\"')\]\u201d\u2019\u00bb]*"
+_CLOSERS = r"[\"')\]\u201d\u2019\u00bb]*"  # quotes and brackets that close with the mark before them
+_PUNCT = rf"[.!?;:,\u2026]+{_CLOSERS}"
 _CJK_PUNCT = r"[\u3002\uff01\uff1f\uff1b\uff1a\uff0c]+"
 _BOUNDARY = re.compile(rf"{_PUNCT}(?:\s+|$)|{_CJK_PUNCT}\s*")
 BOUNDARY_END = re.compile(rf"(?:{_PUNCT}|{_CJK_PUNCT})\s*$")
@@ -67,7 +68,7 @@ def read_pieces(text: str, count: Callable[[str], int], max_tokens: int = READ_P
 # tokens (a clause of a word or two is better read with what follows it); up to its last word boundary
 # once READ_PIECE_TOKENS have come without either (a long run without punctuation). A Latin mark
 # counts once the whitespace after it has arrived, so "3.5" or "e.g" arriving in two writes is not cut.
-_SENTENCE_END = re.compile(r"[.!?\u2026]+[\"')\]\u201d\u2019\u00bb]*\s+|[\u3002\uff01\uff1f]+\s*")
+_SENTENCE_END = re.compile(rf"[.!?\u2026]+{_CLOSERS}\s+|[\u3002\uff01\uff1f]+\s*")
 _CLAUSE_END = re.compile(rf"{_PUNCT}\s+|{_CJK_PUNCT}\s*")
 CLAUSE_TOKENS = 8
 

@@ -162,11 +162,11 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         if self.kv_cache is not None:
             rows = slice(0, B) if rows is None else rows
-            if T == 1 and self.one_query is not None and isinstance(rows, slice) and not rows.start:
+            one = T == 1 and self.one_query is not None and isinstance(rows, slice) and not rows.start
+            if one or self.many_queries is not None:  # a backend's attention reads the cache itself
                 self.kv_cache.write(input_pos, k, v, rows)
-                return self.one_query(self.kv_cache, q, input_pos)
-            if self.many_queries is not None:
-                self.kv_cache.write(input_pos, k, v, rows)
+                if one:
+                    return self.one_query(self.kv_cache, q, input_pos)
                 return self.many_queries(self.kv_cache, q, input_pos, rows)
             k, v = self.kv_cache.update(input_pos, k, v, rows, kv_len)
         if T == 1 and mask is not None:

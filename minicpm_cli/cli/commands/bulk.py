@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from ... import audio
+from ...captions import FORMATS
 from ...errors import MinicpmError, OptionError, UsageError
 from ..options import (BackendOpt, BatchVariantOpt, DeviceOpt, DtypeOpt, GgufOpt, GpusOpt, GreedyOpt, ModelOpt, RayOpt, ReplicasOpt,
                        SpeedOpt, VerboseOpt, absolute_if_here, check_model_options, check_ray, check_sampling,
@@ -49,8 +50,8 @@ def bulk(
 
     if fmt not in b.FORMATS:
         raise OptionError(f"--format must be wav or flac, not '{fmt}'")
-    if captions is not None and captions not in ("srt", "vtt"):
-        raise OptionError(f"--captions must be srt or vtt, not '{captions}'")
+    if captions is not None and captions not in FORMATS:
+        raise OptionError(f"--captions must be {' or '.join(FORMATS)}, not '{captions}'")
     if batch < 1:
         raise OptionError("--batch must be at least 1")
     check_sampling(greedy, seed)

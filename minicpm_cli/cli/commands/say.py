@@ -38,8 +38,9 @@ def say(
 
     A file gets each segment decoded in one piece (the reference's read-aloud waveform); stdout and
     --raw get audio chunk by chunk as soon as it is generated. Text on standard input is spoken as it
-    arrives, from its first sentence (or clause long enough), until the input ends. A running `minicpm serve` does the
-    work when one answers (the same bytes come out); --local loads the model here.
+    arrives, from its first sentence (or clause long enough), until the input ends. A running
+    `minicpm serve` does the work when one answers (the same bytes come out); --local loads the
+    model here.
     """
     trace.mark("parsed")
     if captions is not None:
@@ -179,4 +180,3 @@ def reply(
         sys.stderr.write("\n")
     else:
         Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")
-
