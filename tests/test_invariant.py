@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from minicpm_cli.backends.compile import CompiledLLM, GraphTTSRunner
-from minicpm_cli.backends.invariant import InvariantLinear, InvariantRMSNorm, fixed_batches, make_invariant
+from minicpm_cli.backends.compile import CompiledLLM, GraphCodec, GraphTTSRunner
+from minicpm_cli.backends.invariant import CODEC_BATCH, InvariantLinear, InvariantRMSNorm, fixed_batches, make_invariant
 from minicpm_cli.backends.kernels.gemm import invariant_mm, mm_config
 from minicpm_cli.engine.batching import Stream
 from minicpm_cli.engine.pipeline import Synthesizer
@@ -61,6 +61,34 @@ def test_fixed_batches_pads_to_one_size():
     codes = torch.arange(11 * 2 * 4).view(11, 2, 4)
     out = fixed_batches(codes, decode, rows=4)
     assert seen == [4, 4, 4] and torch.equal(out[:, 0], codes.sum((1, 2)).float())
+
+
+def test_invariant_codec_decodes_long_segments_row_by_row():
+    """Within the graphs' lengths every decode is a batch of CODEC_BATCH rows; past them (eager
+    batched convolutions, where a row's bits depended on its neighbours) each row alone, so that a
+    whole segment's audio is the same decoded alone or with others of its length."""
+    seen = []
+
+    class Fake:
+        num_vq, device = 4, torch.device("cpu")
+
+        def decode(self, codes):
+            return self.decode_batch(codes[None])[0]
+
+        def decode_batch(self, codes):
+            seen.append(tuple(codes.shape[:2]))
+            return codes.sum(2).float().repeat_interleave(2, 1)
+
+    graphs = GraphCodec(Fake(), invariant=True)
+    short, long = GraphCodec.MAX_FRAMES // CODEC_BATCH, GraphCodec.MAX_FRAMES // CODEC_BATCH + 1
+    codes = torch.randint(0, 100, (3, long, 4))
+    out = graphs.decode_batch(codes)
+    assert seen == [(1, long)] * 3 and torch.equal(out, codes.sum(2).float().repeat_interleave(2, 1))
+    seen.clear()
+    assert torch.equal(graphs.decode(codes[1]), out[1]) and seen == [(1, long)]
+    seen.clear()
+    graphs.decode_batch(torch.zeros(3, short, 4, dtype=torch.long))
+    assert seen == [(CODEC_BATCH, short)]
 
 
 def _llm(tiny_dir, dtype: str, rows: int = 4) -> CompiledLLM:
