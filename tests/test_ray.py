@@ -347,7 +347,7 @@ class FakeSynth:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def say_batch(self, requests, *, speed=1.0):
+    def say_batch(self, requests, *, speed=1.0, frames_per_token=None):
         return [self.say(text, sampling, voice=voice, speed=speed) for text, sampling, voice in requests]
 
     def say(self, text, sampling, *, voice=None, speed=1.0):
@@ -366,7 +366,7 @@ def test_the_speaker_maps_a_batch_through_one_function_and_fails_only_the_bad_it
     speaker = bulk.Speaker(lambda: synth)
     batches = []
     real = bulk.synthesize_batch
-    monkeypatch.setattr(bulk, "synthesize_batch", lambda s, reqs: batches.append(len(reqs)) or real(s, reqs))
+    monkeypatch.setattr(bulk, "synthesize_batch", lambda s, reqs, forced: batches.append(len(reqs)) or real(s, reqs, forced))
     ref = str(FIXTURES / "voice_ref_a.wav")
     items = [bulk.Item("a", "Hi.", "a.wav", 5, ref), bulk.Item("b", "Yo.", "b.wav", None)]
     out = speaker(bulk._columns(items))
@@ -442,19 +442,27 @@ def test_run_writes_what_arrives_shows_progress_and_leaves_failed_items_for_the_
 
 
 def test_serve_args_and_deployment_options(monkeypatch):
+    """Serve's options follow the replica's rows: at most `batch` requests on a replica (the rest wait
+    in Serve's router for the first free row), autoscaling aimed at half of them; the compiled-kernel
+    cache variables set here reach the replicas."""
     from minicpm_cli.scale import ray_serve
 
     monkeypatch.setenv("MINICPM_API_KEY", "from-env")  # (read by each replica, not put into Serve's config)
-    args = ray_serve.ServeArgs.from_args({"model": "/m", "replicas": "2-6", "device": "cuda"})
-    assert (args.model, args.api_key, args.num_gpus) == ("/m", None, 1)
+    for name in bulk.CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    args = ray_serve.ServeArgs.from_args({"model": "/m", "replicas": "2-6", "device": "cuda", "batch": "16"})
+    assert (args.model, args.api_key, args.num_gpus, args.batch) == ("/m", None, 1, 16)
     opts = ray_serve.deployment_options(args)
     assert opts["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
-                                          "target_ongoing_requests": ray_serve.TARGET_ONGOING_REQUESTS}
+                                          "target_ongoing_requests": 8.0}
     assert "num_replicas" not in opts and opts["ray_actor_options"] == {"num_gpus": 1}
+    assert opts["max_ongoing_requests"] == 16
+    assert ray_serve.deployment_options(ray_serve.ServeArgs())["max_ongoing_requests"] == 8  # (serve's --batch)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/triton")
     fixed = ray_serve.deployment_options(ray_serve.ServeArgs.from_args(
-        {"replicas": 3, "device": "cpu", "api_key": "k", "max_ongoing_requests": "2"}))
-    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
-    assert fixed["ray_actor_options"] == {"num_gpus": 0} and fixed["max_ongoing_requests"] == 2
+        {"replicas": 3, "device": "cpu", "api_key": "k", "max_ongoing_requests": "2", "target_ongoing_requests": 1}))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed and fixed["max_ongoing_requests"] == 2
+    assert fixed["ray_actor_options"] == {"num_gpus": 0, "runtime_env": {"env_vars": {"TRITON_CACHE_DIR": "/shared/triton"}}}
     assert ray_serve.ServeArgs.from_args({"gpus": "0.5"}).num_gpus == 0.5
     with pytest.raises(OptionError, match="unknown option.*modle"):
         ray_serve.ServeArgs.from_args({"modle": "x"})
