@@ -12,7 +12,12 @@ its own `ray start --block` in a process group of its own, stopped by signalling
 stop` would stop every Ray on the machine, other users' included. The nodes' files go to a temporary
 directory of their own (not /tmp/ray), removed at the end.
 
-As a module (tools/scale_bench.py, tests/test_ray.py): `with two_nodes(...) as address: ...`.
+The cluster uses Ray's token authentication with a token drawn for it: the nodes and the command get
+RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (a client that names an address, as `--ray HOST:PORT` does,
+sends a token only when told to: Ray 2.60 enables it by itself only for a cluster it finds, `auto`).
+
+As a module (tools/scale_bench.py, tests/test_ray.py): `with two_nodes(...) as cluster:`, then
+`cluster.address` and `cluster.env` (the variables a client adds to its environment).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -28,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 HOST = "127.0.0.1"
 
@@ -56,8 +63,14 @@ def node_args(gpus: str | None, num_cpus: int | None) -> list[str]:
     return args
 
 
-def node_env(gpus: str | None) -> dict:
+class Cluster(NamedTuple):
+    address: str  # the head's HOST:PORT
+    env: dict  # what a client of it adds to its environment (RAY_ADDRESS and the token)
+
+
+def node_env(gpus: str | None, shared: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(shared)
     if gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpus
     return env
@@ -87,7 +100,8 @@ def _stop(proc: subprocess.Popen, timeout: float = 30) -> None:
             time.sleep(0.2)
 
 
-def wait_nodes(address: str, count: int, procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
+def wait_nodes(address: str, shared: dict, count: int, procs: list[subprocess.Popen], logs: list[Path],
+               timeout: float) -> None:
     """Until `count` nodes are alive in the cluster at `address` (or one of `procs` exits: an error
     with its log)."""
     code = ("import ray, sys, time\n"
@@ -97,7 +111,7 @@ def wait_nodes(address: str, count: int, procs: list[subprocess.Popen], logs: li
             "    time.sleep(0.5)\n"
             f"sys.exit(0 if sum(n['Alive'] for n in ray.nodes()) >= {count} else 3)\n")
     check = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             env=node_env(None))
+                             env=node_env(None, shared))
     while check.poll() is None:
         for proc, log in zip(procs, logs):
             if proc.poll() is not None:
@@ -110,21 +124,24 @@ def wait_nodes(address: str, count: int, procs: list[subprocess.Popen], logs: li
 
 @contextlib.contextmanager
 def two_nodes(head_gpus: str | None = None, worker_gpus: str | None = None, num_cpus: int | None = None,
-              timeout: float = 120):
+              timeout: float = 120, env: dict | None = None):
     """A head node and a worker node on this machine (`head_gpus`, `worker_gpus`: CUDA_VISIBLE_DEVICES
-    of each, "" for none; None: Ray's own count); yields the head's address, stops both at the end."""
+    of each, "" for none; None: Ray's own count; `env`: more variables for both, e.g. a PYTHONPATH
+    their workers import the code from); yields a Cluster, stops both nodes at the end."""
     tmp = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))  # (short: Ray's socket paths must fit 107 bytes)
     port = free_port()
     address = f"{HOST}:{port}"
+    shared = {**(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     procs, logs = [], [tmp / "head.log", tmp / "worker.log"]
     try:
         procs.append(_start(["--head", "--port", str(port), "--include-dashboard=false", "--temp-dir", str(tmp / "ray"),
                              "--ray-client-server-port", str(free_port()), *node_args(head_gpus, num_cpus)],
-                            node_env(head_gpus), logs[0]))
-        wait_nodes(address, 1, procs, logs[:1], timeout)
-        procs.append(_start(["--address", address, *node_args(worker_gpus, num_cpus)], node_env(worker_gpus), logs[1]))
-        wait_nodes(address, 2, procs, logs, timeout)
-        yield address
+                            node_env(head_gpus, shared), logs[0]))
+        wait_nodes(address, shared, 1, procs, logs[:1], timeout)
+        procs.append(_start(["--address", address, *node_args(worker_gpus, num_cpus)], node_env(worker_gpus, shared),
+                            logs[1]))
+        wait_nodes(address, shared, 2, procs, logs, timeout)
+        yield Cluster(address, {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": shared["RAY_AUTH_TOKEN"]})
     finally:
         for proc in reversed(procs):
             _stop(proc)
@@ -141,10 +158,10 @@ def main() -> None:
     command = opts.command[1:] if opts.command[:1] == ["--"] else opts.command
     if not command:
         ap.error("give a command after --")
-    with two_nodes(opts.head_gpus, opts.worker_gpus, opts.num_cpus) as address:
-        print(f"ray_cluster: head and worker at {address}", file=sys.stderr, flush=True)
-        env = {**os.environ, "RAY_ADDRESS": address}
-        code = subprocess.run([part.replace("{address}", address) for part in command], env=env).returncode
+    with two_nodes(opts.head_gpus, opts.worker_gpus, opts.num_cpus) as cluster:
+        print(f"ray_cluster: head and worker at {cluster.address}", file=sys.stderr, flush=True)
+        code = subprocess.run([part.replace("{address}", cluster.address) for part in command],
+                              env={**os.environ, **cluster.env}).returncode
     sys.exit(code)
 
 

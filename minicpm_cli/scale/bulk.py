@@ -333,7 +333,7 @@ class Speaker:
         self.voices: dict[str, Any] = {}
         if frames_per_token is not None:
             self.frames_per_token = frames_per_token
-        trace.mark("speaker_ready", pid=os.getpid())
+        trace.mark("speaker_ready", pid=os.getpid(), gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def _voice(self, path: str):
         if not path:
@@ -466,11 +466,14 @@ def on_ray(items: Sequence[Item], load: Callable[[], Any], batch: int, opts: Ray
         f"{gpus:g} GPUs each, batches of {batch}")
     # a block per batch (up to MAX_BLOCKS, each an object in Ray's store; beyond, a block holds several
     # whole batches, which map_batches cuts apart again): the batches spread over the pool to the end,
-    # in `batches`' order, and an actor that dies takes little finished work with it
+    # in `batches`' order, and an actor that dies takes little finished work with it. (Blocks of any
+    # other size would be bundled until they hold `batch` rows and cut anew: other batches.)
     plan = batches(items, batch)
     per = math.ceil(len(plan) / MAX_BLOCKS)
-    ds = ray.data.from_arrow([pa.table(_columns([i for group in plan[k : k + per] for i in group]))
-                              for k in range(0, len(plan), per)])
+    # (from_blocks keeps the blocks as given and reads their sizes here; from_arrow would run a task
+    # a table to read them)
+    ds = ray.data.from_blocks([pa.table(_columns([i for group in plan[k : k + per] for i in group]))
+                               for k in range(0, len(plan), per)])
     # an actor holds the batch it runs and the next (no wait between two), not more: a batch queued
     # on a busy actor would wait while another actor idles at the end of the job. (An actor that dies
     # is restarted and the batches it held are run again: Ray Data's defaults, max_restarts=-1 and

@@ -37,7 +37,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from . import cluster
-from .. import protocol
+from .. import protocol, trace
 from ..errors import MinicpmError, OptionError, UsageError
 
 serve = cluster.require_ray("serve").serve
@@ -187,6 +187,7 @@ class Speech:
             raise self.service.failure
         # (a key from the replica's environment, e.g. a Kubernetes secret, never enters Serve's config)
         _ReplicaApp.app = create_app(self.service, args.api_key or os.environ.get(protocol.API_KEY_ENV) or None)
+        trace.mark("replica_ready", pid=os.getpid(), gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def props(self) -> dict:
         """What this replica serves (`GET /props`), for `deploy`'s ready line."""
