@@ -103,7 +103,8 @@ def main() -> None:
     ideal = sum(frames) * (STEP_S + ROW_S * opts.batch) / opts.batch
     print(f"{opts.items} items, batches of {opts.batch}, noise {opts.noise}; all rows busy all the time: "
           f"{ideal:.1f} s on one replica\n")
-    print("| batches | ready over (s) | held per actor | 1 replica (s) | 2 replicas (s, speed-up) | 4 replicas (s, speed-up) |")
+    print("| batches | ready over (s) | held per actor | 1 replica (s) | 2 replicas (s, speed-up) "
+          "| 4 replicas (s, speed-up) |")
     print("|---|---|---|---|---|---|")
     for spread in (float(s) for s in opts.spread.split(",")):
         for name, plan in plans.items():

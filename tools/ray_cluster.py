@@ -119,7 +119,8 @@ def wait_nodes(address: str, shared: dict, count: int, procs: list[subprocess.Po
                 raise RuntimeError(f"a Ray node exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     if check.returncode != 0:
-        raise RuntimeError(f"the cluster at {address} did not get {count} nodes: {check.stderr.read().decode()[-2000:]}")
+        raise RuntimeError(f"the cluster at {address} did not get {count} nodes: "
+                           f"{check.stderr.read().decode()[-2000:]}")
 
 
 @contextlib.contextmanager
@@ -141,7 +142,8 @@ def two_nodes(head_gpus: str | None = None, worker_gpus: str | None = None, num_
         procs.append(_start(["--address", address, *node_args(worker_gpus, num_cpus)], node_env(worker_gpus, shared),
                             logs[1]))
         wait_nodes(address, shared, 2, procs, logs, timeout)
-        yield Cluster(address, {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": shared["RAY_AUTH_TOKEN"]})
+        yield Cluster(address, {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token",
+                                "RAY_AUTH_TOKEN": shared["RAY_AUTH_TOKEN"]})
     finally:
         for proc in reversed(procs):
             _stop(proc)

@@ -1,9 +1,10 @@
 """Scale-out measured on GPUs: bulk and serving on 1, 2 and 4 GPUs, a two-node cluster, replicas killed
 mid-job; every table of docs/scale-out.md from one invocation on a 4-GPU machine.
 
-    python tools/scale_bench.py --random-weights [--backend compile] [--parts bulk,serve,cluster,kill]
-        [--items 2400] [--batch 64] [--replicas 1,2,4] [--clients 1,16,64] [--requests 2]
-        [--serve-batch 16] [--subset 256] [--parallel] [--deadline 540] [--json FILE]
+    python tools/scale_bench.py (--random-weights | --model DIR) [--backend compile]
+        [--parts bulk,serve,cluster,kill] [--items 2400] [--sentences 1-3] [--batch 64] [--replicas 1,2,4]
+        [--clients 1,16,64] [--requests 2] [--serve-batch 16] [--subset 256] [--parallel]
+        [--timeout 480] [--deadline 540] [--json FILE] [--work DIR]
     python tools/scale_bench.py --report FILE      # the tables again, from a --json file
 
 Each run is its own processes, as users run them (`minicpm bulk`, `minicpm serve`, with and without
@@ -28,7 +29,9 @@ one bulk replica SIGKILLed mid-job (every item exactly once, same bytes), one Se
 under 2 x --serve-batch long streams (each stream whole with its bytes, or an error; none cut short
 and ended as if whole; new requests then succeed).
 
-Without GPUs (--device cpu, a tiny --model) every part runs on the CPU: a dry run of the tool.
+Without GPUs (--device cpu, a tiny --model, --greedy, short --texts) every part runs on the CPU: a
+dry run of the tool (docs/scale-out.md has the command). A run's files (its spec, stderr, trace and
+result) stay in --work DIR when one is given.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ LONG_TEXT = " ".join(READ_TEXTS)  # a stream in flight when a replica dies
 def sentences() -> list[str]:
     out = []
     for text in READ_TEXTS:
-        out += [s.strip() + ("" if s.strip().endswith((".", "?", "!")) else ".") for s in re.split(r"(?<=[.?!])\s+", text)
-                if s.strip()]
+        parts = [s.strip() for s in re.split(r"(?<=[.?!])\s+", text) if s.strip()]
+        out += [s + ("" if s.endswith((".", "?", "!")) else ".") for s in parts]
     return out
 
 
@@ -151,7 +154,8 @@ def bulk_run(spec: dict, work: Path, extra_env: dict | None = None) -> dict:
         if time.monotonic() > deadline:
             proc.kill()
             proc.wait()
-            return {"label": spec["label"], "error": f"timed out after {spec['timeout']:.0f} s", "stderr": "".join(err)[-3000:]}
+            return {"label": spec["label"], "error": f"timed out after {spec['timeout']:.0f} s",
+                    "stderr": "".join(err)[-3000:]}
         n = manifest.read_text().count("\n") if manifest.exists() else 0
         if not seen or n != seen[-1][1]:
             seen.append((time.time() - t0, n))
@@ -215,11 +219,13 @@ def bulk_marks(marks: list[dict], t0: float) -> dict:
     end = min(max(e for _, e, _ in r) for r in runs.values())
     last = max(e for r in runs.values() for _, e, _ in r)
     out["batches"] = sum(len(r) for r in runs.values())
-    out["busy_audio_per_s"] = {str(pid): sum(a for _, _, a in r) / sum(e - b for b, e, _ in r) for pid, r in runs.items()}
+    out["busy_audio_per_s"] = {str(pid): sum(a for _, _, a in r) / sum(e - b for b, e, _ in r)
+                               for pid, r in runs.items()}
     out["tail_s"] = last - end
     out["last_write_after_last_batch_s"] = max((b for _, b in writes), default=last) - last
     if end > begin:
-        audio = sum(a * max(0.0, min(e, end) - max(b, begin)) / (e - b) for r in runs.values() for b, e, a in r if e > b)
+        audio = sum(a * max(0.0, min(e, end) - max(b, begin)) / (e - b)
+                    for r in runs.values() for b, e, a in r if e > b)
         out["steady_audio_per_s"] = audio / (end - begin)
         out["steady_window_s"] = end - begin
     return out
@@ -258,7 +264,8 @@ def start_server(args: list[str], extra_env: dict | None = None,
     while not any(line.startswith("minicpm: serving ") for line in lines):
         if proc.poll() is not None or time.monotonic() > end:
             proc.kill()
-            raise RuntimeError(f"minicpm serve {' '.join(args)} did not start ({proc.returncode}):\n{''.join(lines)[-3000:]}")
+            raise RuntimeError(f"minicpm serve {' '.join(args)} did not start ({proc.returncode}):\n"
+                               f"{''.join(lines)[-3000:]}")
         time.sleep(0.1)
     return proc, port, lines
 
@@ -353,7 +360,8 @@ def serve_run(spec: dict, work: Path) -> dict:
         replicas = {m["pid"]: m.get("gpus") for m in read_trace(trace_path) if m.get("event") == "replica_ready"}
         result["replica_gpus"] = sorted(str(g) for g in replicas.values())
         if spec.get("kill"):
-            result["kill"] = kill_replica(port, list(replicas), spec["streams"], spec["long_text"], spec.get("greedy", False))
+            result["kill"] = kill_replica(port, list(replicas), spec["streams"], spec["long_text"],
+                                          spec.get("greedy", False))
     finally:
         stop_server(proc)
     return result
@@ -446,7 +454,8 @@ def launch(spec: dict, work: Path) -> dict:
         result = json.loads((work / "result.json").read_text())
     except (OSError, ValueError):
         partial = (work / "partial.json")
-        result = {"label": spec["label"], "error": f"no result (exit {proc.returncode}, timeout {spec['timeout']:.0f} s)",
+        result = {"label": spec["label"],
+                  "error": f"no result (exit {proc.returncode}, timeout {spec['timeout']:.0f} s)",
                   **(json.loads(partial.read_text()) if partial.exists() else {}),
                   "stderr": (work / "stderr.txt").read_text()[-3000:]}
     gpus = spec.get("gpus") if spec["kind"] != "cluster" else \
@@ -471,6 +480,9 @@ def plan_runs(opts, slots: int, on_gpu: bool) -> list[dict]:
     model = [*(["--random-weights"] if opts.random_weights else []), *(["--model", opts.model] if opts.model else []),
              "--backend", opts.backend, "--device", opts.device, "--dtype", opts.dtype]
     per = "1" if on_gpu else "0"
+
+    def on_ray(n: int) -> list[str]:
+        return ["--ray", "auto", "--replicas", str(n), "--gpus-per-replica", per]
     replicas = [n for n in opts.replicas if n <= slots or not on_gpu]
     runs = []
     parts = opts.parts
@@ -480,27 +492,25 @@ def plan_runs(opts, slots: int, on_gpu: bool) -> list[dict]:
                      "replicas": 0, "reference": True})
         for n in replicas:
             runs.append({"part": "bulk", "kind": "bulk", "label": f"Ray Data, {n} replica{'s' * (n > 1)}", "slots": n,
-                         "replicas": n, "args": [*base, "--ray", "auto", "--replicas", str(n), "--gpus-per-replica", per]})
+                         "replicas": n, "args": [*base, *on_ray(n)]})
     if "serve" in parts:
         base = [*model, "--batch", str(opts.serve_batch)]
         runs.append({"part": "serve", "kind": "serve", "label": "minicpm serve (1 GPU)", "slots": 1, "args": base,
                      "replicas": 0})
         for n in replicas:
-            runs.append({"part": "serve", "kind": "serve", "label": f"Ray Serve, {n} replica{'s' * (n > 1)}", "slots": n,
-                         "replicas": n, "args": [*base, "--ray", "auto", "--replicas", str(n), "--gpus-per-replica", per]})
+            runs.append({"part": "serve", "kind": "serve", "label": f"Ray Serve, {n} replica{'s' * (n > 1)}",
+                         "slots": n, "replicas": n, "args": [*base, *on_ray(n)]})
     n = max(2, slots)
     if "cluster" in parts:
         runs.append({"part": "cluster", "kind": "cluster", "label": f"two nodes ({n // 2} + {n - n // 2} GPUs), "
                      f"{n} replicas" if on_gpu else "two nodes (CPU), 2 replicas", "slots": n, "subset": True,
                      "args": [*model, "--batch", str(opts.batch), "--replicas", str(n), "--gpus-per-replica", per]})
     if "kill" in parts:
-        runs.append({"part": "kill", "kind": "bulk", "label": "bulk, 2 replicas, one SIGKILLed", "slots": 2, "subset": True,
-                     "kill": True, "args": [*model, "--batch", str(opts.batch), "--ray", "auto", "--replicas", "2",
-                                            "--gpus-per-replica", per]})
+        runs.append({"part": "kill", "kind": "bulk", "label": "bulk, 2 replicas, one SIGKILLed", "slots": 2,
+                     "subset": True, "kill": True, "args": [*model, "--batch", str(opts.batch), *on_ray(2)]})
         runs.append({"part": "kill", "kind": "serve", "label": "Ray Serve, 2 replicas, one SIGKILLed", "slots": 2,
                      "replicas": 2, "kill": True, "clients": [], "streams": 2 * opts.serve_batch,
-                     "args": [*model, "--batch", str(opts.serve_batch), "--ray", "auto", "--replicas", "2",
-                              "--gpus-per-replica", per]})
+                     "args": [*model, "--batch", str(opts.serve_batch), *on_ray(2)]})
     return runs
 
 
@@ -553,8 +563,9 @@ def tables(result: dict) -> str:
         out.append(f"Bulk, {o['items']} items ({o['sentences']} texts each), --batch {o['batch']}, {draw}; "
                    f"steady = audio s/s while every replica generates; speed-ups against Ray with 1 replica "
                    f"(in-process in brackets):\n")
-        out.append("| run | GPUs | wall (s) | start-up (s): Ray joined / dataset / all replicas loaded | first file (s) | steady audio s/s "
-                   "| steady speed-up | wall speed-up | tail (s) | driver writing (s) | files equal to in-process |")
+        out.append("| run | GPUs | wall (s) | start-up (s): Ray joined / dataset / all replicas loaded "
+                   "| first file (s) | steady audio s/s | steady speed-up | wall speed-up | tail (s) "
+                   "| driver writing (s) | files equal to in-process |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         one = next((r for r in bulk_runs if r.get("replicas") == 1 and "error" not in r), None)
         local = next((r for r in bulk_runs if r.get("reference") and "error" not in r), None)
@@ -572,7 +583,8 @@ def tables(result: dict) -> str:
                     else:
                         cells.append(f"{(base[key] / r[key]) if inv else (r[key] / base[key]):.2f}x")
                 sp.append(f"{cells[0]} ({cells[1]})")
-            same = "-" if ref is None else f"{sum(ref['hashes'].get(k) == v for k, v in r['hashes'].items())}/{len(r['hashes'])}"
+            same = "-" if ref is None else \
+                f"{sum(ref['hashes'].get(k) == v for k, v in r['hashes'].items())}/{len(r['hashes'])}"
             start = f"{f(r.get('ray_connected_s'))} / {f(r.get('ray_dataset_s'))} / {f(r.get('ready_all_s'))}"
             out.append(f"| {r['label']} | {r.get('gpus') or '-'} | {f(r['wall_s'])} | {start} | "
                        f"{f(r.get('first_file_s'))} | {f(r.get('steady_audio_per_s'))} | {sp[0]} | {sp[1]} | "
@@ -581,9 +593,11 @@ def tables(result: dict) -> str:
     serve_runs = [r for r in runs if r["part"] == "serve"]
     if serve_runs:
         o = result["options"]
-        out.append(f"Serving, streamed reads (pcm, {'greedy' if o.get('greedy') else 'seeded'}), --batch {o['serve_batch']} per replica, "
+        reads = "greedy" if o.get("greedy") else "seeded"
+        out.append(f"Serving, streamed reads (pcm, {reads}), --batch {o['serve_batch']} per replica, "
                    f"{o['requests']} requests per client one after another:\n")
-        out.append("| server | GPUs | clients | TTFA p50 / p90 (ms) | aggregate audio s/s | against 1 replica | errors |")
+        out.append("| server | GPUs | clients | TTFA p50 / p90 (ms) | aggregate audio s/s | against 1 replica "
+                   "| errors |")
         out.append("|---|---|---|---|---|---|---|")
         one = next((r for r in serve_runs if r.get("replicas") == 1 and r.get("loads")), None)
         for r in serve_runs:
@@ -607,8 +621,8 @@ def tables(result: dict) -> str:
                 verdict = f"failed: {r['error'][:120]}"
             elif "kill" in r:
                 k = r["kill"]
-                verdict = (f"{k['streams']} streams, replica {k['killed_pid']} killed: {k['whole']} whole, {k['failed']} "
-                           f"failed ({'; '.join(k['errors'])[:100]}); whole streams equal to a resend: "
+                verdict = (f"{k['streams']} streams, replica {k['killed_pid']} killed: {k['whole']} whole, "
+                           f"{k['failed']} failed ({'; '.join(k['errors'])[:100]}); whole streams equal to a resend: "
                            f"{k['whole_checked'] - len(k['whole_but_different'])}/{k['whole_checked']}; "
                            f"later requests {'succeed' if k['later_requests_ok'] else 'FAIL'}")
             else:
@@ -636,7 +650,8 @@ def describe() -> str:
             versions.append(f"{mod} {__import__(mod).__version__}")
         except ImportError:
             versions.append(f"{mod} missing")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     return (f"{gpu}, {os.cpu_count()} CPUs, {', '.join(versions)}, Python {platform.python_version()}, "
             f"commit {commit or '-'}, {datetime.date.today().isoformat()}")
 
@@ -646,7 +661,8 @@ def main() -> None:
         return child(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="checkpoint directory (or hub repo id); or --random-weights")
-    ap.add_argument("--random-weights", action="store_true", help="the full-size model drawn on each GPU, lengths forced")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="the full-size model drawn on each GPU, lengths forced")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -664,9 +680,11 @@ def main() -> None:
     ap.add_argument("--serve-batch", type=int, default=16, help="serve --batch: rows per replica")
     ap.add_argument("--subset", type=int, default=256, help="items of the cluster and bulk-kill runs (the shortest)")
     ap.add_argument("--parallel", action="store_true", help="run what fits on disjoint GPUs at the same time")
-    ap.add_argument("--gpus", type=int, default=None, help="GPUs to use [default: all nvidia-smi lists; 1 slot on a CPU]")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPUs to use [default: all nvidia-smi lists; 1 slot on a CPU]")
     ap.add_argument("--timeout", type=float, default=480, help="seconds a run may take")
-    ap.add_argument("--deadline", type=float, default=None, help="start no run, and end every run, this many seconds in")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="start no run, and end every run, this many seconds in")
     ap.add_argument("--json", help="every sample, rewritten after each run")
     ap.add_argument("--work", help="directory for the runs' files [default: a temporary one, removed]")
     ap.add_argument("--report", help="print the tables of a --json file and exit")
