@@ -333,6 +333,11 @@ class Speaker:
         self.voices: dict[str, Any] = {}
         if frames_per_token is not None:
             self.frames_per_token = frames_per_token
+        rows = getattr(self.synth, "rows", 1)
+        if rows > 1 and hasattr(self.synth, "warm_batches"):
+            # the graphs a batch of `rows` captures (and the kernels they compile): now, as part of the
+            # start, rather than in the first batch (say_batch would; once done, it does nothing)
+            self.synth.warm_batches(rows)
         trace.mark("speaker_ready", pid=os.getpid(), gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def _voice(self, path: str):
