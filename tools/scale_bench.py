@@ -629,7 +629,8 @@ def tables(result: dict) -> str:
                 same = "-" if ref is None else sum(ref["hashes"].get(k) == v for k, v in r["hashes"].items())
                 verdict = (f"{r['items']} items, each exactly once: {'yes' if r['exactly_once'] else 'NO'}; "
                            f"files equal to in-process: {same}/{len(r['hashes'])}; wall {f(r['wall_s'])} s"
-                           + (f"; replica {r['killed_pid']} killed" if r.get("killed_pid") else "")
+                           + (f"; replica {r['killed_pid']} killed" if r.get("killed_pid") else
+                              "; NO REPLICA KILLED (the job ended first: a larger --subset)" if "killed_pid" in r else "")
                            + (f"; replicas on GPUs {', '.join(r['gpus_seen'])}"
                               if r.get("gpus_seen") and r["gpus_seen"] != ["None"] else ""))
             out.append(f"| {r['label']} | {r.get('gpus') or '-'} | {verdict} |")
