@@ -2,7 +2,8 @@
 
 One local Ray cluster (2 CPUs, no GPU) is started here and shared by the module; the commands run as
 users run them, in subprocesses that join it with `--ray ADDRESS`. What must hold: a bulk job on two
-actors writes the files `say --lines --dir` writes, byte for byte; an actor killed mid-job is
+actors, on two nodes (a head and a worker node started with `ray start`, tools/ray_cluster.py), writes
+the files `say --lines --dir` writes, byte for byte; an actor killed mid-job is
 replaced, its batches run again, and every item still has exactly one complete file and one manifest
 line; a second run changes nothing; a run after a crash redoes what the crash lost and only that;
 per-item seeds are `say --seed <derived>`'s. Serve's replicas answer the official `openai` client with
@@ -144,12 +145,17 @@ def texts_by_id() -> dict[str, str]:
 # -- bulk on Ray ------------------------------------------------------------------------------------
 
 
-def test_bulk_on_two_actors_writes_what_say_lines_dir_writes_and_a_second_run_changes_nothing(cluster, lines, tmp_path):
+def test_bulk_on_two_nodes_writes_what_say_lines_dir_writes_and_a_second_run_changes_nothing(lines, tmp_path):
+    """A job across a head and a worker node started with `ray start` (tools/ray_cluster.py), one CPU
+    each, so one actor on each: `say`'s bytes."""
+    from conftest import _tool
+
     items, ref = lines
     out = tmp_path / "out"
-    args = ["bulk", str(items), "--out", str(out), "--ray", cluster, "--replicas", "2", "--batch", "4", "--greedy",
-            *MODEL]
-    p = minicpm(*args, "-v")
+    with _tool("ray_cluster").two_nodes("", "", num_cpus=1, env={"PYTHONPATH": str(ROOT)}) as nodes:
+        args = ["bulk", str(items), "--out", str(out), "--ray", nodes.address, "--replicas", "2", "--batch", "4",
+                "--greedy", *MODEL]
+        p = minicpm(*args, "-v", env=_env(**nodes.env))
     err = p.stderr.decode()
     assert p.returncode == 0, err
     assert {f.name: f.read_bytes() for f in out.iterdir() if f.suffix == ".wav"} == ref
@@ -161,7 +167,7 @@ def test_bulk_on_two_actors_writes_what_say_lines_dir_writes_and_a_second_run_ch
 
     before = snapshot(out)
     t0 = time.monotonic()
-    again = minicpm(*args)
+    again = minicpm(*args)  # (the nodes are gone: a complete job joins no cluster)
     assert again.returncode == 0, again.stderr.decode()
     assert snapshot(out) == before  # every file, the manifest included: same bytes, not even rewritten
     assert again.stderr.decode().strip().splitlines()[-1] == f"minicpm: 40 items in {out}: all 40 already there"
@@ -347,7 +353,7 @@ class FakeSynth:
     def __init__(self):
         self.calls: list[tuple] = []
 
-    def say_batch(self, requests, *, speed=1.0):
+    def say_batch(self, requests, *, speed=1.0, frames_per_token=None):
         return [self.say(text, sampling, voice=voice, speed=speed) for text, sampling, voice in requests]
 
     def say(self, text, sampling, *, voice=None, speed=1.0):
@@ -366,7 +372,7 @@ def test_the_speaker_maps_a_batch_through_one_function_and_fails_only_the_bad_it
     speaker = bulk.Speaker(lambda: synth)
     batches = []
     real = bulk.synthesize_batch
-    monkeypatch.setattr(bulk, "synthesize_batch", lambda s, reqs: batches.append(len(reqs)) or real(s, reqs))
+    monkeypatch.setattr(bulk, "synthesize_batch", lambda s, reqs, forced: batches.append(len(reqs)) or real(s, reqs, forced))
     ref = str(FIXTURES / "voice_ref_a.wav")
     items = [bulk.Item("a", "Hi.", "a.wav", 5, ref), bulk.Item("b", "Yo.", "b.wav", None)]
     out = speaker(bulk._columns(items))
@@ -386,6 +392,51 @@ def test_the_speaker_maps_a_batch_through_one_function_and_fails_only_the_bad_it
     assert batches == [3, 1, 1, 1]  # the batch failed: each item alone, to find which
     assert list(out["error"]) == ["", "the text has nothing the TTS tokenizer can read", ""]
     assert out["audio"][1] == b"" and len(out["audio"][0]) and len(out["audio"][2])
+
+
+def test_a_job_runs_longest_text_first_in_the_same_batches_in_this_process_and_on_ray(tmp_path, monkeypatch):
+    """bulk.batches: the items longest text first (ties in input order), --batch at a time; the
+    in-process path speaks exactly those batches, in that order (Ray's blocks are cut from the same
+    list: the byte-for-byte tests above hold across both)."""
+    texts = ["Hi.", "A longer one.", "Yo.", "The longest text of all.", "Mid one.", "Ok."]
+    items = bulk.plan([{"text": t} for t in texts], fmt="wav", greedy=True, seed=None, base=tmp_path)
+    plan = bulk.batches(items, 4)
+    assert [[i.text for i in group] for group in plan] == [
+        ["The longest text of all.", "A longer one.", "Mid one.", "Hi."], ["Yo.", "Ok."]]
+    synth = FakeSynth()
+    spoken = []
+    real = bulk.synthesize_batch
+    monkeypatch.setattr(bulk, "synthesize_batch", lambda s, reqs, forced: spoken.append([r.text for r in reqs])
+                        or real(s, reqs, forced))
+    out = list(bulk.in_process(items, lambda: synth, 4))
+    assert spoken == [[i.text for i in group] for group in plan]
+    assert [list(o["id"]) for o in out] == [[i.id for i in group] for group in plan]
+
+
+def test_bulk_random_weights_forces_the_lengths(tmp_path, monkeypatch):
+    """`bulk --random-weights` (tiny sizes here): the model drawn, no checkpoint read; each item's
+    length forced (say_batch's frames_per_token), its file the one the same read alone gives."""
+    from typer.testing import CliRunner
+
+    from minicpm_cli.cli.app import app
+    from minicpm_cli.engine import loading
+    from minicpm_cli.engine.pipeline import Synthesizer
+    from minicpm_cli.engine.sampling import Sampling
+    from minicpm_cli.engine.synthetic import SyntheticSpec
+
+    monkeypatch.setattr(SyntheticSpec, "full", SyntheticSpec.tiny)
+    monkeypatch.setattr(loading, "FORCED_FRAMES_PER_TOKEN", 2)
+    src = tmp_path / "items.txt"
+    src.write_text("Say cat.\nOne more text here.\nGo.\n")
+    out = tmp_path / "out"
+    r = CliRunner().invoke(app, ["bulk", str(src), "--out", str(out), "--random-weights", "--device", "cpu",
+                                 "--backend", "eager", "--batch", "2", "--greedy"])
+    assert r.exit_code == 0, r.output
+    synth = Synthesizer.load(None, random_weights=True, spec=SyntheticSpec.tiny(), device="cpu", backend="eager")
+    for e in entries(out):
+        alone = synth.say_batch([(e["text"], Sampling(greedy=True), None)], frames_per_token=2)[0]
+        assert len(alone.codes) == 2 * len(synth.tokenizers.encode_bert(e["text"])), e
+        assert e["seconds"] == pytest.approx(len(alone.audio) / 24000, abs=1e-4), e
 
 
 def test_bulk_speed_reaches_the_model_and_the_manifest(tmp_path):
@@ -442,19 +493,27 @@ def test_run_writes_what_arrives_shows_progress_and_leaves_failed_items_for_the_
 
 
 def test_serve_args_and_deployment_options(monkeypatch):
+    """Serve's options follow the replica's rows: at most `batch` requests on a replica (the rest wait
+    in Serve's router for the first free row), autoscaling aimed at half of them; the compiled-kernel
+    cache variables set here reach the replicas."""
     from minicpm_cli.scale import ray_serve
 
     monkeypatch.setenv("MINICPM_API_KEY", "from-env")  # (read by each replica, not put into Serve's config)
-    args = ray_serve.ServeArgs.from_args({"model": "/m", "replicas": "2-6", "device": "cuda"})
-    assert (args.model, args.api_key, args.num_gpus) == ("/m", None, 1)
+    for name in bulk.CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    args = ray_serve.ServeArgs.from_args({"model": "/m", "replicas": "2-6", "device": "cuda", "batch": "16"})
+    assert (args.model, args.api_key, args.num_gpus, args.batch) == ("/m", None, 1, 16)
     opts = ray_serve.deployment_options(args)
     assert opts["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
-                                          "target_ongoing_requests": ray_serve.TARGET_ONGOING_REQUESTS}
+                                          "target_ongoing_requests": 8.0}
     assert "num_replicas" not in opts and opts["ray_actor_options"] == {"num_gpus": 1}
+    assert opts["max_ongoing_requests"] == 16
+    assert ray_serve.deployment_options(ray_serve.ServeArgs())["max_ongoing_requests"] == 8  # (serve's --batch)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/triton")
     fixed = ray_serve.deployment_options(ray_serve.ServeArgs.from_args(
-        {"replicas": 3, "device": "cpu", "api_key": "k", "max_ongoing_requests": "2"}))
-    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
-    assert fixed["ray_actor_options"] == {"num_gpus": 0} and fixed["max_ongoing_requests"] == 2
+        {"replicas": 3, "device": "cpu", "api_key": "k", "max_ongoing_requests": "2", "target_ongoing_requests": 1}))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed and fixed["max_ongoing_requests"] == 2
+    assert fixed["ray_actor_options"] == {"num_gpus": 0, "runtime_env": {"env_vars": {"TRITON_CACHE_DIR": "/shared/triton"}}}
     assert ray_serve.ServeArgs.from_args({"gpus": "0.5"}).num_gpus == 0.5
     with pytest.raises(OptionError, match="unknown option.*modle"):
         ray_serve.ServeArgs.from_args({"modle": "x"})
@@ -476,6 +535,61 @@ def test_replicas_that_cannot_start_are_one_line():
     assert isinstance(e, MinicpmError) and str(e) == "model directory not found: /no/such/dir"
     e = ray_serve._failure("Deploying application minicpm failed: out of resources\nmore detail\n")
     assert str(e) == "the replicas did not start: Deploying application minicpm failed: out of resources"
+
+
+# -- KubeRay manifests ------------------------------------------------------------------------------
+
+
+def _ray_cluster_spec(spec: dict, where: str) -> None:
+    """What KubeRay v1 requires of a RayCluster spec, and GPUs on the workers."""
+    head = spec["headGroupSpec"]
+    assert isinstance(head["rayStartParams"], dict), where  # (required by ray.io/v1)
+    groups = spec["workerGroupSpecs"]
+    assert groups, where
+    for pod in [head["template"]] + [g["template"] for g in groups]:
+        containers = pod["spec"]["containers"]
+        assert containers and all(c["image"] and c["name"] for c in containers), where
+    for g in groups:
+        assert g["groupName"] and isinstance(g["rayStartParams"], dict), where
+        assert 0 <= g["minReplicas"] <= g["replicas"] <= g["maxReplicas"], where
+        assert all(int(c["resources"]["limits"]["nvidia.com/gpu"]) >= 1 for c in g["template"]["spec"]["containers"]), where
+
+
+def test_the_kuberay_manifests_are_what_kuberay_and_our_commands_accept():
+    """docs/kuberay/: the RayJob's entrypoint is a `minicpm bulk` whose options exist; the
+    RayService's serveConfigV2 names our application builder, which imports and accepts its args;
+    both carry the fields KubeRay v1 requires. docs/scale-out.md points at both files."""
+    import importlib
+    import shlex
+
+    import typer.main
+    import yaml
+
+    from minicpm_cli.cli.app import app
+    from minicpm_cli.scale import ray_serve
+
+    docs = ROOT / "docs"
+    job = yaml.safe_load((docs / "kuberay" / "bulk-rayjob.yaml").read_text())
+    service = yaml.safe_load((docs / "kuberay" / "serve-rayservice.yaml").read_text())
+    guide = (docs / "scale-out.md").read_text()
+    for doc, kind in ((job, "RayJob"), (service, "RayService")):
+        assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", kind) and doc["metadata"]["name"]
+    assert "kuberay/bulk-rayjob.yaml" in guide and "kuberay/serve-rayservice.yaml" in guide
+
+    words = shlex.split(job["spec"]["entrypoint"])
+    assert words[:2] == ["minicpm", "bulk"]
+    bulk_cmd = typer.main.get_command(app).commands["bulk"]
+    known = {o for p in bulk_cmd.params for o in p.opts}
+    assert {w for w in words if w.startswith("--")} <= known, words
+    _ray_cluster_spec(job["spec"]["rayClusterSpec"], "RayJob")
+
+    config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    for application in config["applications"]:
+        module, _, attr = application["import_path"].partition(":")
+        assert getattr(importlib.import_module(module), attr) is ray_serve.app
+        assert application["route_prefix"].startswith("/")
+        ray_serve.ServeArgs.from_args(application["args"])  # (an unknown key or a bad value raises)
+    _ray_cluster_spec(service["spec"]["rayClusterConfig"], "RayService")
 
 
 # -- Ray Serve --------------------------------------------------------------------------------------

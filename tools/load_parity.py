@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ray_bench import KEY, bulk, describe, sentences, start_server, stop_server  # noqa: E402
+from scale_bench import KEY, bulk, describe, sentences, start_server, stop_server  # noqa: E402
 
 
 def speech(port: int, body: dict) -> bytes:

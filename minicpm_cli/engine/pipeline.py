@@ -324,13 +324,17 @@ class Synthesizer:
         yield from in_order(self.batch(batch), jobs, batch)
 
     def say_batch(self, requests: list[tuple[str, Sampling, Voice | np.ndarray | None]], *,
-                  speed: float = 1.0) -> list[Utterance]:
-        """`say` for each (text, sampling, voice), generated together, up to `rows` at a time; in order."""
+                  speed: float = 1.0, frames_per_token: int | None = None) -> list[Utterance]:
+        """`say` for each (text, sampling, voice), generated together, up to `rows` at a time; in order.
+        `frames_per_token`: lengths forced (random weights), as `say_many` forces them."""
         from .batching import in_order
 
         if self.rows == 1 or len(requests) == 1:
-            return [self.say(text, sampling, voice=voice, speed=speed) for text, sampling, voice in requests]
-        jobs = (self.read_job(text, sampling, voice=as_voice(voice), speed=speed) for text, sampling, voice in requests)
+            return [self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice, speed=speed,
+                                                         frames_per_token=frames_per_token)))
+                    for text, sampling, voice in requests]
+        jobs = (self.read_job(text, sampling, voice=as_voice(voice), speed=speed, frames_per_token=frames_per_token)
+                for text, sampling, voice in requests)
         return [self._utterance(chunks) for chunks in in_order(self.batch(), jobs, self.rows)]
 
     @staticmethod

@@ -20,11 +20,14 @@ seed, file name and size) and speaks the rest. A crash loses at most the items i
 ever half-written, and no line names a file that is not complete.
 
 The synthesis: `Speaker` loads the model once (in `__init__`) and maps a batch of items to their
-audio; the one function that speaks a batch is `synthesize_batch`. Without Ray the batches go through
-one `Speaker` in this process. With Ray, Ray Data streams them through a pool of `Speaker` actors
-(`map_batches`: one model per actor, a dead actor restarted and its batches retried) and the audio
-comes back here, where every file and the manifest are written: the actors need no access to DIR and
-only one process ever writes the manifest.
+audio; the one function that speaks a batch is `synthesize_batch`. The batches are the same wherever
+they run (`batches`): the items longest text first, cut into batches of `--batch`, so that the items a
+model generates together end at about the same time (a batch lasts as long as its longest item) and
+the job ends on its shortest batches. Without Ray the batches go through one `Speaker` in this
+process. With Ray, Ray Data streams them through a pool of `Speaker` actors (`map_batches`: one model
+per actor, a dead actor restarted and its batches retried) and the audio comes back here, where every
+file and the manifest are written: the actors need no access to DIR and only one process ever writes
+the manifest.
 
 Over the house's ~450 lines as one job's life: items read and planned, the manifest and resuming,
 the model as a function of batches, and the run that ties them (in this process or on Ray).
@@ -50,13 +53,17 @@ from typing import Any
 
 import numpy as np
 
-from .. import protocol
+from .. import protocol, trace
 from ..errors import MinicpmError, OptionError, UsageError, VoiceError
 from ..voices.store import VoiceStore, locate
 
 MANIFEST = "manifest.jsonl"
 FORMATS = ("wav", "flac")
-MAX_BLOCKS = 2000  # blocks the items are cut into on Ray
+MAX_BLOCKS = 2000  # blocks the items are cut into on Ray (each a whole number of batches)
+TASKS_PER_ACTOR = 2  # batches Ray Data hands an actor at once: the one it runs and the next
+# what the actors take from the driver's environment, where it is set: the compiled-kernel caches
+# (Triton's, TorchInductor's, NVRTC's), so that every replica of a job reads and fills the same ones
+CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MINICPM_CACHE_DIR")
 SAMPLE_RATE = 24000  # (pipeline.SAMPLE_RATE; this module imports no torch)
 _ID = re.compile(r"\w[\w.\-]{0,199}")  # an id names a file: no separators, no leading dot
 
@@ -295,15 +302,17 @@ class Request:
     speed: float = 1.0
 
 
-def synthesize_batch(synth, requests: Sequence[Request]) -> list:
+def synthesize_batch(synth, requests: Sequence[Request], frames_per_token: int | None = None) -> list:
     """A batch of requests -> their utterances (`pipeline.Utterance`), in order: the one place where
     `bulk` speaks, generated together (`Synthesizer.say_batch`, as many at once as the model was
     loaded with rows). Each utterance is the one `synth.say` gives for its request alone (requests of
-    another speed, which a run does not mix, in a batch of their own)."""
+    another speed, which a run does not mix, in a batch of their own). `frames_per_token`: lengths
+    forced (random weights, for speed work)."""
     out: list = [None] * len(requests)
     for speed in dict.fromkeys(r.speed for r in requests):
         mine = [i for i, r in enumerate(requests) if r.speed == speed]
-        said = synth.say_batch([(requests[i].text, requests[i].sampling, requests[i].voice) for i in mine], speed=speed)
+        said = synth.say_batch([(requests[i].text, requests[i].sampling, requests[i].voice) for i in mine], speed=speed,
+                               frames_per_token=frames_per_token)
         for i, u in zip(mine, said):
             out[i] = u
     return out
@@ -317,10 +326,19 @@ class Speaker:
     `error` ("" or the item's one-line error: the batch goes on without it)."""
 
     loader: Callable[[], Any] | None = None  # (set by `speaker_class`)
+    frames_per_token: int | None = None  # lengths forced (random weights)
 
-    def __init__(self, load: Callable[[], Any] | None = None):
+    def __init__(self, load: Callable[[], Any] | None = None, frames_per_token: int | None = None):
         self.synth = (load or self.loader)()
         self.voices: dict[str, Any] = {}
+        if frames_per_token is not None:
+            self.frames_per_token = frames_per_token
+        rows = getattr(self.synth, "rows", 1)
+        if rows > 1 and hasattr(self.synth, "warm_batches"):
+            # the graphs a batch of `rows` captures (and the kernels they compile): now, as part of the
+            # start, rather than in the first batch (say_batch would; once done, it does nothing)
+            self.synth.warm_batches(rows)
+        trace.mark("speaker_ready", pid=os.getpid(), gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def _voice(self, path: str):
         if not path:
@@ -334,6 +352,7 @@ class Speaker:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from ..engine.sampling import Sampling
 
+        began = time.time()
         requests, errors = [], []
         for text, seed, voice, speed in zip(batch["text"], batch["seed"], batch["voice"], batch["speed"]):
             seed = str(seed)
@@ -347,8 +366,10 @@ class Speaker:
         utterances = self._speak(requests, errors)
         audio = np.empty(len(requests), dtype=object)
         audio[:] = [b"" if u is None else np.asarray(u.audio, "<f4").tobytes() for u in utterances]
+        seconds = [0.0 if u is None else len(u.audio) / u.sample_rate for u in utterances]
+        trace.mark("bulk_batch", pid=os.getpid(), began=began, items=len(requests), audio_s=sum(seconds))
         return {"id": np.asarray(batch["id"], dtype=object), "audio": audio,
-                "seconds": np.array([0.0 if u is None else len(u.audio) / u.sample_rate for u in utterances]),
+                "seconds": np.array(seconds),
                 "marks": np.array(["[]" if u is None else json.dumps(u.marks) for u in utterances], dtype=object),
                 "error": np.array(errors, dtype=object)}
 
@@ -358,24 +379,24 @@ class Speaker:
         good = [i for i, r in enumerate(requests) if r is not None]
         out: list = [None] * len(requests)
         try:
-            for i, u in zip(good, synthesize_batch(self.synth, [requests[i] for i in good])):
+            for i, u in zip(good, synthesize_batch(self.synth, [requests[i] for i in good], self.frames_per_token)):
                 out[i] = u
             return out
         except MinicpmError:
             pass
         for i in good:
             try:
-                out[i] = synthesize_batch(self.synth, [requests[i]])[0]
+                out[i] = synthesize_batch(self.synth, [requests[i]], self.frames_per_token)[0]
             except MinicpmError as e:
                 errors[i] = _one_line(e)
         return out
 
 
-def speaker_class(load: Callable[[], Any]) -> type[Speaker]:
+def speaker_class(load: Callable[[], Any], frames_per_token: int | None = None) -> type[Speaker]:
     """A Speaker whose loader is part of the class. Ray keeps a class with the actor's definition,
     while constructor arguments of a restartable actor stay in the object store, where a restart
     cannot find them once they are lost (ray-project/ray#53727)."""
-    return type("Speaker", (Speaker,), {"loader": staticmethod(load)})
+    return type("Speaker", (Speaker,), {"loader": staticmethod(load), "frames_per_token": frames_per_token})
 
 
 def _one_line(e: BaseException) -> str:
@@ -396,6 +417,19 @@ def _columns(items: Sequence[Item]) -> dict[str, np.ndarray]:
 # -- where the batches run -------------------------------------------------------------------------
 
 
+def batches(items: Sequence[Item], batch: int) -> list[list[Item]]:
+    """The batches a job's items are spoken in, in the order they start: the items longest text first
+    (ties in input order), `batch` at a time. A model generates a batch's items together and the batch
+    lasts as long as its longest item; items of about the same length end together, so the rows stay
+    busy to the batch's end, and the job ends on its shortest batches, so no replica is left finishing
+    a long one while the others idle (the text's length is the cost known before speaking: the audio
+    grows with it). The same batches in this process and on Ray, so the same batches wherever the
+    items run. Files are named by id, so the order changes no file and no manifest entry (only the
+    order of the lines)."""
+    ordered = sorted(items, key=lambda i: -len(i.text))
+    return [ordered[k : k + batch] for k in range(0, len(ordered), batch)]
+
+
 @dataclass(frozen=True)
 class RayOptions:
     address: str  # "auto" or a cluster address (cluster.connect)
@@ -403,19 +437,29 @@ class RayOptions:
     gpus: float | None = None  # per actor; None: 1 where the cluster has GPUs and the device is not cpu
 
 
-def in_process(items: Sequence[Item], load: Callable[[], Any], batch: int) -> Iterator[dict]:
+def in_process(items: Sequence[Item], load: Callable[[], Any], batch: int,
+               frames_per_token: int | None = None) -> Iterator[dict]:
     """The batches through one Speaker in this process, one after the other."""
-    speaker = Speaker(load)
-    for start in range(0, len(items), batch):
-        yield speaker(_columns(items[start : start + batch]))
+    speaker = Speaker(load, frames_per_token)
+    for group in batches(items, batch):
+        yield speaker(_columns(group))
+
+
+def cache_environment() -> dict[str, str]:
+    """The variables of CACHE_VARIABLES set here, for the actors' runtime environment. Unset, each
+    process uses its user's default directories, which the replicas on one node share already."""
+    return {k: os.environ[k] for k in CACHE_VARIABLES if os.environ.get(k)}
 
 
 def on_ray(items: Sequence[Item], load: Callable[[], Any], batch: int, opts: RayOptions, device: str,
-           say: Callable[[str], None]) -> Iterator[dict]:
+           say: Callable[[str], None], frames_per_token: int | None = None) -> Iterator[dict]:
     """The batches through a pool of Speaker actors on a Ray cluster (Ray Data), results as they come."""
+    import pyarrow as pa
+
     from . import cluster
 
     ray = cluster.connect(opts.address, "data")
+    trace.mark("ray_connected")
     total_gpus = ray.cluster_resources().get("GPU", 0)
     gpus = opts.gpus
     if gpus is None:
@@ -425,14 +469,26 @@ def on_ray(items: Sequence[Item], load: Callable[[], Any], batch: int, opts: Ray
     low, high = opts.replicas or ((max(1, int(total_gpus // gpus)),) * 2 if gpus else (1, 1))
     say(f"minicpm: {len(items)} items on Ray: {low if low == high else f'{low}-{high}'} replicas, "
         f"{gpus:g} GPUs each, batches of {batch}")
-    rows = [{k: str(v[0]) for k, v in _columns([i]).items()} for i in items]
-    # a block per batch (up to MAX_BLOCKS, each an object in Ray's store): the batches spread over the
-    # pool to the end, and an actor that dies takes little finished work with it
-    ds = ray.data.from_items(rows, override_num_blocks=min(MAX_BLOCKS, math.ceil(len(items) / batch)))
-    # (an actor that dies is restarted and the batches it held are run again: Ray Data's defaults,
-    # max_restarts=-1 and max_task_retries=-1)
-    pool = ray.data.ActorPoolStrategy(size=low) if low == high else ray.data.ActorPoolStrategy(min_size=low, max_size=high)
-    ds = ds.map_batches(speaker_class(load), batch_size=batch, batch_format="numpy", compute=pool, num_gpus=gpus)
+    # a block per batch (up to MAX_BLOCKS, each an object in Ray's store; beyond, a block holds several
+    # whole batches, which map_batches cuts apart again): the batches spread over the pool to the end,
+    # in `batches`' order, and an actor that dies takes little finished work with it. (Blocks of any
+    # other size would be bundled until they hold `batch` rows and cut anew: other batches.)
+    plan = batches(items, batch)
+    per = math.ceil(len(plan) / MAX_BLOCKS)
+    # (from_blocks keeps the blocks as given and reads their sizes here; from_arrow would run a task
+    # a table to read them)
+    ds = ray.data.from_blocks([pa.table(_columns([i for group in plan[k : k + per] for i in group]))
+                               for k in range(0, len(plan), per)])
+    # an actor holds the batch it runs and the next (no wait between two), not more: a batch queued
+    # on a busy actor would wait while another actor idles at the end of the job. (An actor that dies
+    # is restarted and the batches it held are run again: Ray Data's defaults, max_restarts=-1 and
+    # max_task_retries=-1.)
+    sizes = {"size": low} if low == high else {"min_size": low, "max_size": high}
+    pool = ray.data.ActorPoolStrategy(**sizes, max_tasks_in_flight_per_actor=TASKS_PER_ACTOR)
+    env = cache_environment()
+    ds = ds.map_batches(speaker_class(load, frames_per_token), batch_size=batch, batch_format="numpy", compute=pool,
+                        num_gpus=gpus, **({"runtime_env": {"env_vars": env}} if env else {}))
+    trace.mark("ray_dataset")
     yield from ds.iter_batches(batch_size=None, batch_format="numpy")
 
 
@@ -473,6 +529,7 @@ def run(items: Sequence[Item], out: Path, results: Callable[[Sequence[Item]], It
         bar = _bar(len(pending)) if progress else None
         try:
             for result in results(pending):
+                began = time.time()
                 for rid, data, seconds, marks, error in zip(result["id"], result["audio"], result["seconds"],
                                                             result["marks"], result["error"]):
                     item = by_id[str(rid)]
@@ -501,6 +558,7 @@ def run(items: Sequence[Item], out: Path, results: Callable[[Sequence[Item]], It
                         bar.update(1)
                         elapsed = time.monotonic() - t0
                         bar.set_postfix_str(f"{summary.seconds / elapsed:.2f} s audio/s", refresh=False)
+                trace.mark("bulk_written", began=began, items=len(result["id"]))
         finally:
             if bar is not None:
                 bar.close()

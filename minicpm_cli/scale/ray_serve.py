@@ -1,8 +1,8 @@
 """`minicpm serve` on Ray Serve: the same application, one model per replica, scaled by Ray.
 
 `app(args)` builds the Serve application from a dict of options (`ServeArgs.from_args`: model,
-backend, gguf, device, dtype, random_weights, api_key, replicas "N" or "MIN-MAX", gpus,
-max_ongoing_requests, target_ongoing_requests), so that `serve run minicpm_cli.scale.ray_serve:app
+backend, gguf, device, dtype, random_weights, batch, batch_variant, api_key, replicas "N" or
+"MIN-MAX", gpus, max_ongoing_requests, target_ongoing_requests), so that `serve run minicpm_cli.scale.ray_serve:app
 model=DIR replicas=1-4` and a KubeRay RayService (`import_path: minicpm_cli.scale.ray_serve:app` with the
 same `args`) deploy it; `minicpm serve --ray ADDRESS` deploys it from the command line (`deploy`).
 
@@ -14,6 +14,13 @@ thread, streamed responses sent chunk by chunk through Serve's HTTP proxy. Repli
 `gpus` GPUs each (`ray_actor_options.num_gpus`), a fixed number of them or as many as the ongoing
 requests call for between MIN and MAX (Serve's autoscaling, aiming at `target_ongoing_requests` per
 replica).
+
+A replica generates up to `batch` requests at once (its engine's rows), so Serve gives it at most
+that many (`max_ongoing_requests`, by default `batch`): the requests beyond wait in Serve's router,
+which sends each to the first replica with a free row (of two replicas drawn, the one with fewer
+requests), rather than in one replica's queue while another has rows free. The autoscaler aims at
+half the rows busy (`target_ongoing_requests`, by default `batch / 2`), so a replica starting (tens of
+seconds for a model) is not awaited by requests that already fill every row.
 
 Importing this module imports Ray (`cluster.require_ray` says how to install it when it is missing).
 """
@@ -30,14 +37,13 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from . import cluster
-from .. import protocol
+from .. import protocol, trace
 from ..errors import MinicpmError, OptionError, UsageError
 
 serve = cluster.require_ray("serve").serve
 
 APP_NAME = "minicpm"
-MAX_ONGOING_REQUESTS = 4  # per replica: one generating, the rest queued on its model thread
-TARGET_ONGOING_REQUESTS = 2.0  # autoscaling: more replicas when each has more than this
+TARGET_SHARE = 0.5  # autoscaling: more replicas when the replicas' rows are more than this busy
 GRACEFUL_SHUTDOWN_S = 120.0  # a replica being stopped lets its requests finish for this long
 
 
@@ -56,8 +62,8 @@ class ServeArgs:
     api_key: str | None = None  # every request but GET /health needs it [default: each replica's MINICPM_API_KEY]
     replicas: tuple[int, int] = (1, 1)  # (min, max): equal for a fixed number
     gpus: float | None = None  # per replica [default: 1 unless device is cpu]
-    max_ongoing_requests: int = MAX_ONGOING_REQUESTS
-    target_ongoing_requests: float = TARGET_ONGOING_REQUESTS
+    max_ongoing_requests: int | None = None  # per replica [default: batch, the requests it generates at once]
+    target_ongoing_requests: float | None = None  # autoscaling's aim per replica [default: batch * TARGET_SHARE]
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "ServeArgs":
@@ -78,8 +84,10 @@ class ServeArgs:
                     values[key] = _bool(value)
                 elif key in ("gpus", "target_ongoing_requests"):
                     values[key] = float(value)
-                elif key == "max_ongoing_requests":
+                elif key in ("max_ongoing_requests", "batch"):
                     values[key] = int(value)
+                elif key == "batch_variant":
+                    values[key] = _bool(value)
                 else:
                     values[key] = str(value)
             except (TypeError, ValueError):
@@ -87,15 +95,34 @@ class ServeArgs:
         out = cls(**values)
         if out.gpus is not None and out.gpus < 0:
             raise OptionError("gpus must be at least 0")
-        if out.max_ongoing_requests < 1 or not out.target_ongoing_requests > 0:
+        if out.batch < 1:
+            raise OptionError("batch must be at least 1")
+        if out.max_ongoing < 1 or not out.target_ongoing > 0:
             raise OptionError("max_ongoing_requests must be at least 1 and target_ongoing_requests positive")
         return out
+
+    @property
+    def max_ongoing(self) -> int:
+        return self.batch if self.max_ongoing_requests is None else self.max_ongoing_requests
+
+    @property
+    def target_ongoing(self) -> float:
+        if self.target_ongoing_requests is not None:
+            return self.target_ongoing_requests
+        return max(1.0, self.batch * TARGET_SHARE)
 
     @property
     def num_gpus(self) -> float:
         if self.gpus is not None:
             return self.gpus
         return 0 if self.device == "cpu" else 1
+
+
+def _cache_environment() -> dict[str, str]:
+    """The compiled-kernel cache variables set here, for the replicas (`bulk.cache_environment`)."""
+    from .bulk import cache_environment
+
+    return cache_environment()
 
 
 def _bool(value) -> bool:
@@ -111,14 +138,17 @@ def _bool(value) -> bool:
 def deployment_options(args: ServeArgs) -> dict[str, Any]:
     """Serve's options for the Speech deployment: its replicas, their GPUs, their request limits."""
     low, high = args.replicas
-    opts: dict[str, Any] = {"ray_actor_options": {"num_gpus": args.num_gpus},
-                            "max_ongoing_requests": args.max_ongoing_requests,
+    actor: dict[str, Any] = {"num_gpus": args.num_gpus}
+    env = _cache_environment()
+    if env:
+        actor["runtime_env"] = {"env_vars": env}
+    opts: dict[str, Any] = {"ray_actor_options": actor, "max_ongoing_requests": args.max_ongoing,
                             "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S}
     if low == high:
         opts["num_replicas"] = low
     else:
         opts["autoscaling_config"] = {"min_replicas": low, "initial_replicas": low, "max_replicas": high,
-                                      "target_ongoing_requests": args.target_ongoing_requests}
+                                      "target_ongoing_requests": args.target_ongoing}
     return opts
 
 
@@ -157,6 +187,7 @@ class Speech:
             raise self.service.failure
         # (a key from the replica's environment, e.g. a Kubernetes secret, never enters Serve's config)
         _ReplicaApp.app = create_app(self.service, args.api_key or os.environ.get(protocol.API_KEY_ENV) or None)
+        trace.mark("replica_ready", pid=os.getpid(), gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def props(self) -> dict:
         """What this replica serves (`GET /props`), for `deploy`'s ready line."""

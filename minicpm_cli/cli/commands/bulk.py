@@ -38,6 +38,7 @@ def bulk(
     dtype: DtypeOpt = "auto",
     verbose: VerboseOpt = False,
     batch_variant: BatchVariantOpt = False,
+    random_weights: Annotated[bool, typer.Option("--random-weights", help="For speed work: the full-size model with random weights drawn on the device, no checkpoint; lengths forced as `bench --random-weights` forces them. Its audio is noise.")] = False,
 ) -> None:
     """Speak many texts, one audio file each: DIR/<id>.wav and DIR/manifest.jsonl.
 
@@ -73,16 +74,19 @@ def bulk(
     if address is not None:
         model, gguf = absolute_if_here(model), absolute_if_here(gguf)
     load = functools.partial(load_here, model, backend, device, dtype, gguf, verbose, batch,  # (rows: a batch at once)
-                             batch_variant)
+                             batch_variant, random_weights)
+    forced = None
+    if random_weights:
+        from ...engine.loading import FORCED_FRAMES_PER_TOKEN as forced
     if address is None:
         def results(pending):
-            return b.in_process(pending, load, batch)
+            return b.in_process(pending, load, batch, forced)
     else:
         say = (lambda line: print(line, file=sys.stderr, flush=True)) if verbose else (lambda line: None)
         opts = b.RayOptions(address, bounds, gpus_per_replica)
 
         def results(pending):
-            return b.on_ray(pending, load, batch, opts, device, say)
+            return b.on_ray(pending, load, batch, opts, device, say, forced)
     try:
         summary = b.run(items, directory, results, progress=sys.stderr.isatty(), captions=captions)
     finally:
