@@ -3,8 +3,8 @@ full-size model, compiled without a GPU for sm_80, sm_86, sm_89, sm_90 and sm_12
 architecture's limits (tools/kernel_targets.py does the work, in a process of its own: the kernels
 must be JIT functions there, not the interpreter's).
 
-The whole sweep (some 130 kernels an architecture, minutes each on two cores, then cached on disk
-by Triton) is marked `targets` and left out of the default run: `python -m pytest -m targets
+The whole sweep (some 130 kernels an architecture, 15-30 CPU minutes each architecture when cold,
+then cached on disk by Triton) is marked `targets` and left out of the default run: `python -m pytest -m targets
 tests/test_targets.py`. The default run records every launch for every architecture (the launch
 code runs under each capability, Hopper-only features only from sm_90) and compiles the CUDA C
 kernel and the norm for each.

@@ -57,7 +57,8 @@ HOPPER = (9, 0)  # programmatic dependent launch (griddepcontrol) from here on
 
 def limits(cc: tuple[int, int] | None) -> Limits:
     """The limits of capability cc: its row; for one not in the table, the nearest row below it of
-    the same major version, else 8.6's (the smallest shared memory, so a plan that fits there fits)."""
+    the same major version, else 8.6's (the smallest shared memory, so a plan that fits there fits);
+    None (no GPU) reads as sm_90."""
     if cc is None:
         return LIMITS[HOPPER]
     if cc in LIMITS:
@@ -115,9 +116,3 @@ def pdl(device: torch.device) -> bool:
     cc = capability(device)
     return cc is not None and cc >= HOPPER
 
-
-def smem_block(device: torch.device) -> int:
-    """Shared memory a block may use on `device`'s GPU (the planned one's); the interpreter has no
-    limit that matters (a large number)."""
-    cc = capability(device)
-    return limits(cc).smem_block if cc is not None else 1 << 30
