@@ -4,8 +4,10 @@ A backend runs the Qwen2 LLM stage of the speech path: it appends token ids to i
 the next-token logits and the post-final-norm hidden states (the TTS takes its speaker vector from
 them). Everything after the LLM (TTS head, DVAE, Vocos) is shared by all backends. Backends import
 their heavy dependencies only when created; an unknown name or a missing optional dependency is an
-error that says what to do, never a silent fallback to another backend. `auto` is not a backend but a
-choice made once, before loading (`choose`), from the device and the checkpoint.
+error that says what to do, never a silent fallback to another backend (the one exception, loud and
+per stage, is a kernel that cannot run on the user's GPU: kernels/fallback.py). `auto` is not a
+backend but a choice made once, before loading (`choose`), from the device, the checkpoint and the
+GPU's free memory.
 
 What a backend is and what it costs are said by the backend itself: the first line of its module's
 docstring (after "`name`: ") and its "Cost:" paragraph, read from the source without importing it
@@ -138,10 +140,13 @@ def _described(module: str) -> tuple[str, str]:
 
 
 def choose(model: str | None, device_type: str, *, gguf: str | None = None,
-           triton: bool | None = None) -> str:
+           triton: bool | None = None, free: int | None = None) -> str:
     """The backend `auto` stands for: gguf when given a GGUF file; int4 for a GPTQ checkpoint (a local
     directory with quantize_config.json, or a hub repo named like the official one, `...-int4`);
-    otherwise compile on a CUDA GPU with Triton, eager elsewhere."""
+    otherwise, on a CUDA GPU with Triton, compile where the bf16 model and a row of caches fit the
+    `free` bytes (engine/memory.py's estimate; None: not known), else int4 (the official int4
+    checkpoint, or a bf16 one quantized while loading), else a one-line error saying what fits;
+    eager elsewhere."""
     if gguf is not None:
         return "gguf"
     if model is not None:
@@ -151,7 +156,17 @@ def choose(model: str | None, device_type: str, *, gguf: str | None = None,
     if device_type == "cuda":
         has_triton = importlib.util.find_spec("triton") is not None if triton is None else triton
         if has_triton:
-            return "compile"
+            if free is None:
+                return "compile"
+            from ..engine import memory
+
+            for name in ("compile", "int4"):
+                if memory.need(name).rows(free) >= 1:
+                    return name
+            raise BackendError(f"{free / memory.GB:.1f} GB of GPU memory are free: the bf16 model (compile) needs "
+                               f"about {memory.need('compile').total(1) / memory.GB:.0f} GB and the int4 one about "
+                               f"{memory.need('int4').total(1) / memory.GB:.0f} GB; free GPU memory, or run the LLM "
+                               "on llama.cpp (--backend gguf --gguf FILE) or on the CPU (--device cpu)")
     return "eager"
 
 
@@ -165,6 +180,7 @@ def get(name: str) -> Backend:
 def help_text() -> str:
     """What each choice of --backend is and costs, for the CLI's help."""
     parts = [f"{AUTO} (default): gguf when --gguf is given, int4 for a GPTQ checkpoint, else compile on a "
-             "CUDA GPU and eager on a CPU (-v says which)."]
+             "CUDA GPU where the bf16 model fits its free memory (int4 where only that fits), eager on a CPU "
+             "(-v says which)."]
     parts += [f"{b.name}: {b.cost}" for b in REGISTRY.values()]
     return "\n\n".join(parts)

@@ -38,6 +38,7 @@ from minicpm_cli.errors import BackendError
 from minicpm_cli.models.chattts import ChatTTS
 from minicpm_cli.models.transformer import Block
 from ..engine.tensorio import Upload, to_device
+from ..engine.sampling import choose
 from ..engine.tts import FRAMES_PER_CALL, MIN_KEEP, TTSRunner
 
 from .eager import Rows, build, decode_batch
@@ -48,6 +49,10 @@ TTS_BUCKET = 128
 # ~300 tokens: 384 instead of 512 saves a quarter of its prefill)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 GRAPH_PROMPT_TOKENS = 1024  # a batch of prompts up to this many tokens replays a graph (CompiledLLM)
+# `gemv` launch shapes of the LLM's lm_head (0.24 ms on an H200; cuBLAS: 0.34) and of the TTS's code
+# heads (one K-block); they fit every architecture of kernels/targets.py (tests/test_targets.py)
+LM_HEAD_GEMV = {"rows": 4, "block_k": 512, "warps": 4}
+HEADS_GEMV = {"rows": 4, "block_k": 1024, "warps": 4}
 _compiled: dict[bool, tuple] = {}
 
 
@@ -80,6 +85,19 @@ def _kernels(module: str):
         raise BackendError(f"backend 'compile' on CUDA needs Triton ({e}): pip install triton") from None
 
 
+def _fallbacks() -> int:
+    """How many stages have fallen back to their eager path (kernels/fallback.py); 0 without Triton."""
+    try:
+        return _kernels("fallback").events()
+    except BackendError:
+        return 0
+
+
+def _fallback(stage: str):
+    """A `Fallback` for `stage` (kernels/fallback.py): its kernels, or its eager path once one fails."""
+    return _kernels("fallback").Fallback(stage)
+
+
 class Graphs:
     """Replays `fn()` (reading and writing static tensors only) as one CUDA graph per key, captured
     on first use after two warm-up runs; on a CPU it simply calls fn."""
@@ -94,6 +112,7 @@ class Graphs:
             return fn()
         entry = self.graphs.get(key)
         if entry is None:
+            fallbacks = _fallbacks()
             try:
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
@@ -106,6 +125,10 @@ class Graphs:
                 with trace.span("graph_capture"), torch.cuda.graph(graph, pool=self.pool):
                     out = fn()
             except Exception as e:
+                if _fallbacks() != fallbacks:  # a kernel failed in it: its stage is eager now, capture that
+                    return self.run(key, fn)
+                if type(e).__name__ == "OutOfMemoryError":  # (the CLI's boundary names the fix)
+                    raise
                 raise BackendError(f"backend 'compile': capturing a CUDA graph failed: {e}") from None
             self.pool = graph.pool()
             entry = self.graphs[key] = (graph, out)
@@ -180,7 +203,8 @@ class CompiledLLM(Rows):
             self.lm_head = _kernels("common").Weight(model.lm_head.weight)
             self.logits = torch.zeros(model.lm_head.out_features, device=dev)
             self.hidden = torch.zeros(1, model.config.decoder.dim, dtype=model.lm_head.weight.dtype, device=dev)
-            self.lm_head_cfg = {"rows": 4, "block_k": 512, "warps": 4}  # 0.24 ms on an H200 (cuBLAS: 0.34)
+            self.lm_head_cfg = LM_HEAD_GEMV
+            self.fallback = _fallback("the LLM's decode step")
         # torch.compile'd layer halves only where one-token steps do not run on the Triton kernels
         # (a CPU, act-order int4): creating them imports torch._dynamo, seconds of a start
         self.fns = block_fns() if self.triton is None and not self.invariant else None
@@ -216,9 +240,23 @@ class CompiledLLM(Rows):
         return self.model.lm_head(hidden[0].index_select(0, self.last)).float()[0], hidden[0]
 
     def _decode(self) -> tuple[Tensor, Tensor]:
-        """One token (id, position) from `host` on the Triton kernels -> (logits, hidden (1, dim))."""
-        m = self.model.model
+        """One token (id, position) from `host` on the Triton kernels (the eager layers once one of
+        them failed, kernels/fallback.py) -> (logits, hidden (1, dim))."""
         self.inp.copy_(self.host, non_blocking=True)
+        return self.fallback.guard(self._decode_kernels, self._decode_eager, self.device)
+
+    def _decode_eager(self) -> tuple[Tensor, Tensor]:
+        """`_decode` on the eager layers, attention over every slot up to the position read on the
+        device (one graph for every position, as the kernels')."""
+        pos = self.inp[1:]
+        mask = (self.slots <= pos)[None, None, None]  # (1, 1, 1, max_len)
+        _, hidden = self.model(self.inp[None, :1], pos, mask, self.max_len, logits_at=None)
+        self.hidden.copy_(hidden[0])
+        self.logits.copy_(self.model.lm_head(self.hidden).float()[0])
+        return self.logits, self.hidden
+
+    def _decode_kernels(self) -> tuple[Tensor, Tensor]:
+        m = self.model.model
         x = self.triton.x  # the embedding straight into the kernels' residual stream
         torch.index_select(m.embed_tokens.weight, 0, self.inp[:1], out=x[None])
         pdl = self.triton.pdl
@@ -367,10 +405,15 @@ class GraphTTSRunner(TTSRunner):
         self.row = torch.zeros(1, dtype=torch.long, device=self.device)
         self.triton = self.batch = None
         self.batch_kernels = batch_kernels
+        self.fallback = self.batch_fallback = None
         self._prompt_hooks = None  # (invariant: `_causal`)
         if triton:  # (tests: the interpreter)
             c = model.config
             self.triton = _kernels("decode").TritonDecode(model.model, self.visible_from)
+            self.fallback = _fallback("the TTS step")
+            self.batch_fallback = _fallback("the TTS's batched step")
+            if not _kernels("mma").mma_fits(self.dtype, _kernels("targets").capability(self.device)):
+                self.batch_kernels = batch_kernels = "rows"  # (float32 on a GPU of 99 or 163 KB a block)
             # per row: final norm, raw logits and probabilities (row 0's are the single step's)
             self.normed_b = torch.zeros(rows, c.decoder.dim, dtype=self.dtype, device=self.device)
             self.raw_b = torch.zeros(rows, c.num_vq, c.num_audio_tokens, device=self.device)
@@ -379,10 +422,10 @@ class GraphTTSRunner(TTSRunner):
             # the code heads on the Triton GEMV (one K-block); batched rows on `MMADecode.heads`, or on
             # `gemv_rows` with the same blocking: a row's logits do not depend on its batch (cuBLAS's would)
             self.heads = _kernels("common").Weight(model.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
-            self.heads_cfg = {"rows": 4, "block_k": 1024, "warps": 4}
+            self.heads_cfg = HEADS_GEMV
             if (rows > 1 or self.invariant) and batch_kernels == "mma":
                 self.batch = _kernels("mma").MMADecode(self.triton)
-            elif rows > 1:
+            elif rows > 1 or self.invariant:
                 self.batch = _kernels("batch").BatchDecode(self.triton)
 
     def _prefill(self, *args, **kwargs) -> None:
@@ -403,25 +446,37 @@ class GraphTTSRunner(TTSRunner):
         return self._prompt_hooks
 
     def _decode(self, x: Tensor, kv_len: int) -> Tensor:
+        eager = super()._decode
         if self.triton is None:
-            return super()._decode(x, kv_len)
-        return _kernels("norm").rms_norm(self.triton(x, self.pos_t), self.model.model.norm, self.normed,
-                                         pdl=self.triton.pdl)
+            return eager(x, kv_len)
+        return self.fallback.guard(lambda: _kernels("norm").rms_norm(
+            self.triton(x, self.pos_t), self.model.model.norm, self.normed, pdl=self.triton.pdl),
+            lambda: eager(x, kv_len), self.device)
 
     def _logits(self, h: Tensor) -> Tensor:
+        eager = super()._logits
         if self.triton is None:
-            return super()._logits(h)
-        _kernels("matvec").gemv(self.heads, h, self.raw.view(-1), **self.heads_cfg, pdl=self.triton.pdl)
-        return self.raw
+            return eager(h)
+
+        def kernel():
+            _kernels("matvec").gemv(self.heads, h, self.raw.view(-1), **self.heads_cfg, pdl=self.triton.pdl)
+            return self.raw
+
+        return self.fallback.guard(kernel, lambda: eager(h), self.device)
 
     def _choose(self, raw: Tensor, sampled: bool) -> Tensor:
+        eager = super()._choose
         if self.triton is None:
-            return super()._choose(raw, sampled)
+            return eager(raw, sampled)
         c = self.config
-        _kernels("sampling").sample_codes(raw, self.temps, self.bos_t, self.block_eos_t,
-                                          self.noise_t if sampled else None, self.probs, self.code_t, c.top_p,
-                                          c.top_k, MIN_KEEP)
-        return self.probs
+
+        def kernel():
+            _kernels("sampling").sample_codes(raw, self.temps, self.bos_t, self.block_eos_t,
+                                              self.noise_t if sampled else None, self.probs, self.code_t, c.top_p,
+                                              c.top_k, MIN_KEEP)
+            return self.probs
+
+        return self.fallback.guard(kernel, lambda: eager(raw, sampled), self.device)
 
     def run_step(self, sampled: bool) -> tuple[Tensor, Tensor]:
         if self.invariant:  # row 0's step as a batched step of one row
@@ -484,6 +539,20 @@ class GraphTTSRunner(TTSRunner):
         self._mma_step(nb, *self._batch_inputs(nb), sampled)
 
     def _mma_step(self, nb: int, x: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
+        """A batched step of rows 0..nb-1 on `batch`'s kernels (the eager layers once one of them
+        failed, kernels/fallback.py): codes to code_b, logits and probabilities to raw_b, probs_b."""
+        self.batch_fallback.guard(lambda: self._batch_kernels(nb, x, pos, bos, block, sampled),
+                                  lambda: self._batch_eager(nb, x, pos, bos, block, sampled), self.device)
+
+    def _batch_eager(self, nb: int, x: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
+        m = self.model
+        mask = (self.vis_b[:nb] <= pos[:, None])[:, None, None]  # (nb, 1, 1, max_len)
+        h = m.model(x[:, None], pos[:, None], mask, self.max_len, None, rows=slice(0, nb))[:, -1]  # (nb, hidden)
+        self.raw_b[:nb].copy_(m.logits(h))
+        self.probs_b[:nb].copy_(self._probs(self.raw_b[:nb], bos, block))
+        self.code_b[:nb].copy_(choose(self.probs_b[:nb], self.noise_b[:nb] if sampled else None))
+
+    def _batch_kernels(self, nb: int, x: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
         c, pdl = self.config, self.triton.pdl
         h = _kernels("norm").rms_norm(self.batch(x, pos, self.vis_b), self.model.model.norm, self.normed_b[:nb],
                                       pdl=pdl)

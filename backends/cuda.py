@@ -27,6 +27,15 @@ from minicpm_cli.errors import BackendError
 _PDL = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
+class KernelError(BackendError):
+    """A kernel that NVRTC cannot compile for this GPU, or that the driver cannot load or launch
+    (`kernel`: its name); kernels/fallback.py takes its stage's eager path instead."""
+
+    def __init__(self, message: str, kernel: str = ""):
+        super().__init__(message)
+        self.kernel = kernel
+
+
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding to 8 bytes, a 64-byte value union
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
                 ("rest", ctypes.c_char * 60)]
@@ -63,15 +72,22 @@ def _nvrtc() -> ctypes.CDLL:
         try:
             import nvidia
 
-            found = next((p for root in nvidia.__path__ for name in names for p in Path(root).glob(f"**/lib/{name}")),
+            # (a CPU build of torch names no CUDA version: any NVRTC of the wheels, which is how
+            # tools/kernel_targets.py compiles the kernels for GPUs it does not have)
+            patterns = names if major else ["libnvrtc.so.[0-9]*"]
+            found = next((p for root in nvidia.__path__ for name in patterns for p in sorted(Path(root).glob(f"**/lib/{name}"))),
                          None)
-            lib = ctypes.CDLL(str(found)) if found else None
-        except ImportError:
+            if found:
+                for builtins in found.parent.glob("libnvrtc-builtins.so.*"):  # which NVRTC opens by name
+                    if ".alt." not in builtins.name:
+                        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+                lib = ctypes.CDLL(str(found))
+        except (ImportError, OSError):
             pass
     if lib is not None:
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         return lib
-    raise BackendError(f"NVRTC (libnvrtc.so.{major}), which the int4 decode kernels are compiled with, was not "
+    raise KernelError(f"NVRTC (libnvrtc.so.{major}), which the int4 decode kernels are compiled with, was not "
                        "found: it comes with CUDA builds of torch (the nvidia-cuda-nvrtc wheel)")
 
 
@@ -79,13 +95,13 @@ def _nvrtc_error(lib: ctypes.CDLL, rc: int) -> str:
     return lib.nvrtcGetErrorString(rc).decode()
 
 
-def _compile(source: str, name: str, arch: str, options: tuple[str, ...]) -> bytes:
+def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...]) -> bytes:
     """CUBIN for sm_`arch` of `source`, or BackendError with NVRTC's log."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
     rc = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None)
     if rc:
-        raise BackendError(f"NVRTC could not take {name}: {_nvrtc_error(lib, rc)}")
+        raise KernelError(f"NVRTC could not take {name}: {_nvrtc_error(lib, rc)}", name)
     try:
         opts = [f"--gpu-architecture=sm_{arch}", "--std=c++17", *options]
         arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
@@ -95,8 +111,8 @@ def _compile(source: str, name: str, arch: str, options: tuple[str, ...]) -> byt
             lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
             log = ctypes.create_string_buffer(size.value)
             lib.nvrtcGetProgramLog(prog, log)
-            raise BackendError(f"NVRTC could not compile {name} ({_nvrtc_error(lib, rc)}): "
-                               f"{log.value.decode(errors='replace').strip()}")
+            raise KernelError(f"NVRTC could not compile {name} ({_nvrtc_error(lib, rc)}): "
+                              f"{log.value.decode(errors='replace').strip()}", name)
         size = ctypes.c_size_t()
         lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
         cubin = ctypes.create_string_buffer(size.value)
@@ -110,7 +126,7 @@ def _driver_check(rc: int, what: str) -> None:
     if rc:
         msg = ctypes.c_char_p()
         _driver().cuGetErrorString(rc, ctypes.byref(msg))
-        raise BackendError(f"{what} failed: {msg.value.decode() if msg.value else rc}")
+        raise KernelError(f"{what} failed: {msg.value.decode() if msg.value else rc}", what.split()[-1])
 
 
 class Kernel:
@@ -172,7 +188,7 @@ def _nvrtc_version() -> str:
 
 
 def _cached_compile(source: str, name: str, arch: str, options: tuple[str, ...]) -> bytes:
-    """`_compile`, through a disk cache: the key hashes everything the CUBIN depends on. A cache that
+    """`compile_cubin`, through a disk cache: the key hashes everything the CUBIN depends on. A cache that
     cannot be written (read-only home) only costs the compile."""
     key = hashlib.sha256("\0".join([source, name, arch, *options, _nvrtc_version()]).encode()).hexdigest()
     path = cache_dir() / f"{name}-{key[:32]}.cubin"
@@ -181,7 +197,7 @@ def _cached_compile(source: str, name: str, arch: str, options: tuple[str, ...])
     except OSError:
         pass
     with trace.span("nvrtc", kernel=name):
-        cubin = _compile(source, name, arch, options)
+        cubin = compile_cubin(source, name, arch, options)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")

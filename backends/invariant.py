@@ -34,6 +34,7 @@ The cost against the batch-variant kernels (`--batch-variant`) is in docs/benchm
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 from torch import Tensor, nn
 
@@ -41,17 +42,26 @@ from minicpm_cli.models.transformer import RMSNorm
 
 from .kernels.attention import prompt_attend, rows_attend
 from .kernels.gemm import invariant_mm, warm
+from .kernels import targets
+from .kernels.fallback import Fallback
 from .kernels.norm import rms_norm
 
 CODEC_BATCH = 8  # rows of every codec decode in the invariant mode
 BLOCK_S, MAX_SPLITS = 64, 16  # rows_attend's slots a block and programs a head (TritonDecode's)
 
 
+# each kind of kernel here falls back to its eager twin on a GPU where it cannot run (kernels/fallback.py)
+PRODUCTS = Fallback("the batch-invariant products")
+NORMS = Fallback("the batch-invariant norms")
+ATTENTION = Fallback("the batch-invariant attention")
+
+
 class InvariantLinear(nn.Linear):
     """An nn.Linear on `invariant_mm` (its weight and bias as they are)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return invariant_mm(x, self.weight, self.bias)
+        return PRODUCTS.guard(lambda: invariant_mm(x, self.weight, self.bias),
+                              lambda: F.linear(x, self.weight, self.bias), x.device)
 
 
 class InvariantRMSNorm(RMSNorm):
@@ -59,10 +69,13 @@ class InvariantRMSNorm(RMSNorm):
     alone), which in a one-token layer also saves six of the eager module's seven launches."""
 
     def forward(self, x: Tensor) -> Tensor:
-        n = x.shape[-1]
-        out = torch.empty_like(x)
-        rms_norm(x.contiguous().view(-1, n), self, out.view(-1, n))
-        return out
+        def kernel():
+            n = x.shape[-1]
+            out = torch.empty_like(x)
+            rms_norm(x.contiguous().view(-1, n), self, out.view(-1, n))
+            return out
+
+        return NORMS.guard(kernel, lambda: RMSNorm.forward(self, x), x.device)
 
 
 def make_invariant(module: nn.Module) -> None:
@@ -110,6 +123,11 @@ class RowsAttention:
         self.count = torch.zeros(rows * n_heads, dtype=torch.int32, device=dev)
 
     def __call__(self, kv_cache, q: Tensor, input_pos: Tensor) -> Tensor:
+        return ATTENTION.guard(lambda: self._kernel(kv_cache, q, input_pos),
+                               lambda: _attend_eager(kv_cache, q, input_pos.reshape(-1, 1), slice(0, q.shape[0])),
+                               q.device)
+
+    def _kernel(self, kv_cache, q: Tensor, input_pos: Tensor) -> Tensor:
         b = q.shape[0]
         q = q.reshape(b, self.h * self.d).contiguous()
         pos = input_pos.reshape(b).contiguous()
@@ -129,14 +147,17 @@ class PromptAttention:
     length (SDPA's masked grouped-query path does: on an H100 a prompt after a 112-token context
     came out otherwise alone than in a batch of 4)."""
 
-    BLOCK_T, BLOCK_S = 64, 64
-
     def __init__(self, kv_cache, n_heads: int):
         rows, hkv, _, self.d = kv_cache.k.shape
         self.h, self.group = n_heads, n_heads // hkv
         self.all_rows = torch.arange(rows, device=kv_cache.k.device)
+        self.BLOCK_T, self.BLOCK_S = prompt_blocks(self.d, kv_cache.k.dtype, targets.capability(kv_cache.k.device))
 
     def __call__(self, kv_cache, q: Tensor, input_pos: Tensor, rows) -> Tensor:
+        return ATTENTION.guard(lambda: self._kernel(kv_cache, q, input_pos, rows),
+                               lambda: _attend_eager(kv_cache, q, input_pos, rows), q.device)
+
+    def _kernel(self, kv_cache, q: Tensor, input_pos: Tensor, rows) -> Tensor:
         B, H, T, D = q.shape
         q = q if q.stride(3) == 1 else q.contiguous()
         rows = self.all_rows[rows] if isinstance(rows, slice) else rows.contiguous()
@@ -148,6 +169,29 @@ class PromptAttention:
             k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1), out.stride(2),
             GROUP=self.group, D=D, BLOCK_T=self.BLOCK_T, BLOCK_S=self.BLOCK_S, num_warps=4)
         return out.view(B, T, H * D)
+
+
+def _attend_eager(kv_cache, q: Tensor, input_pos: Tensor, rows) -> Tensor:
+    """The eager twin of `RowsAttention` and `PromptAttention`: queries q (B, H, T, D) at positions
+    input_pos ((T,) or (B, T)) against cache rows `rows` (a slice or indices), each up to its own
+    position (SDPA) -> (B, T, H*D)."""
+    B, H, T, D = q.shape
+    k, v = kv_cache.k[rows], kv_cache.v[rows]  # (B, Hkv, S, D)
+    pos = input_pos if input_pos.dim() == 2 else input_pos[None].expand(B, T)
+    slots = torch.arange(k.shape[2], device=q.device)
+    mask = (slots[None, None, :] <= pos[:, :, None])[:, None]  # (B, 1, T, S)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != H)
+    return y.transpose(1, 2).reshape(B, T, H * D)
+
+
+def prompt_blocks(d: int, dtype: torch.dtype, cc: tuple[int, int] | None) -> tuple[int, int]:
+    """(queries, cache slots) a `prompt_attend` program takes for head size d on compute capability
+    cc: 64 and 64, or 32 and 32 where their tiles (the queries', and two stages of keys and values,
+    some 160 KB for float32 heads of 128) would not fit a block's shared memory. A machine always
+    takes the same blocks, which is what batch invariance needs."""
+    budget = targets.limits(cc).smem_block if cc is not None else 1 << 30
+    size = torch.finfo(dtype).bits // 8
+    return (64, 64) if (64 + 4 * 64) * d * size + 16 * 1024 <= budget else (32, 32)
 
 
 class PromptHooks:

@@ -236,7 +236,7 @@ def test_nvrtc_cubins_are_cached_on_disk_by_everything_they_depend_on(tmp_path, 
     calls = []
     monkeypatch.setenv("MINICPM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cuda, "_nvrtc_version", lambda: "13.0")
-    monkeypatch.setattr(cuda, "_compile", lambda src, name, arch, opts: calls.append((arch, opts)) or f"{arch}{opts}".encode())
+    monkeypatch.setattr(cuda, "compile_cubin", lambda src, name, arch, opts: calls.append((arch, opts)) or f"{arch}{opts}".encode())
     first = cuda._cached_compile("src", "k", "90", ("-DA=1",))
     assert cuda._cached_compile("src", "k", "90", ("-DA=1",)) == first and len(calls) == 1
     cuda._cached_compile("src", "k", "90", ("-DA=2",))  # other constants

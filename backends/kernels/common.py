@@ -10,13 +10,13 @@ Tested through the kernels that use them (tests/test_kernels.py, tests/test_int4
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from . import targets
 
 
 @triton.jit
@@ -129,8 +129,7 @@ def split_k(k: int, bk: int, split: int) -> tuple[int, int]:
     return triton.cdiv(k, ks), ks
 
 
-@functools.cache
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a GPU, which the prefill product aims to fill (132 on an H100
-    or H200, also assumed for a CPU: the interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    or H200, also assumed for a CPU: the interpreter; a planned GPU's, targets.py)."""
+    return targets.sm_count(device)

@@ -42,6 +42,7 @@ from torch import Tensor
 from minicpm_cli.models.transformer import Decoder
 
 from .attention import attention_kernel
+from . import targets
 from .common import SplitScratch, Weight, round_to, sm_count, wait_previous, split_k
 from .matvec import first_block, k_loop, row_params, row_scale, row_totals, gemv
 
@@ -173,9 +174,15 @@ def cuda_gate_up_fits(w: Weight, x: Tensor, chunks: int = 2) -> bool:
     """Whether `cuda_gate_up` takes this gate/up weight and input: one-group 4-bit, bfloat16 on a
     CUDA GPU with bfloat16 tensor-core products (compute capability 8.0 and later), K in `chunks`
     parts of whole 512-byte loads of a warp (as backends/q4_decode.cu asserts)."""
-    return (w.q4 and w.group == w.k and x.dtype == torch.bfloat16 and x.device.type == "cuda"
-            and torch.cuda.get_device_capability(x.device) >= (8, 0) and chunks > 0 and w.k % (256 * chunks) == 0
-            and (w.n // 2) % 4 == 0)
+    cc = targets.capability(x.device)  # (a GPU's, or the one planned for: tools/kernel_targets.py)
+    return (w.q4 and w.group == w.k and x.dtype == torch.bfloat16 and cc is not None and cc >= (8, 0)
+            and chunks > 0 and w.k % (256 * chunks) == 0 and (w.n // 2) % 4 == 0)
+
+
+def gate_up_defines(w: Weight, warps: int, chunks: int, stages: int, pdl: bool) -> tuple[tuple[str, int], ...]:
+    """The compile-time constants (NVRTC -D) of backends/q4_decode.cu for `cuda_gate_up`."""
+    return (("DIM", w.k), ("INTER", w.n // 2), ("WARPS", warps), ("CHUNKS", chunks), ("STAGES", stages),
+            ("PDL", int(pdl)))
 
 
 def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, *, warps: int = 4, chunks: int = 2,
@@ -188,11 +195,32 @@ def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, *, w
     from .. import cuda
 
     inter = w.n // 2
-    k = cuda.kernel("q4_decode.cu", "q4_rms_gate_up", x.device,
-                    (("DIM", w.k), ("INTER", inter), ("WARPS", warps), ("CHUNKS", chunks), ("STAGES", stages),
-                     ("PDL", int(pdl))))
-    blocks = min(triton.cdiv(inter // 4, warps), sm_count(x.device) * k.blocks_per_sm(32 * warps))
+    k = cuda.kernel("q4_decode.cu", "q4_rms_gate_up", x.device, gate_up_defines(w, warps, chunks, stages, pdl))
+    per_sm = k.blocks_per_sm(32 * warps)
+    if per_sm == 0:
+        raise cuda.KernelError(f"q4_rms_gate_up: a block of {warps} warps does not fit a multiprocessor", "q4_rms_gate_up")
+    blocks = min(triton.cdiv(inter // 4, warps), sm_count(x.device) * per_sm)
     k((blocks,), 32 * warps, x, gain, w.w, w.scales, w.zeros, h, float(eps), pdl=pdl)
+
+
+def decode_config(dim: int, q4: bool, cc: tuple[int, int] | None) -> dict:
+    """`TritonDecode.cfg`, the launch shapes of its kernels for a model of width `dim` (4-bit
+    weights: `q4`) on compute capability `cc` (None: the interpreter): per kernel (rows per program,
+    K per iteration, warps, K-blocks whose loads are in flight at once[, programs per row block
+    (split-K) for o and down][, 1: 4-bit words through Triton's pipelining, see `k_loop`]); the qkv
+    kernel's rows are per half head. The best of a sweep on an H200 (docs/journal.md): a small model
+    wants all of K in one iteration (latency), a large one more, shorter programs.
+    "gate_up_cuda": (warps a block, chunks of K, stages) of `cuda_gate_up`, which a 4-bit bfloat16
+    step on a GPU runs instead of `rms_gate_up` (`cuda_gate_up_fits`; 0: never). Every shape fits
+    every architecture of targets.TARGETS as it is (tests/test_targets.py compiles them all)."""
+    if q4:  # 4-bit (int4 backend): swept on the H200 like the others; the words through Triton's
+        # pipelining, programs of one or two warps
+        return {"qkv": (4, 1024, 2, 3, 1), "o": (4, 512, 1, 4, 1, 1), "gate_up": (8, 512, 1, 4, 1),
+                "down": (8, 1024, 2, 4, 1, 1), "gate_up_cuda": (4, 2, 2)}
+    if dim <= 1024:
+        k = triton.next_power_of_2(dim)
+        return {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1, 1)}
+    return {"qkv": (8, 512, 4, 1), "o": (4, 512, 4, 1, 1), "gate_up": (4, 256, 4, 1), "down": (2, 2048, 8, 1, 1)}
 
 
 def launch_shape(shape: tuple, n: int) -> tuple:
@@ -240,27 +268,9 @@ class TritonDecode:
         self.q = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.y = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.h = torch.zeros(c.intermediate, dtype=dt, device=dev)
-        # Launch shapes per kernel: (rows per program, K per iteration, warps, K-blocks whose loads
-        # are in flight at once[, programs per row block (split-K) for o and down][, 1: 4-bit
-        # words through Triton's pipelining, see `k_loop`]); the qkv
-        # kernel's rows are per half head. The best of a sweep on an H200 (docs/journal.md): a
-        # small model wants all of K in one iteration (latency), a large one more, shorter programs.
-        # "gate_up_cuda": (warps a block, chunks of K, stages) of `cuda_gate_up`, which a 4-bit
-        # bfloat16 step on a GPU runs instead of `rms_gate_up` (`cuda_gate_up_fits`; 0: never).
-        if self.weights[0][0].q4:  # 4-bit (int4 backend): swept on the H200 like the others; the
-            # words through Triton's pipelining, programs of one or two warps
-            self.cfg = {"qkv": (4, 1024, 2, 3, 1), "o": (4, 512, 1, 4, 1, 1), "gate_up": (8, 512, 1, 4, 1),
-                        "down": (8, 1024, 2, 4, 1, 1), "gate_up_cuda": (4, 2, 2)}
-        elif c.dim <= 1024:
-            k = triton.next_power_of_2(c.dim)
-            self.cfg = {"qkv": (8, k, 4, 1), "o": (8, k, 4, 1, 1), "gate_up": (8, k, 4, 1), "down": (8, 1024, 4, 1, 1)}
-        else:
-            self.cfg = {"qkv": (8, 512, 4, 1), "o": (4, 512, 4, 1, 1), "gate_up": (4, 256, 4, 1),
-                        "down": (2, 2048, 8, 1, 1)}
+        self.cfg = decode_config(c.dim, self.weights[0][0].q4, targets.capability(dev))
         self.scratch = kernels_scratch(self.cfg, self.weights[0][1], self.weights[0][3], dev)
-        if pdl is None:
-            pdl = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
-        self.pdl = pdl
+        self.pdl = targets.pdl(dev) if pdl is None else pdl
         self.block_s = 64
         self.max_splits = 16  # programs per head (each takes every 16th block of slots); sizes `part`
         self.attn_warps = 4

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import targets
 from .common import dot_acc
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -58,21 +59,52 @@ def _invariant_mm(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
     tl.store(out_ptr + t[None, :] * N + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=nm[:, None] & tm[None, :])
 
 
-def mm_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_T, BLOCK_K, warps, stages) for m tokens against n weight rows
-    of k inputs: narrow tiles of rows and long K-blocks for a few tokens (enough programs, and loads
+    of k inputs in `dtype` on compute capability cc (kernels/targets.py; None: the interpreter):
+    narrow tiles of rows and long K-blocks for a few tokens (enough programs, and loads
     long enough, to stream the weights at full bandwidth), wide tiles for a prefill (each weight tile
     read by fewer programs). From sweeps at the 7B's shapes in CUDA graphs on an H100
     (docs/journal.md). None of these changes a token's sums (tests/test_invariant.py checks every
     one at the 7B's shapes on a GPU): the K-blocks are summed in order, each `tl.dot` a chain of
-    16-wide products in order, so K-blocks of 64 or 256 add the same products in the same order."""
+    16-wide products in order, so K-blocks of 64 or 256 add the same products in the same order.
+
+    float32 takes K-blocks of 64 (its sums follow the K-block, measured). Where the shared memory of
+    a block is smaller than the configuration's pipeline (`_smem`: 99 KB on sm_86, sm_89 and sm_120;
+    float32's tiles on all), it gives up stages first (down to 2), then tokens a program, then rows a
+    program; tools/kernel_targets.py compiles what comes out for each architecture."""
     if m <= 16:  # (a long K, down_proj's: narrower tiles, deeper pipelining)
-        return (32, 16, 256, 4, 6) if k >= 4 * n else (64, 16, 256, 4, 4)
-    if m <= 128:
-        return 64, 64, 128, 4, 4
-    if m <= 512:
-        return 128, 128, 64, 8, 3
-    return 128, 256, 64, 8, 4
+        cfg = (32, 16, 256, 4, 6) if k >= 4 * n else (64, 16, 256, 4, 4)
+    elif m <= 128:
+        cfg = 64, 64, 128, 4, 4
+    elif m <= 512:
+        cfg = 128, 128, 64, 8, 3
+    else:
+        cfg = 128, 256, 64, 8, 4
+    bn, bt, bk, warps, stages = cfg
+    if dtype == torch.float32:
+        bk = 64
+    if cc is None:
+        return bn, bt, bk, warps, stages
+    budget, size = targets.limits(cc).smem_block, torch.finfo(dtype).bits // 8
+    while _smem(bn, bt, bk, stages, size, cc) > budget:
+        if stages > 2:
+            stages -= 1
+        elif bt > 16:
+            bt //= 2
+        else:
+            bn //= 2
+    return bn, bt, bk, warps, stages
+
+
+def _smem(bn: int, bt: int, bk: int, stages: int, size: int, cc: tuple[int, int]) -> int:
+    """Shared memory of an `_invariant_mm` program, as Triton 3.x lays it out (measured with
+    tools/kernel_targets.py): stages - 1 buffers of a weight and a token tile (on sm_90 and later,
+    whose tensor-core path takes more, counted as `stages`), or the output tile on its way to the
+    stores, whichever is larger; plus a margin for the rest. The sweep checks what comes out."""
+    buffers = stages if cc >= targets.HOPPER else stages - 1
+    return max(buffers * (bn + bt) * bk * size, bn * bt * size) + 2 * 1024
 
 
 def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
@@ -88,7 +120,7 @@ def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Ten
     if out is None:
         out = torch.empty(m, nout, dtype=x.dtype, device=x.device)
     if m:
-        bn, bt, bk, warps, stages = cfg or mm_config(m, nout, k)
+        bn, bt, bk, warps, stages = cfg or mm_config(m, nout, k, targets.capability(x.device), x.dtype)
         if _INTERPRETED:  # (its sums: 16 products at a time, in order, as a dot's chain on a GPU)
             bk = 16
         elif x.dtype == torch.float32:  # (float32 products: sums whose order follows the K-block, measured)

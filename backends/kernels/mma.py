@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import targets
 from .batch import BatchDecode
 from .common import SplitScratch, Weight, arrive_last, dot_acc, let_next, round_to, sum_parts, wait_previous, split_k
 from .decode import TritonDecode, load_qkv_bias, rotate_pair, silu_mul
@@ -197,8 +198,8 @@ def _rows_out(t, y_ptr, x_ptr, out_ptr, m, mm, n, N: tl.constexpr, RESIDUAL: tl.
 
 
 def _dot_mode(y: Tensor) -> int:
-    """`dot_acc`'s DOT for inputs like y: the interpreter where there is no GPU."""
-    return 2 if y.device.type != "cuda" else int(y.dtype == torch.float32)
+    """`dot_acc`'s DOT for inputs like y: the interpreter where there is no GPU (planned for none)."""
+    return 2 if targets.capability(y.device) is None else int(y.dtype == torch.float32)
 
 
 def mma_rows(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, block_n: int = 16,
@@ -227,6 +228,25 @@ def mma_rows(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, 
     return out
 
 
+def mma_config(cc: tuple[int, int] | None) -> dict:
+    """`MMADecode.cfg` on compute capability cc (kernels/targets.py). On an H200 (tools/batch_step.py,
+    ms a step at 16 / 64 / 128 rows): 32 columns a program for all but qkv 0.93 / 2.03 / 3.67, 16 for
+    all 0.91 / 2.18 / 3.98, 32 for qkv too 0.96 / 1.99 / 3.64. A program keeps every K-block of its
+    weight tiles in shared memory: gate/up's two tiles of 32 columns take 104 KB in bfloat16 for the
+    TTS's 768 inputs, over the 99 KB of sm_86, sm_89 and sm_120, where it takes 16."""
+    small = cc is not None and targets.limits(cc).smem_block < 160 * targets.KB
+    return {"qkv": (16, 256, 4), "o": (32, 256, 2, 4), "gate_up": (16 if small else 32, 256, 4),
+            "down": (32, 256, 4, 4), "heads": (32, 256, 1, 4)}
+
+
+def mma_fits(dtype: torch.dtype, cc: tuple[int, int] | None) -> bool:
+    """Whether `MMADecode` fits a block's shared memory for the TTS's sizes: in bfloat16 everywhere;
+    in float32 only with the 227 KB of sm_90 and sm_100 (its tiles of every K-block are twice as
+    large: 208 KB for gate/up). Elsewhere the TTS runner's batches take `BatchDecode`, which is
+    batch-invariant too (each row the single step's arithmetic)."""
+    return dtype != torch.float32 or cc is None or targets.limits(cc).smem_block >= 200 * targets.KB
+
+
 class MMADecode(BatchDecode):
     """`BatchDecode`'s step (same `__call__(x, pos, vis)`, buffers and attention) with the
     projections on the tensor cores (module docstring): a row's results do not depend on its batch,
@@ -239,10 +259,7 @@ class MMADecode(BatchDecode):
 
     def __init__(self, single: TritonDecode):
         super().__init__(single)
-        # (H200, tools/batch_step.py, ms a step at 16 / 64 / 128 rows: 32 columns a program for all but
-        # qkv 0.93 / 2.03 / 3.67, 16 for all 0.91 / 2.18 / 3.98, 32 for qkv too 0.96 / 1.99 / 3.64)
-        self.cfg = {"qkv": (16, 256, 4), "o": (32, 256, 2, 4), "gate_up": (32, 256, 4), "down": (32, 256, 4, 4),
-                    "heads": (32, 256, 1, 4)}
+        self.cfg = mma_config(targets.capability(self.x.device))
         tiles = triton.cdiv(self.rows, BLOCK_M)  # (the split-K scratch: BatchDecode's, grown to fit)
         for name, w in (("o", single.weights[0][1]), ("down", single.weights[0][3])):
             bn, bk, sp, _ = self.cfg[name]

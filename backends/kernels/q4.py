@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .common import Weight, arrive_last, sm_count, sum_parts, split_k
+from .fallback import Fallback
 from .matvec import gemv
 
 
@@ -245,6 +246,24 @@ def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
         bt = min(max(16, triton.next_power_of_2(m)), 128)
         outs.append(q4_mm(part, w, bias, cfg=(64, bt, bk, warps, 4 if m <= 128 else 3, split)))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+FALLBACK = Fallback("the 4-bit products")  # (kernels/fallback.py: `q4_eager` where the kernels cannot run)
+_NIBBLE = [4 * (j // 2 + 4 * (j % 2)) for j in range(8)]  # value j's nibble in a word (`pair_nibbles`)
+
+
+def q4_eager(x: Tensor, w: Weight, bias: Tensor | None, rows: int = 4096) -> Tensor:
+    """`q4_linear` in torch's own operations, W dequantized `rows` at a time: the eager twin of the
+    4-bit products on a GPU where they cannot run (slow: every call dequantizes the weight)."""
+    y = torch.empty(x.shape[0], w.n, dtype=x.dtype, device=x.device)
+    shifts = torch.tensor(_NIBBLE, dtype=torch.int32, device=x.device)
+    words = w.w.transpose(1, 2).reshape(-1, w.k // 8)  # (rows padded to fours, K/8): a row's words
+    for n0 in range(0, w.n, rows):
+        n1 = min(n0 + rows, w.n)
+        q = ((words[n0:n1, :, None] >> shifts) & 0xF).reshape(n1 - n0, -1, w.group).float()  # (rows, groups, GS)
+        part = ((q - w.zeros[n0:n1, :, None]) * w.scales[n0:n1, :, None]).reshape(n1 - n0, w.k).to(x.dtype)
+        y[:, n0:n1] = x @ part.T
+    return y if bias is None else y + bias
 
 
 def q4_linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:

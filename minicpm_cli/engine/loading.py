@@ -15,6 +15,7 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -37,26 +38,39 @@ def check_gguf(backend: str, gguf: Optional[str]) -> None:
 
 
 def pick(model: Optional[str], backend: str, device: str, gguf: Optional[str]) -> tuple[str, str]:
-    """(the backend `auto` stands for here, the model to load: the backend's default when none is given)."""
+    """(the backend `auto` stands for here, the model to load: the backend's default when none is given).
+    On a GPU `auto` weighs what is free (engine/memory.py, MINICPM_MEMORY_CAP applied)."""
     check_gguf(backend, gguf)
     if backend != registry.AUTO:
         registry.get(backend).check()
+    from . import memory
     from .pipeline import resolve_device
 
     if backend == registry.AUTO:
-        backend = registry.choose(model, resolve_device(device).type, gguf=gguf)
+        dev = resolve_device(device)
+        free = memory.available(dev)
+        backend = registry.choose(model, dev.type, gguf=gguf, free=free)
+        if backend == "int4" and free is not None and memory.need("compile").rows(free) < 1 and model is None:
+            print(f"minicpm: {free / memory.GB:.1f} GB of GPU memory free, too little for the bf16 model: using "
+                  f"--backend int4 ({registry.get('int4').default_model}, about 6 GB, downloaded once)",
+                  file=sys.stderr, flush=True)
     be = registry.get(backend)
     be.check()
     return backend, model or be.default_model
 
 
 def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None, *,
-         rows: int = 1, random_weights: bool = False, batch_invariant: bool = True) -> tuple["Synthesizer", str, str]:
+         rows: Optional[int] = 1, random_weights: bool = False,
+         batch_invariant: bool = True) -> tuple["Synthesizer", str, str]:
     """(the loaded synthesizer, the backend name chosen, the model it was loaded from), `rows` streams
-    at once. With `random_weights` the full-size model is drawn on the device (`model` unused);
-    `batch_invariant`: see `Synthesizer.load`."""
+    at once (0 or None: as many as the GPU's free memory holds, engine/memory.py; rows that do not
+    fit: a one-line error naming what does). With `random_weights` the full-size model is drawn on
+    the device (`model` unused); `batch_invariant`: see `Synthesizer.load`."""
     name, model_id = pick(model, backend, device, gguf)
-    from .pipeline import Synthesizer
+    from . import memory
+    from .pipeline import Synthesizer, resolve_device
+
+    rows = memory.rows_for(name, memory.available(resolve_device(device)), rows or None)
 
     synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
                              gguf=gguf, random_weights=random_weights, rows=rows, batch_invariant=batch_invariant)

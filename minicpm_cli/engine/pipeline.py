@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .. import backends
 
+from . import memory
 from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, resolve
 from .cloning import AUDIO_PREFIXES, VoiceEncoder, load_voice_encoder
 from .. import protocol, trace
@@ -206,8 +207,9 @@ class Synthesizer:
         if rows < 1:
             raise UsageError("the batch size must be at least 1")
         dev = resolve_device(device)
+        memory.apply_cap(dev)  # (MINICPM_MEMORY_CAP: this process as on a smaller GPU)
         if backend == backends.AUTO:
-            backend = backends.choose(model, dev.type, gguf=gguf)
+            backend = backends.choose(model, dev.type, gguf=gguf, free=memory.available(dev))
         be = backends.get(backend)
         be.check()
         dt = resolve_dtype(dtype, dev)

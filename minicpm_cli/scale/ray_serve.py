@@ -57,7 +57,7 @@ class ServeArgs:
     device: str = "auto"
     dtype: str = "auto"
     random_weights: bool = False
-    batch: int = 8  # requests each replica generates at once (serve --batch)
+    batch: int = 0  # requests each replica generates at once (serve --batch; 0: as many as fit)
     batch_variant: bool = False  # serve --batch-variant
     api_key: str | None = None  # every request but GET /health needs it [default: each replica's MINICPM_API_KEY]
     replicas: tuple[int, int] = (1, 1)  # (min, max): equal for a fixed number

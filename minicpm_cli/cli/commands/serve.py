@@ -26,7 +26,7 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar=protocol.API_KEY_ENV, help="Require 'Authorization: Bearer KEY' on every request but GET /health.", show_default=False)] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Serve a non-loopback --host without an API key.")] = False,
     random_weights: Annotated[bool, typer.Option("--random-weights", help="For speed work (`bench --server`): the full-size model with random weights drawn on the device, no checkpoint; lengths forced as `bench --random-weights` forces them. Its audio is noise.")] = False,
-    batch: Annotated[int, typer.Option("--batch", help="Requests generated at once (continuous batching); more queue. Each holds its own KV caches: ~0.24 GB of GPU memory a request in bfloat16. The gguf backend runs one at a time.")] = 8,
+    batch: Annotated[int, typer.Option("--batch", help="Requests generated at once (continuous batching); more queue. Each holds its own KV caches: ~0.4 GB of GPU memory a request in bfloat16. Default (0): as many as the GPU's free memory holds, at most 16 (8 on a CPU). The gguf backend runs one at a time.")] = 0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
     ray_address: RayOpt = None,
     replicas: ReplicasOpt = None,
@@ -43,8 +43,8 @@ def serve(
     """
     if not 0 <= port <= 65535:
         raise OptionError("--port must be between 0 and 65535")
-    if batch < 1:
-        raise OptionError("--batch must be at least 1")
+    if batch < 0:
+        raise OptionError("--batch must be at least 1 (0: as many as fit)")
     address, bounds = check_ray(ray_address, replicas, gpus_per_replica)
     api_key = api_key or None
     from ...serving import run as srv

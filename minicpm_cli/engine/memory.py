@@ -1,0 +1,141 @@
+"""What a backend needs of a GPU's memory, and what it has: the estimate that `--backend auto`
+chooses a backend by and `serve` its rows by, and the cap `MINICPM_MEMORY_CAP` puts on a process.
+
+`need(backend, rows)` estimates, in bytes, the full-size model's weights (the bf16 LLM 15.2 GB,
+int4's 4-bit layers 3.3 GB plus its bf16 embeddings and lm_head 2.2 GB; the TTS head and the codec
+0.6 GB; gguf's LLM is llama.cpp's, not counted), each row's KV caches (the LLM's 28 layers x 2 x 4
+KV heads x 128 x 2 bytes x its 4096 slots, 0.23 GB, and the TTS's, 0.015 GB) and a fixed share for
+CUDA graph pools, activations of a prefill and workspaces (1 GB). The sizes come from the official
+model's shapes (`engine/synthetic.py`'s full spec). These are estimates to be measured (README,
+"Which GPU runs what").
+
+`available(device)` is what a process may still allocate: the GPU's free memory, or less under
+`MINICPM_MEMORY_CAP` (GB), which `apply_cap` turns into torch's per-process fraction, so that a
+process behaves as on a card of that size (and runs out of memory as it would there).
+
+No torch at import (the CLI's help imports the registry, which imports this lazily anyway).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import OptionError
+
+if TYPE_CHECKING:
+    import torch
+
+GB = 10**9
+OVERHEAD = 1 * GB  # graph pools, a prefill's activations, cuBLAS/cuDNN workspaces, the codec's batches
+LLM_CONTEXT = 4096  # (pipeline.LLM_CONTEXT: the LLM's KV slots a row)
+TTS_SLOTS = 2401  # (the TTS runner's max_len for the real model: 303 condition slots + 2048 frames + 50)
+MAX_ROWS = 16  # rows `serve` takes by default at most (more queue)
+CAP = "MINICPM_MEMORY_CAP"
+
+
+@dataclass(frozen=True)
+class Need:
+    """Bytes a backend needs: `fixed` once, `per_row` for each row (stream at once)."""
+
+    fixed: int
+    per_row: int
+
+    def total(self, rows: int) -> int:
+        return self.fixed + rows * self.per_row
+
+    def rows(self, free: int) -> int:
+        """Rows that fit in `free` bytes (0: not even one)."""
+        return max(0, (free - self.fixed) // self.per_row)
+
+
+@functools.cache
+def _sizes() -> dict[str, int]:
+    """Parameter counts of the official model's parts, and its KV bytes a row (bfloat16)."""
+    from .synthetic import SyntheticSpec, parameter_count
+
+    s = SyntheticSpec.full()
+    llm = parameter_count(s, "llm.")
+    layers = parameter_count(s, "llm.model.layers.")
+    norms = s.layers * 2 * s.hidden  # (layer norms stay bf16 under int4)
+    kv = 2 * 2 * (s.layers * s.kv_heads * (s.hidden // s.heads) * LLM_CONTEXT
+                  + s.tts_layers * s.tts_hidden * TTS_SLOTS)
+    return {"llm": llm, "quantized": layers - norms, "tts": parameter_count(s, "tts.", include_unused=False),
+            "kv": kv}
+
+
+def need(backend: str, rows: int = 1) -> Need:
+    """The estimate (module docstring) for `backend` (compile, eager, int4, gguf) in bfloat16."""
+    z = _sizes()
+    rest = 2 * z["tts"] + OVERHEAD  # the TTS head and codec (bf16), graphs, activations
+    if backend == "int4":
+        llm = 2 * (z["llm"] - z["quantized"]) + z["quantized"] // 2 + z["quantized"] // 64  # (+ scales, zeros)
+    elif backend == "gguf":
+        llm = 0  # (llama.cpp's memory: its own, from the GGUF file)
+    else:
+        llm = 2 * z["llm"]
+    return Need(llm + rest, z["kv"])
+
+
+def cap_bytes() -> int | None:
+    """MINICPM_MEMORY_CAP in bytes (GB, decimal), None when unset."""
+    value = os.environ.get(CAP, "").strip()
+    if not value:
+        return None
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = -1.0
+    if gb <= 0:
+        raise OptionError(f"{CAP}={value!r}: give the GPU memory this process may use, in GB (e.g. 8)")
+    return int(gb * GB)
+
+
+def apply_cap(device: "torch.device") -> None:
+    """Hold this process to MINICPM_MEMORY_CAP on `device` (torch's per-process memory fraction; the
+    CUDA context itself is outside it); nothing when unset or not a GPU."""
+    import torch
+
+    cap = cap_bytes()
+    if cap is None or device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+
+
+def available(device: "torch.device") -> int | None:
+    """Bytes this process may still allocate on a GPU (MINICPM_MEMORY_CAP applied), None elsewhere."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    apply_cap(device)
+    free = torch.cuda.mem_get_info(device)[0]
+    cap = cap_bytes()
+    return free if cap is None else min(free, cap - torch.cuda.memory_reserved(device))
+
+
+def rows_for(backend: str, free: int | None, want: int | None = None) -> int:
+    """Rows to make an engine of: `want` (the user's --batch) where it fits, else a one-line error
+    saying what does; None: as many as fit, at most MAX_ROWS (8 where the memory is not known: a CPU)."""
+    if free is None:
+        return want or 8
+    est = need(backend)
+    fit = est.rows(free)
+    if want is None:
+        if fit < 1:
+            raise OptionError(too_small(backend, free))
+        return min(fit, MAX_ROWS)
+    if want > fit:
+        hint = f"--batch {fit}" if fit >= 1 else "--backend int4"
+        raise OptionError(f"--batch {want} needs about {est.total(want) / GB:.1f} GB of GPU memory with backend "
+                          f"'{backend}' and {free / GB:.1f} GB are free: use {hint}"
+                          + (" or --backend int4" if backend != "int4" and fit >= 1 else ""))
+    return want
+
+
+def too_small(backend: str, free: int) -> str:
+    return (f"backend '{backend}' needs about {need(backend).total(1) / GB:.1f} GB of GPU memory and "
+            f"{free / GB:.1f} GB are free" + ("" if backend == "int4" else ": try --backend int4"))

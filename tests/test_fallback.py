@@ -1,0 +1,133 @@
+"""A kernel that cannot run on the user's GPU (backends/kernels/fallback.py): its stage takes the
+eager path, gives the eager path's output, and says so once. Kernels are made to fail as Triton
+fails on a GPU without the shared memory they ask for (OutOfResources); without a GPU everything
+runs in Triton's interpreter (conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from minicpm_cli.backends import invariant  # noqa: E402
+from minicpm_cli.backends.compile import CompiledLLM, GraphTTSRunner  # noqa: E402
+from minicpm_cli.backends.gptq import Q4Linear, dequantize, quantize  # noqa: E402
+from minicpm_cli.backends.kernels import decode, fallback, q4  # noqa: E402
+from minicpm_cli.engine.pipeline import Synthesizer  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Failing:
+    """Stands for a JIT kernel (`kernel[grid](...)`) whose compilation runs out of shared memory."""
+
+    def __init__(self, name: str):
+        self.fn = type(name, (), {})  # (what fallback.kernel_name finds on the traceback)
+        self.fn.__name__ = name
+        self.calls = 0
+
+    def __getitem__(self, grid):
+        return self.launch
+
+    def launch(self, *args, **kwargs):
+        self.calls += 1
+        raise OutOfResources(232448, 101376, "shared memory")
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(fallback, "_warned", set())
+
+
+def warnings(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("minicpm: warning: kernel")]
+
+
+def test_tts_step_falls_back_to_eager_once(tiny_dir, monkeypatch, capsys):
+    """The TTS step's attention kernel fails: the frames and logits are the eager runner's, one
+    warning names the kernel and the device, and the kernel is not tried again."""
+    from minicpm_cli.engine.tts import TTSRunner
+
+    failing = Failing("attention_kernel")
+    monkeypatch.setattr(decode, "attention_kernel", failing)
+    s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
+    cond = s.tokenizers.condition("Hello there, how are you?", s.tts_model.config.streaming_text_reserved_len)
+    spk = torch.nn.functional.normalize(torch.randn(s.tts_model.config.decoder.dim), dim=0).to(DEVICE)
+    runs = []
+    for runner in (TTSRunner(s.tts_model), GraphTTSRunner(s.tts_model, use_triton=True)):
+        runner.trace = []
+        runner.start(cond.n)
+        runner.prefill(cond.ids[: cond.n + 3], 0, spk)
+        codes, _ = runner.generate(None, n_steps=4, min_new=4)
+        runs.append((codes, torch.stack([raw for raw, _ in runner.trace])))
+    (codes_e, raw_e), (codes_f, raw_f) = runs
+    assert torch.equal(codes_e, codes_f)
+    torch.testing.assert_close(raw_f, raw_e, rtol=1e-5, atol=1e-5)
+    lines = warnings(capsys.readouterr().err)
+    assert len(lines) == 1 and "attention_kernel" in lines[0] and DEVICE in lines[0] and "shared memory" in lines[0]
+    assert failing.calls == 1  # (the stage is eager from then on)
+
+
+def test_llm_decode_falls_back_to_eager(tiny_dir, monkeypatch, capsys):
+    """The LLM decode step's first kernel fails: the same tokens and logits as the eager backend."""
+    monkeypatch.setattr(decode, "_rms_qkv_rope", Failing("_rms_qkv_rope"))
+    eager = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
+    comp = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
+    llm = CompiledLLM(comp.llm.model, max_len=512, use_triton=True)
+    ids = eager.tokenizers.encode_llm("<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n")
+    runs = []
+    for stage in (eager.llm, llm):
+        stage.reset()
+        logits, _ = stage.forward(ids)
+        steps = [logits.clone()]
+        for _ in range(4):
+            logits, hidden = stage.forward([int(logits.argmax())])
+            steps.append(logits.clone())
+        runs.append((torch.stack(steps), hidden.clone()))
+    (le, he), (lf, hf) = runs
+    assert torch.equal(le.argmax(-1), lf.argmax(-1))
+    torch.testing.assert_close(lf, le, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(hf, he, rtol=1e-4, atol=1e-4)
+    lines = warnings(capsys.readouterr().err)
+    assert len(lines) == 1 and "_rms_qkv_rope" in lines[0] and "decode step" in lines[0]
+
+
+def test_invariant_product_falls_back_to_linear(monkeypatch, capsys):
+    """The batch-invariant product cannot run: InvariantLinear gives F.linear's output; once said."""
+    failing = Failing("_invariant_mm")
+    monkeypatch.setattr(invariant, "PRODUCTS", fallback.Fallback("the batch-invariant products"))
+    monkeypatch.setattr(invariant, "invariant_mm", lambda *a, **k: failing[(1,)](*a))
+    lin = torch.nn.Linear(32, 16)
+    invariant.make_invariant(lin)
+    x = torch.randn(5, 32)
+    for _ in range(2):
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), rtol=0, atol=0)
+    lines = warnings(capsys.readouterr().err)
+    assert len(lines) == 1 and "_invariant_mm" in lines[0] and "batch-invariant products" in lines[0]
+    assert failing.calls == 1
+
+
+def test_other_errors_are_not_swallowed(monkeypatch):
+    """Only a kernel that cannot run on this GPU falls back: a bug of ours is raised as it is."""
+    stage = fallback.Fallback("a stage")
+    with pytest.raises(ValueError):
+        stage.guard(lambda: (_ for _ in ()).throw(ValueError("ours")), lambda: 1, torch.device("cpu"))
+    assert not stage.failed
+
+
+@pytest.mark.parametrize("group_size,desc_act", [(-1, False), (32, True)])
+def test_q4_eager_matches_dequantized(group_size, desc_act):
+    """The 4-bit products' eager twin: x @ W^T + b with W dequantized by torch's own operations."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 256) * 0.05
+    g_idx = (torch.arange(256) // 32)[torch.randperm(256)] if desc_act else None
+    t = quantize(w, group_size, g_idx=g_idx)
+    bias = torch.randn(40)
+    lin = Q4Linear(**t, bias=bias, dtype=torch.float32, device="cpu")
+    x = torch.randn(3, 256)
+    xp = x if lin.perm is None else x.index_select(1, lin.perm)
+    ref = x @ dequantize(**t).T + bias
+    torch.testing.assert_close(q4.q4_eager(xp, lin.kernel_weight(), lin.bias, rows=16), ref, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,79 @@
+"""Memory-aware defaults (minicpm_cli/engine/memory.py): the estimate, `--backend auto` by free GPU
+memory, rows from the memory left, MINICPM_MEMORY_CAP; GPU memory is faked."""
+
+from __future__ import annotations
+
+import pytest
+
+from minicpm_cli import backends as registry
+from minicpm_cli.engine import memory
+from minicpm_cli.errors import BackendError, OptionError
+
+GB = memory.GB
+
+
+def test_estimate_of_the_full_size_model():
+    """bf16 LLM 15.2 GB, int4 about 5.5 GB, KV caches about 0.4 GB a row (LLM 28 layers x 2 x 4 KV heads
+    x 128 x 2 bytes x 4096 slots, TTS 20 layers x 2 x 768 x 2 bytes x 2401 slots)."""
+    z = memory._sizes()
+    assert 7.5e9 < z["llm"] < 7.7e9
+    assert z["kv"] == 2 * 2 * (28 * 4 * 128 * 4096 + 20 * 768 * 2401)
+    compile_, int4 = memory.need("compile"), memory.need("int4")
+    assert 16 * GB < compile_.fixed < 18 * GB and 6 * GB < int4.fixed < 8 * GB
+    assert compile_.per_row == int4.per_row
+    assert int4.fixed - memory.need("gguf").fixed < compile_.fixed - memory.need("gguf").fixed
+    assert compile_.total(4) == compile_.fixed + 4 * compile_.per_row
+
+
+@pytest.mark.parametrize("free_gb,want", [(79, "compile"), (23.5, "compile"), (15.5, "int4"), (11.5, "int4"),
+                                          (7.5, "int4")])
+def test_auto_chooses_by_free_memory(free_gb, want):
+    assert registry.choose(None, "cuda", triton=True, free=int(free_gb * GB)) == want
+
+
+def test_auto_says_what_fits_when_nothing_does():
+    with pytest.raises(BackendError, match=r"4\.0 GB of GPU memory are free.*int4.*--backend gguf"):
+        registry.choose(None, "cuda", triton=True, free=4 * GB)
+    assert registry.choose(None, "cuda", triton=True, free=None) == "compile"  # (not known: as before)
+    assert registry.choose(None, "cuda", triton=True, gguf="m.gguf", free=1 * GB) == "gguf"
+    assert registry.choose(None, "cpu", free=None) == "eager"
+
+
+def test_rows_from_the_memory_left():
+    need = memory.need("compile")
+    assert memory.rows_for("compile", None) == 8 and memory.rows_for("compile", None, 3) == 3  # a CPU
+    assert memory.rows_for("compile", 80 * GB) == memory.MAX_ROWS
+    free = need.fixed + 5 * need.per_row + 1
+    assert memory.rows_for("compile", free) == 5
+    assert memory.rows_for("compile", free, 5) == 5
+    with pytest.raises(OptionError, match=r"--batch 6 needs about .* use --batch 5 or --backend int4"):
+        memory.rows_for("compile", free, 6)
+    with pytest.raises(OptionError, match="try --backend int4"):
+        memory.rows_for("compile", need.fixed - 1)
+
+
+def test_memory_cap(monkeypatch):
+    monkeypatch.delenv(memory.CAP, raising=False)
+    assert memory.cap_bytes() is None
+    monkeypatch.setenv(memory.CAP, "12")
+    assert memory.cap_bytes() == 12 * GB
+    monkeypatch.setenv(memory.CAP, "lots")
+    with pytest.raises(OptionError, match="MINICPM_MEMORY_CAP"):
+        memory.cap_bytes()
+
+
+def test_a_capped_gpu_is_what_auto_and_rows_see(monkeypatch):
+    """Under MINICPM_MEMORY_CAP a 80 GB GPU is an 8 GB one: int4, its rows from what is left; the cap
+    goes to torch as the process's memory fraction."""
+    import torch
+
+    fractions = []
+    monkeypatch.setenv(memory.CAP, "8")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79 * GB, 80 * GB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 80 * GB}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
+    free = memory.available(torch.device("cuda"))
+    assert free == 8 * GB and fractions == [0.1]
+    assert registry.choose(None, "cuda", triton=True, free=free) == "int4"
+    assert memory.rows_for("int4", free) == memory.need("int4").rows(free) >= 1
