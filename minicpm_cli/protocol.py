@@ -26,6 +26,15 @@ STREAMABLE = ("wav", "pcm", "pcm_f32")
 ENCODED = ("flac", "mp3", "opus")  # whole files only (libsndfile patches their headers at the end)
 STREAM_FORMATS = ("audio", "sse")
 
+# The speech socket (WebSocket): text in as it comes, audio out as it is made (docs/streaming.md). A
+# browser, which cannot set headers, offers the key as the subprotocol `minicpm.key.KEY` beside
+# `minicpm`, which the server then selects (a browser fails a handshake that selects none). An error
+# closes it with 4000 + the status the same error has over HTTP (4400, 4401, 4413, 4503, ...).
+SPEECH_STREAM_PATH = "/v1/audio/speech/stream"
+WS_SUBPROTOCOL = "minicpm"
+WS_KEY_PREFIX = "minicpm.key."
+WS_CLOSE_ERROR = 4000
+
 # Frames (21.3 ms) in a generation call: the range of `first_chunk` (= tts.FRAMES_PER_CALL; a test
 # checks they agree, this module cannot import the model code)
 FRAMES_PER_CALL = 25

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from minicpm_cli.engine.sampling import Sampling
-from minicpm_cli.engine.text import CLAUSE_TOKENS, READ_PIECE_TOKENS, arrival_cut, ready_parts
+from minicpm_cli.engine.inbox import Closed, Inbox
+from minicpm_cli.engine.text import CLAUSE_TOKENS, READ_PIECE_TOKENS, Arrival, arrival_cut, ready_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 words = lambda t: len(t.split())  # noqa: E731  (a token count for the rule's unit tests)
@@ -52,10 +53,51 @@ def test_parts_join_back_and_the_end_is_the_last():
     assert list(ready_parts([("All of it. At once.", True)], words)) == [("All of it. At once.", True)]
 
 
-def test_arriving_text_is_spoken_and_whole_text_is_synthesize(tiny_dir):
+def test_a_flush_makes_what_is_pending_a_part():
+    arrivals = [Arrival("Hello there"), Arrival("", flush=True), Arrival(" "), Arrival("", flush=True),
+                Arrival("and more", ended=True)]
+    assert list(ready_parts(arrivals, words)) == [("Hello there", False), (" and more", True)]
+
+
+def test_an_inbox_gives_its_messages_as_they_come_until_the_end_or_its_close():
+    def reading(inbox: Inbox) -> tuple[threading.Thread, list]:
+        got: list = []
+
+        def read() -> None:
+            try:
+                got.extend(inbox.arrivals())  # (no park: this thread waits)
+            except Closed:
+                got.append("closed")
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        return thread, got
+
+    woken = []
+    inbox = Inbox(wake=lambda: woken.append(1))
+    reader, got = reading(inbox)
+    inbox.put("One. ")
+    inbox.put("Two", flush=True)
+    inbox.put("", ended=True)
+    reader.join(10)
+    assert got == [Arrival("One. "), Arrival("Two", flush=True), Arrival("", ended=True)] and len(woken) == 3
+    assert inbox.received == "One. Two"
+    inbox = Inbox()
+    reader, got = reading(inbox)
+    inbox.put("Half a sent")
+    inbox.close()
+    reader.join(10)
+    assert got in ([Arrival("Half a sent"), "closed"], ["closed"])
+
+
+@pytest.fixture(scope="module")
+def synth(tiny_dir):
     from minicpm_cli.engine.pipeline import Synthesizer
 
-    synth = Synthesizer.load(str(tiny_dir), device="cpu")
+    return Synthesizer.load(str(tiny_dir), device="cpu")
+
+
+def test_arriving_text_is_spoken_and_whole_text_is_synthesize(synth):
     text = "The first sentence is here. And then a second one follows it."
     whole = list(synth.synthesize(text, Sampling(greedy=True), decode="segment"))
     once = list(synth.synthesize_arriving([(text, True)], Sampling(greedy=True), decode="segment"))
@@ -69,6 +111,25 @@ def test_arriving_text_is_spoken_and_whole_text_is_synthesize(tiny_dir):
     assert got[-1].segment == 1
     first_segment = "".join(c.text for c in got if c.segment == 0)
     assert first_segment.strip() == "The first sentence is here."
+
+
+def test_a_parts_audio_is_all_out_before_more_text_is_waited_for(synth):
+    """A part ends its segment (it came as its writer paused): the segment's last chunk, the crossfade's
+    tail included, is yielded before the next arrival is asked for (a server's client, an agent, hears
+    all of what it sent while it thinks of more)."""
+    got, asked = [], []
+
+    def arrivals():
+        yield "The first sentence is here. ", False
+        asked.append(list(got))
+        yield "And more.", True
+
+    for chunk in synth.synthesize_arriving(arrivals(), Sampling(greedy=True)):
+        got.append(chunk)
+    (before,) = asked
+    assert before and before[-1].ends_segment and before[-1].segment == 0 and len(before[-1].samples)
+    assert not any(c.segment for c in before) and got[len(before)].segment == 1 and got[-1].final
+    assert [c.ends_segment for c in got].count(True) == 2
 
 
 def test_say_speaks_before_a_slow_writer_goes_on(tiny_dir):

@@ -207,7 +207,7 @@ def served():
 
 def test_health_models_props(served):
     status, _, body = call(served.url, "GET", "/health")
-    assert status == 200 and json.loads(body) == {"status": "ok"}
+    assert status == 200 and json.loads(body) == {"status": "ok", "streams": 0}
     status, _, body = call(served.url, "GET", "/v1/models")
     assert status == 200
     models = json.loads(body)
@@ -559,6 +559,233 @@ def test_reply_endpoint_streams_text_and_audio(served, local):
     assert (len(audio) - 44) // 2 == 512 * usage["audio_frames"], (len(audio), usage)
 
 
+# -- the speech socket: text in as it arrives, audio out ------------------------------------------------
+
+
+@dataclass
+class Heard:
+    audio: bytes  # the binary messages, joined
+    events: list[dict]  # the JSON messages
+    code: int | None  # the close code
+    subprotocol: str | None = None
+
+    def of(self, kind: str) -> list[dict]:
+        return [e for e in self.events if e["type"] == kind]
+
+
+def socket_url(url: str) -> str:
+    return url.replace("http://", "ws://") + protocol.SPEECH_STREAM_PATH
+
+
+def connect(url: str, **kw):
+    from websockets.sync.client import connect as ws_connect
+
+    return ws_connect(socket_url(url), max_size=None, open_timeout=30, **kw)
+
+
+def hear(ws, until=None, timeout: float = 120) -> Heard:
+    """Read the socket to its close (or to the first event `until(event)` holds)."""
+    from websockets.exceptions import ConnectionClosed
+
+    heard = Heard(b"", [], None, ws.subprotocol)
+    try:
+        while True:
+            message = ws.recv(timeout=timeout)
+            if isinstance(message, bytes):
+                heard.audio += message
+                continue
+            heard.events.append(json.loads(message))
+            if until is not None and until(heard.events[-1]):
+                return heard
+    except ConnectionClosed:
+        heard.code = ws.close_code
+    return heard
+
+
+def over_socket(url: str, messages: list, **kw) -> Heard:
+    """`messages` (dicts sent as JSON, str and bytes as they are) on the speech socket, then all it says."""
+    from websockets.exceptions import ConnectionClosed
+
+    with connect(url, **kw) as ws:
+        try:
+            for m in messages:
+                ws.send(m if isinstance(m, (str, bytes)) else json.dumps(m))
+        except ConnectionClosed:
+            pass  # (refused early: what it said is read below)
+        return hear(ws)
+
+
+def health_streams(url: str) -> int:
+    status, _, body = call(url, "GET", "/health", timeout=15)
+    assert status == 200
+    return json.loads(body)["streams"]
+
+
+@pytest.fixture(scope="module")
+def synth():
+    """The tiny model in this process, as `say --local` loads it."""
+    from minicpm_cli.engine.pipeline import Synthesizer
+
+    return Synthesizer.load(str(TINY), device="cpu", dtype="float32")
+
+
+def test_socket_text_given_whole_is_the_speech_endpoints(served, local):
+    """Start, then the text with the end: what `say -o -` writes (a WAV header, then the streamed
+    decode), and, with stream_format null, the samples of `say -o FILE`; one segment's events."""
+    heard = over_socket(served.url, [{"type": "start", "greedy": True}, {"type": "end", "text": TEXT}])
+    assert heard.code == 1000 and heard.audio == local("stdout").stdout
+    samples = (len(heard.audio) - 44) // 2
+    assert [e["type"] for e in heard.events] == ["speech.segment.started", "speech.segment.done", "speech.audio.done"]
+    assert heard.events[0] == {"type": "speech.segment.started", "segment": 0, "start": 0.0, "start_sample": 0}
+    done = heard.events[1]
+    assert (done["segment"], done["text"], done["start_sample"], done["end_sample"]) == (0, TEXT, 0, samples)
+    assert done["end"] == round(samples / 24000, 6)
+    usage = heard.events[2]["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] * 512 == samples
+    whole = over_socket(served.url, [{"type": "start", "greedy": True, "response_format": "pcm", "stream_format": None},
+                                     {"type": "end", "text": TEXT}])
+    file_samples = sf.read(io.BytesIO(local("file").files["a.wav"]), dtype="int16")[0]
+    assert whole.code == 1000 and whole.audio == file_samples.astype("<i2").tobytes()
+
+
+SPLIT = [("The first sentence ", False), ("is here. And then", False), (" a second one follows it.", True)]
+
+
+def test_socket_parts_are_the_in_process_parts(served, synth):
+    """Each message is one arrival: the parts, segments, samples and caption cues are those
+    `synthesize_arriving` makes in-process of the same arrivals."""
+    from minicpm_cli.captions import cues
+    from minicpm_cli.engine.sampling import Sampling
+
+    messages = [{"type": "end" if ended else "text", "text": t} for t, ended in SPLIT]
+    heard = over_socket(served.url, [{"type": "start", "greedy": True, "response_format": "pcm_f32",
+                                      "timestamps": True}, *messages])
+    chunks = list(synth.synthesize_arriving(SPLIT, Sampling(greedy=True)))
+    assert heard.code == 1000
+    assert heard.audio == np.concatenate([c.samples for c in chunks]).astype("<f4").tobytes()
+    assert heard.of("speech.caption") == [{"type": "speech.caption", **c.timestamp(24000)} for c in cues(chunks)]
+    done = heard.of("speech.segment.done")
+    assert [(d["segment"], d["text"]) for d in done] == [(0, "The first sentence is here."),
+                                                         (1, "And then a second one follows it.")]
+    assert done[0]["end_sample"] == done[1]["start_sample"] == sum(len(c.samples) for c in chunks if c.segment == 0)
+    assert done[1]["end_sample"] * 4 == len(heard.audio)
+
+
+def test_socket_flush_speaks_what_is_pending_at_once(served, synth):
+    """A flush makes the pending text a part even without a sentence end: its segment is spoken, and
+    all of its audio (the crossfade's tail too) comes before any more text is sent."""
+    from minicpm_cli.engine.sampling import Sampling
+    from minicpm_cli.engine.text import Arrival
+
+    with connect(served.url) as ws:
+        ws.send(json.dumps({"type": "start", "greedy": True, "response_format": "pcm_f32"}))
+        ws.send(json.dumps({"type": "text", "text": "Hello there"}))
+        ws.send(json.dumps({"type": "flush"}))
+        first = hear(ws, until=lambda e: e["type"] == "speech.segment.done")
+        ws.send(json.dumps({"type": "end", "text": " And the rest comes later."}))
+        rest = hear(ws)
+    arrivals = [Arrival("Hello there"), Arrival("", flush=True), Arrival(" And the rest comes later.", ended=True)]
+    chunks = list(synth.synthesize_arriving(arrivals, Sampling(greedy=True)))
+    expected = [np.concatenate([c.samples for c in chunks if c.segment == k]).astype("<f4").tobytes() for k in (0, 1)]
+    assert first.audio == expected[0] and first.events[-1]["text"] == "Hello there"
+    assert rest.code == 1000 and rest.audio == expected[1]
+
+
+def test_socket_waits_parked_and_leaving_frees_its_stream(served):
+    """A session waiting for text holds its stream without holding the model: another request is
+    served meanwhile, and the server sleeps (no CPU spent) while nothing but it is left. Closing the
+    socket ends its stream, waiting or generating (LONG would take minutes): /health counts none."""
+    def cpu_seconds() -> float:
+        fields = Path(f"/proc/{served.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    with connect(served.url) as waiting, connect(served.url) as generating:
+        waiting.send(json.dumps({"type": "start", "greedy": True}))
+        waiting.send(json.dumps({"type": "text", "text": "Still thinking about what to say"}))  # (not a part yet)
+        end = time.monotonic() + 30
+        while health_streams(served.url) != 1 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert call(served.url, "POST", "/v1/audio/speech", {"input": "Hello.", "greedy": True}, timeout=60)[0] == 200
+        time.sleep(0.3)
+        before = cpu_seconds()
+        time.sleep(2.0)
+        # (an engine spinning over its parked stream spent 0.6 s a second, on the loaded 2-core machine)
+        assert cpu_seconds() - before < 0.3
+        assert health_streams(served.url) == 1
+        generating.send(json.dumps({"type": "start", "greedy": True, "response_format": "pcm"}))
+        generating.send(json.dumps({"type": "end", "text": LONG[:20000]}))
+        while not isinstance(generating.recv(timeout=60), bytes):
+            pass
+        assert health_streams(served.url) == 2
+    end = time.monotonic() + 30
+    while health_streams(served.url) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert health_streams(served.url) == 0
+
+
+SOCKET_BAD = [
+    # (messages, close code, words in the error's message)
+    ([{"type": "start", "response_format": "aac"}], 4400, ["aac"]),
+    ([{"type": "start", "response_format": "flac"}], 4400, ["whole file"]),
+    ([{"type": "start", "stream_format": "sse"}], 4400, ["stream_format"]),
+    ([{"type": "start", "greedy": True, "seed": 1}], 4400, ["greedy takes no seed"]),
+    ([{"type": "start", "speed": 8}], 4400, ["speed must be between 0.25 and 4"]),
+    ([{"type": "start", "voice": "nobody"}], 4400, ["nobody"]),
+    ([{"type": "start", "model": "gpt-5"}], 4404, ["gpt-5"]),
+    ([{"type": "start", "input": "Hi."}], 4422, ["input"]),
+    ([{"type": "start", "greedy": "yes"}], 4422, ["greedy"]),
+    ([{"type": "text", "text": "Hi."}], 4422, ["type"]),
+    (["{not json"], 4422, ["JSON"]),
+    ([b"\x00\x01"], 4400, ["JSON text"]),
+    ([{"type": "start"}, {"type": "speak", "text": "Hi."}], 4422, ["type"]),
+    ([{"type": "start"}, {"type": "end", "text": "  "}], 4400, ["no text to speak"]),
+    ([{"type": "start", "greedy": True}, {"type": "end", "text": "Hi."}, {"type": "text", "text": "More."}], 4400,
+     ["ended"]),
+]
+
+
+def test_socket_bad_messages_get_an_error_then_a_close(served):
+    said = len(served.lines)
+    for messages, code, words in SOCKET_BAD:
+        heard = over_socket(served.url, messages)
+        assert heard.code == code, (messages, heard)
+        error = heard.events[-1]
+        assert error["type"] == "error", (messages, heard.events)
+        error = error["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"], error
+        for w in words:
+            assert w in error["message"], (messages, error)
+    assert not [line for line in served.lines[said:] if "Traceback" in line or "error" in line.lower()], served.lines
+    assert over_socket(served.url, [{"type": "start"}, {"type": "end", "text": "Still here."}]).code == 1000
+
+
+def test_say_through_the_server_speaks_before_a_slow_writer_goes_on(served):
+    """`say --server` reading a pipe: the first sentence, then the writer waits: the first audio byte
+    comes while it waits (the rest is written once audio came, or after 120 s)."""
+    p = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "say", "--server", served.url, "--greedy", "-o", "-"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    first = threading.Event()
+    out = bytearray()
+
+    def read() -> None:
+        while data := p.stdout.read1(1 << 16):
+            out.extend(data)
+            first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    p.stdin.write(b"The first sentence arrives alone.\n")
+    p.stdin.flush()
+    came = first.wait(120)
+    p.stdin.write(b"Then the rest of it.\n")
+    p.stdin.close()
+    p.wait(120)
+    reader.join(10)
+    assert p.returncode == 0 and p.stderr.read() == b""
+    assert came, "no audio before the rest of the text was written"
+    assert out[:4] == b"RIFF" and len(out) > 44
+
+
 def test_bench_measures_the_server(served, tmp_path):
     out = tmp_path / "bench.json"
     p = minicpm("bench", "--server", served.url, "--runs", "1", "--warmup", "0", "--max-tokens", "24",
@@ -634,19 +861,40 @@ def test_api_key(secured, local, tmp_path):
     _one_line_error(minicpm("say", "Hi.", "-o", "-", "--server", url), "MINICPM_API_KEY")
 
 
+def test_socket_api_key(secured):
+    """The socket takes the key as the HTTP API does, or as a subprotocol (a browser's way); without
+    it: the error, then a close with 4401."""
+    for kw in ({}, {"additional_headers": {"Authorization": "Bearer nope"}}, {"subprotocols": ["minicpm.key.nope"]}):
+        heard = over_socket(secured.url, [{"type": "start"}, {"type": "end", "text": "Hi."}], **kw)
+        assert heard.code == 4401 and heard.of("error")[0]["error"]["code"] == "invalid_api_key", (kw, heard)
+    # (past the key, a start that cannot be served is the next error)
+    heard = over_socket(secured.url, [{"type": "start", "response_format": "aac"}],
+                        additional_headers={"Authorization": f"Bearer {KEY}"})
+    assert heard.code == 4400, heard
+    heard = over_socket(secured.url, [{"type": "start", "greedy": True}, {"type": "end", "text": "Hi."}],
+                        subprotocols=["minicpm", f"minicpm.key.{KEY}"])
+    assert heard.code == 1000 and len(heard.audio) > 44 and heard.subprotocol == "minicpm", heard.events
+
+
 def test_sigterm_lets_the_request_in_flight_finish(secured):
+    """The request in flight finishes; a speech socket still waiting for text is closed (1012, service
+    restart: uvicorn's) and its stream ended, so the server exits 0."""
     text = " ".join(LONG.split(". ")[:50])
     host, port = secured.address
-    conn = http.client.HTTPConnection(host, port, timeout=120)
-    conn.request("POST", "/v1/audio/speech", body=json.dumps({"input": text, "greedy": True, "stream_format": "audio",
-                                                               "response_format": "pcm"}),
-                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    resp = conn.getresponse()
-    first = resp.read1(1 << 16)
-    secured.proc.send_signal(signal.SIGTERM)
-    rest = resp.read()  # (IncompleteRead if the response were cut)
-    conn.close()
-    assert len(first) + len(rest) > 24000 * 2 * 5
+    with connect(secured.url, additional_headers={"Authorization": f"Bearer {KEY}"}) as waiting:
+        waiting.send(json.dumps({"type": "start"}))
+        waiting.send(json.dumps({"type": "text", "text": "Waiting for the rest"}))
+        conn = http.client.HTTPConnection(host, port, timeout=120)
+        body = {"input": text, "greedy": True, "stream_format": "audio", "response_format": "pcm"}
+        conn.request("POST", "/v1/audio/speech", body=json.dumps(body),
+                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        resp = conn.getresponse()
+        first = resp.read1(1 << 16)
+        secured.proc.send_signal(signal.SIGTERM)
+        rest = resp.read()  # (IncompleteRead if the response were cut)
+        conn.close()
+        assert len(first) + len(rest) > 24000 * 2 * 5
+        assert hear(waiting, timeout=60).code == 1012
     assert secured.proc.wait(timeout=60) == 0, secured.lines
     assert not [line for line in secured.lines if "Traceback" in line or "error" in line.lower()], secured.lines
     with pytest.raises(OSError):

@@ -14,6 +14,12 @@ token for every stream that asked for one (`LLMStage.decode_rows`) and one batch
 every open generate() call (`TTSRunner.step_calls`). A stream joins the batch at the next step and
 leaves when it ends.
 
+A stream may also wait for something from outside (text still arriving over a server's socket): its
+lane's `park(ready)` parks it, holding its row, and each round resumes the parked streams whose
+`ready()` has become true (or that were cancelled: `park` then raises `Cancelled`). A round computes
+nothing for them meanwhile; `stalled` says when a round would compute nothing at all, so that the
+engine's owner can sleep until something from outside happens instead of spinning.
+
 A round's admissions stall the streams already playing by at most one group of prompts of up to
 PROMPT_TOKENS (4096) padded tokens and one padded TTS prefill (about 0.1 s for 4096 tokens of the 7B
 on an H100; a sentence's prompt is tens of milliseconds), against the 533 ms of audio that one
@@ -107,14 +113,20 @@ class CodecLane:
         return self.decode(codes) if speed == 1.0 else self.codec.decode_at(codes, speed, begin)
 
 
+class Cancelled(Exception):
+    """Raised in a parked stream that was cancelled while it waited (`Lane.park`)."""
+
+
 @dataclass(frozen=True)
 class Lane:
-    """What one stream runs on: a row of the TTS runner, a row of the LLM stage and the codec."""
+    """What one stream runs on: a row of the TTS runner, a row of the LLM stage and the codec; `park`
+    (None outside an engine) waits until `ready()` is true, the other streams running meanwhile."""
 
     row: int
     tts: TTSLane
     llm: LLMLane
     codec: Any
+    park: Callable[[Callable[[], bool]], None] | None = None
 
 
 @dataclass(eq=False)
@@ -147,7 +159,8 @@ class Engine:
         # otherwise than one stream's, so each stream decodes alone there
         batch_codec = synth.codec.device.type == "cuda"
         self.lanes = [Lane(b, synth.tts.lane(b), LLMLane(synth.llm, b),
-                           CodecLane(synth.codec, b, self._decode_wait) if batch_codec else synth.codec)
+                           CodecLane(synth.codec, b, self._decode_wait) if batch_codec else synth.codec,
+                           functools.partial(self._park, b))
                       for b in range(self.rows)]
         for lane in self.lanes:
             lane.tts.batcher, lane.llm.batcher, lane.llm.picker = self._tts_wait, self._llm_wait, self._pick_wait
@@ -161,6 +174,8 @@ class Engine:
         self.picks: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # LLM tokens to choose (LLMLane.pick)
         self.tts_prefills: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # (ids, begin, spk)
         self.decodes: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # codes to decode
+        self.parked: dict[int, tuple[greenlet.greenlet, Callable[[], bool]]] = {}  # waiting for ready()
+        self.running: dict[int, Stream] = {}  # the stream on each row taken
         self.batch_prompts = hasattr(synth.llm, "prefill_rows")
         self.active = 0
         self.loop: greenlet.greenlet | None = None
@@ -173,9 +188,24 @@ class Engine:
     def idle(self) -> bool:
         return not (self.queued or self.active)
 
+    @property
+    def stalled(self) -> bool:
+        """Whether a round would compute nothing: no stream to resume or waiting for a computation
+        (a TTS call in progress included) but parked ones whose `ready()` is false, and no queued
+        stream with a free row. Only something from outside ends that (what a parked stream waits
+        for, a cancellation, a submission)."""
+        waiting = (self.ready, self.tts_calls, self.llm_tokens, self.llm_prompts, self.picks, self.tts_prefills,
+                   self.decodes)
+        return not (any(waiting) or (self.queued and self.free)) and not any(
+            self.running[r].cancelled or ready() for r, (_, ready) in self.parked.items())
+
     def run(self) -> None:
-        """Run rounds until every submitted stream has ended."""
+        """Run rounds until every submitted stream has ended. Streams parked with nothing else left
+        to run are cancelled: nothing here could give them what they wait for."""
         while not self.idle:
+            if self.parked and self.stalled:
+                for r in self.parked:
+                    self.running[r].cancel()
             self.round()
 
     def round(self) -> None:
@@ -189,8 +219,13 @@ class Engine:
                 stream.done(None)
                 continue
             stream.lane = self.lanes[self.free.pop(0)]
+            self.running[stream.lane.row] = stream
             self.active += 1
             self.ready.append((greenlet.greenlet(functools.partial(self._body, stream)), _START))
+        for r, (g, ready) in list(self.parked.items()):
+            if self.running[r].cancelled or ready():
+                del self.parked[r]
+                self.ready.append((g, None))
         while True:
             while self.ready:
                 g, value = self.ready.popleft()
@@ -287,16 +322,25 @@ class Engine:
                 stream.sink(item)
                 if stream.cancelled:
                     break
+        except Cancelled:
+            pass
         except BaseException as e:  # (handed to the stream's owner; the engine goes on)
             error = e
         finally:
             close = getattr(items, "close", None)
             if close is not None:
                 close()
+            del self.running[stream.lane.row]
             self.free.append(stream.lane.row)
             self.free.sort()
             self.active -= 1
         stream.done(error)
+
+    def _park(self, row: int, ready: Callable[[], bool]) -> None:
+        self.parked[row] = (greenlet.getcurrent(), ready)
+        self.loop.switch()
+        if self.running[row].cancelled:
+            raise Cancelled
 
     def _tts_wait(self, call: Call) -> None:
         self.tts_calls[call.row] = (greenlet.getcurrent(), call)

@@ -45,8 +45,8 @@ from ..models.chattts import ChatTTS, TTSConfig, fold_weight_norm
 from .codec import StreamDecoder
 from .llm import LLMSampling, reply_pieces
 from .sampling import Sampling
-from .streaming import FLUSH, Frames, NewSegment, StreamingTTS, read_cut, reply_cut
-from .text import Tokenizers, read_pieces, read_prompt, ready_parts
+from .streaming import FLUSH, Frames, NewSegment, SegmentEnd, StreamingTTS, read_cut, reply_cut
+from .text import Arrival, Tokenizers, read_pieces, read_prompt, ready_parts
 from .tts import FRAMES_PER_CALL, TTSRunner
 from ..voices.reference import Voice, as_voice
 
@@ -73,6 +73,7 @@ class AudioChunk:
     # audio of the first frame generated after the TTS was given that text begins (captions.py);
     # it may lie past this chunk's samples (a streamed chunk holds back the crossfade tail)
     marks: tuple[tuple[int, str], ...] = ()
+    ends_segment: bool = False  # the last chunk of its segment (the final chunk too)
 
 
 @dataclass(frozen=True)
@@ -422,18 +423,19 @@ class Synthesizer:
         events = machine.run("", iter(pieces))
         yield from self._audio(events, decode, lane, speed)
 
-    def synthesize_arriving(self, arrivals: Iterable[tuple[str, bool]], sampling: Sampling = Sampling(), *,
+    def synthesize_arriving(self, arrivals: Iterable[tuple[str, bool] | Arrival], sampling: Sampling = Sampling(), *,
                             decode: str = "stream", first_chunk: int = FRAMES_PER_CALL,
-                            voice: Voice | np.ndarray | None = None, speed: float = 1.0,
-                            lane=None) -> Iterator[AudioChunk]:
+                            frames_per_token: int | None = None, voice: Voice | np.ndarray | None = None,
+                            speed: float = 1.0, lane=None) -> Iterator[AudioChunk]:
         """Read text that is still arriving: `arrivals` gives (text, ended) as it comes (each item all
-        that could be read at once, and whether the input ended right after it). Speech starts on the
-        first part ready by `text.arrival_cut` (a sentence, a clause long enough, or a long run cut
-        at a word). A part comes as its writer pauses, so its segment is spoken to its EOS then
-        (`streaming.FLUSH`) and the next part continues it as a long text's next segment (the same
-        speaker vector, seeded with the last frames); it ends when the input does. The speaker
-        vector comes from the first part's read prompt. A text that arrives whole (ended with its first
-        part) is exactly `synthesize(text)`."""
+        that could be read at once, and whether the input ended right after it; an `Arrival` may also
+        ask for a flush). Speech starts on the first part ready by `text.ready_parts` (a sentence, a
+        clause long enough, a long run cut at a word, or all that is pending at a flush). A part comes
+        as its writer pauses, so its segment is spoken to its EOS then (`streaming.FLUSH`; its last
+        chunk goes out at once, `ends_segment`) and the next part continues it as a long text's next
+        segment (the same speaker vector, seeded with the last frames); it ends when the input does.
+        The speaker vector comes from the first part's read prompt. A text that arrives whole (ended
+        with its first part) is exactly `synthesize(text)`."""
         check_speed(speed)
         tok = self.tokenizers
         count = lambda t: len(tok.encode_bert(t))  # noqa: E731
@@ -444,8 +446,8 @@ class Synthesizer:
             first += more
         first = first.lstrip()
         if last:
-            yield from self.synthesize(first, sampling, decode=decode, first_chunk=first_chunk, voice=voice,
-                                       speed=speed, lane=lane)
+            yield from self.synthesize(first, sampling, decode=decode, first_chunk=first_chunk,
+                                       frames_per_token=frames_per_token, voice=voice, speed=speed, lane=lane)
             return
         spk = self._read_speaker(first.strip(), as_voice(voice), lane and lane.llm)
 
@@ -461,7 +463,8 @@ class Synthesizer:
                     yield FLUSH
 
         machine = StreamingTTS(lane.tts if lane else self.tts, tok, spk, sampling.generator(self.device),
-                               normalize=False, cut=read_cut, read_all=True, first_chunk=first_chunk)
+                               normalize=False, cut=read_cut, read_all=True, first_chunk=first_chunk,
+                               frames_per_token=frames_per_token)
         yield from self._audio(machine.run("", pieces()), decode, lane, speed)
 
     def reply(self, user_text: str, sampling: Sampling = Sampling(), *, llm: LLMSampling = LLMSampling(),
@@ -487,12 +490,14 @@ class Synthesizer:
                                first_chunk=first_chunk, frames_per_token=frames_per_token)
         yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream", lane, speed)
 
-    def _audio(self, events: Iterator[Frames | NewSegment], decode: str, lane=None,
+    def _audio(self, events: Iterator[Frames | SegmentEnd | NewSegment], decode: str, lane=None,
                speed: float = 1.0) -> Iterator[AudioChunk]:
         """The events' frames decoded into chunks. Each event's text is marked at the first sample of
         its first frame: a segment's frame j begins `samples_at(lead + j)` after the segment's first
         sample (j * samples_per_frame at speed 1), where lead is the context a streamed continuation
-        decodes (and plays) again."""
+        decodes (and plays) again. A segment's last chunk comes at its SegmentEnd when it has one (a
+        FLUSH ended it: its audio goes out before the machine waits for more text), else when the
+        next segment starts or the events end."""
         if decode not in ("stream", "segment"):
             raise UsageError(f"unknown decode mode '{decode}' (stream or segment)")
         codec = lane.codec if lane else self.codec  # (a batch's lane: its decodes batched with others')
@@ -500,12 +505,21 @@ class Synthesizer:
         dec = StreamDecoder(codec, hold_first=False, speed=speed) if decode == "stream" else None
         context = None  # segment mode: frames a continuation carried over
         made = start = lead = frames = 0  # samples yielded; the segment's first sample, lead, new frames
+        ended = False  # the segment's last chunk has gone out (at its SegmentEnd)
+
+        def rest() -> Tensor:  # the segment's audio not yet yielded
+            return dec.flush() if dec else self._decode_segment(codec, context, codes, speed)
+
         for ev in events:
-            if isinstance(ev, NewSegment):
-                audio = dec.flush() if dec else self._decode_segment(codec, context, codes, speed)
-                yield from self._chunk(audio, text, codes, segment, marks=marks)
+            if isinstance(ev, SegmentEnd | NewSegment) and not ended:
+                audio = rest()
+                yield from self._chunk(audio, text, codes, segment, marks=marks, ends_segment=True)
                 made += len(audio)
-                text, codes, segment, context, marks = "", [], segment + 1, ev.carried, []
+                text, codes, marks, ended = "", [], [], True
+            if isinstance(ev, SegmentEnd):
+                continue
+            if isinstance(ev, NewSegment):
+                segment, context, ended = segment + 1, ev.carried, False
                 start, frames = made, 0
                 if dec:
                     dec.reset(ev.carried)
@@ -522,8 +536,8 @@ class Synthesizer:
                     yield from self._chunk(out, text, codes, segment, marks=marks)
                     made += len(out)
                     text, codes, marks = "", [], []
-        audio = dec.flush() if dec else self._decode_segment(codec, context, codes, speed)
-        yield from self._chunk(audio, text, codes, segment, final=True, marks=marks)
+        audio = torch.zeros(0) if ended else rest()
+        yield from self._chunk(audio, text, codes, segment, final=True, marks=marks, ends_segment=True)
 
     def _decode_segment(self, codec, context: Tensor | None, frames: list[Tensor], speed: float = 1.0) -> Tensor:
         """One-call decode; a continuation is decoded after the frames it carried over (already heard),
@@ -534,12 +548,12 @@ class Synthesizer:
         wav = codec.decode_at(torch.cat([context.to(codes.device), codes]), speed)
         return wav[samples_at(codec, len(context), speed) :]
 
-    def _chunk(self, audio: Tensor, text: str, codes: list[Tensor], segment: int,
-               final: bool = False, marks: list[tuple[int, str]] = ()) -> Iterator[AudioChunk]:
-        if len(audio) or text or codes or final:
+    def _chunk(self, audio: Tensor, text: str, codes: list[Tensor], segment: int, final: bool = False,
+               marks: list[tuple[int, str]] = (), ends_segment: bool = False) -> Iterator[AudioChunk]:
+        if len(audio) or text or codes or final or ends_segment:
             frames = torch.cat(codes).cpu() if codes else torch.zeros(0, self.codec.num_vq, dtype=torch.long)
             yield AudioChunk(audio.float().cpu().numpy(), self.sample_rate, text, frames, segment, final,
-                             tuple(marks))
+                             tuple(marks), ends_segment)
 
     def say(self, text: str, sampling: Sampling = Sampling(), *,
             voice: Voice | np.ndarray | None = None, speed: float = 1.0) -> Utterance:

@@ -2,8 +2,10 @@
 
 Input: the speaker vector, the first text piece and an iterator of later pieces (LLM output for a
 reply, sentences of a text for `say`). Output: events, in order: `Frames` (new audio codes of the
-current segment, with the raw text read since the previous event) and `NewSegment` (a continuation
-starts, seeded with frames carried over from the previous one). Audio decoding is the caller's job.
+current segment, with the raw text read since the previous event), `SegmentEnd` (a segment that a
+FLUSH ended has all its frames: its audio can be finished before the next piece is waited for) and
+`NewSegment` (a continuation starts, seeded with frames carried over from the previous one). Audio
+decoding is the caller's job.
 
 Per segment (spec §4.5): each later piece is appended (number-normalised for replies), the text is
 re-tokenised, and once it holds 10 more BERT tokens one text chunk is prefilled and 25 frames are
@@ -39,6 +41,11 @@ FLUSH = "\x00flush"
 class Frames:
     codes: Tensor  # (k, num_vq) new frames, on the device
     text: str  # raw text read since the previous event
+
+
+@dataclass(frozen=True)
+class SegmentEnd:
+    """The segment that a FLUSH ended has all its frames (what follows may be a while coming)."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,7 @@ class StreamingTTS:
         self.chunk = c.streaming_text_chunk_size
         self.reserved = c.streaming_text_reserved_len
 
-    def run(self, first_text: str, pieces: Iterator[str]) -> Iterator[Frames | NewSegment]:
+    def run(self, first_text: str, pieces: Iterator[str]) -> Iterator[Frames | SegmentEnd | NewSegment]:
         pieces = _Peekable(pieces)
         seed = None
         while True:
@@ -188,7 +195,7 @@ class StreamingTTS:
                 cond = tok.condition(gen_text, self.reserved)
             yield NewSegment(carried)
         lang = None
-        new_segment = finished = False
+        new_segment = finished = flushed = False
         text_left = ""
         pending = seed is not None and bool(seed[2].strip())  # text carried over, not yet spoken
         t = 0
@@ -196,7 +203,7 @@ class StreamingTTS:
             if piece is FLUSH:
                 if t == 0 and not pending:
                     continue  # (nothing in this segment to end yet)
-                new_segment = True
+                new_segment = flushed = True
                 break
             t += 1
             txt = piece.split(TTS_EOS_TEXT)[0]
@@ -257,6 +264,8 @@ class StreamingTTS:
             return None
         carried = torch.cat(codes)[-SEED_FRAMES:]
         if self.read_all:
+            if flushed:  # (its audio goes out now, not once the text that continues it has come)
+                yield SegmentEnd()
             return self._read_on(cond, gen_text, text_left, carried, pieces, new_segment)
         if not new_segment or stop:
             return None

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import CheckpointError
 
@@ -90,17 +91,30 @@ def arrival_cut(text: str, count: Callable[[str], int], max_tokens: int = READ_P
     return 0
 
 
-def ready_parts(arrivals: Iterable[tuple[str, bool]], count: Callable[[str], int]) -> Iterator[tuple[str, bool]]:
-    """(text, ended) as it arrives (each item all that could be read at once, and whether the input
-    ended right after it) -> (part, last) in order, each part ready by `arrival_cut`; the text left
-    at the end is the last part. The parts join back to the input. A first part that is also the last
-    is the whole text given at once."""
+class Arrival(NamedTuple):
+    """Text as it arrived (a pipe, a socket): all that could be read at once, whether the input ended
+    right after it, and whether its writer asked that all pending text be spoken now (a server's
+    `flush`). A plain (text, ended) pair is an arrival without a flush."""
+
+    text: str
+    ended: bool = False
+    flush: bool = False
+
+
+def ready_parts(arrivals: Iterable[tuple[str, bool] | Arrival],
+                count: Callable[[str], int]) -> Iterator[tuple[str, bool]]:
+    """Arrivals (`Arrival`s, or (text, ended) pairs) -> (part, last) in order, each part ready by
+    `arrival_cut`, or all that is pending where an arrival asks for a flush (unless it is only
+    whitespace); the text left at the end is the last part. The parts join back to the input. A first
+    part that is also the last is the whole text given at once."""
     buf = ""
-    for text, ended in arrivals:
+    for item in arrivals:
+        text, ended = item[0], item[1]
         buf += text
         if ended:
             break
-        cut = arrival_cut(buf, count)
+        flushed = len(item) > 2 and item[2]
+        cut = len(buf) if flushed and buf.strip() else arrival_cut(buf, count)
         if cut:
             yield buf[:cut], False
             buf = buf[cut:]

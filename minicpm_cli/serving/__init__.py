@@ -6,7 +6,8 @@ and the client (`say`/`reply`/`bench --server` through a running server; no torc
 
 The server, by module: `schemas` (request bodies), `api_errors` (OpenAI's error object, the 500s),
 `encoding` (audio bytes of responses), `service` (the model's lifecycle, the job queue, voices),
-`worker` (the one thread that touches the model), `routes` (the endpoints, an APIRouter),
+`worker` (the one thread that touches the model), `routes` (the endpoints, an APIRouter), `sockets`
+(the speech socket: a WebSocket, text in as it arrives, audio out),
 `middleware` (guard, API key, body limit), `app` (`create_app`, the assembly), `run` (sockets and
 uvicorn: `minicpm serve` in this process).
 

@@ -68,15 +68,21 @@ async def api_error(request: Request, e: ApiError) -> JSONResponse:
     return e.response()
 
 
-async def invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
-    """A body that is not JSON, or not the schema: 422, naming the first field at fault."""
-    first = e.errors()[0] if e.errors() else {}
+def invalid(errors: list, what: str = "the body") -> ApiError:
+    """Validation errors (pydantic's, FastAPI's) as a 422 naming the first field at fault; `what` was
+    not JSON at all: `invalid_json`."""
+    first = errors[0] if errors else {}
     if first.get("type") == "json_invalid":
-        return ApiError(422, f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'invalid')})",
-                        code="invalid_json").response()
+        return ApiError(422, f"{what} is not valid JSON ({first.get('ctx', {}).get('error', 'invalid')})",
+                        code="invalid_json")
     where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
     message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-    return ApiError(422, one_line(message), param=where or None, code="invalid_request").response()
+    return ApiError(422, one_line(message), param=where or None, code="invalid_request")
+
+
+async def invalid_request(request: Request, e: RequestValidationError) -> JSONResponse:
+    """A body that is not JSON, or not the schema: 422, naming the first field at fault."""
+    return invalid(e.errors()).response()
 
 
 async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

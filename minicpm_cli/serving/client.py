@@ -7,12 +7,15 @@ asks the server for `pcm_f32`, the samples exactly as generated, or, for a sink 
 format as it comes (stdout, --raw, a 16-bit WAV file: `audio.takes_pcm`), for that format (`pcm`
 s16le or `pcm_f32`, converted by the server with the sink's own `audio.to_pcm`): `read` over the
 speech endpoint (`stream_format: "audio"` for a streamed decode, none for the per-segment one),
-`reply` over the reply endpoint's server-sent events (text and audio deltas). A voice (`--voice FILE`
+`reply` over the reply endpoint's server-sent events (text and audio deltas), `read_arriving` (text
+still arriving on a pipe) over the speech socket (`/v1/audio/speech/stream`, a WebSocket: each
+arrival sent as it comes, the audio read as it is made). A voice (`--voice FILE`
 or a saved NAME, resolved here) goes along with each request as its samples (`voice_samples`: base64
 float32 16 kHz, exactly what the local path would give the model), so the server needs no copy of it
 and the bytes are the local path's; the server encodes each voice once and keeps the encoding.
 
-Standard library, and numpy for float samples only: no torch, no model code (the point of a server
+Standard library, numpy for float samples only, and `websockets` for the speech socket only: no
+torch, no model code (the point of a server
 is that `say` starts in milliseconds; `say -o -` and `-o FILE.wav` through one do not import numpy).
 `find` asks the server one question, `GET /props` (503 while it loads, then what it serves). `read`
 and `reply` send their request at once, so that the server works while the caller gets ready to
@@ -30,6 +33,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -169,12 +173,74 @@ class Remote:
 
     def read_arriving(self, arrivals, *, greedy: bool, seed: int | None, decode: str, first_chunk: int,
                       speed: float = 1.0, pcm: str | None = None) -> Iterator[Chunk]:
-        """Text still arriving, through the server: the speech endpoint takes one finished text, so the
-        text is sent once the input has ended (`say --local` starts speaking as it arrives)."""
-        text = "".join(t for t, _ in arrivals).strip()
-        if not text:
-            raise UsageError("no text to speak")
-        return self.read(text, greedy=greedy, seed=seed, decode=decode, first_chunk=first_chunk, speed=speed, pcm=pcm)
+        """Text still arriving ((text, ended) items: `streams.arriving`), through the server's speech
+        socket: each arrival is sent as one message as it comes and the audio is read as it is made, so
+        the server makes of them the parts, segments and bytes `--local` makes of the same arrivals.
+        Text that comes whole (the input ended with its first arrival) is one speech request, as
+        `read` sends it; so is all of it for a server without the socket (an older minicpm), sent
+        once the input has ended."""
+        arrivals = iter(arrivals)
+        first, ended = next(arrivals)
+        options = dict(greedy=greedy, seed=seed, decode=decode, first_chunk=first_chunk, speed=speed, pcm=pcm)
+        if not ended and "speech_stream" not in self.props.get("extensions", ()):
+            first, ended = first + "".join(t for t, _ in arrivals), True
+        if ended:
+            if not first.strip():
+                raise UsageError("no text to speak")
+            return self.read(first.strip(), **options)
+        start = {"type": "start", "model": self.props["model"], "voice": protocol.DEFAULT_VOICE,
+                 "voice_samples": self._voice_samples, "response_format": FORMAT_OF[pcm], "greedy": greedy,
+                 "seed": seed, "first_chunk": first_chunk, "speed": self._speed(speed)}
+        start = {k: v for k, v in start.items() if v is not None}
+        start["stream_format"] = "audio" if decode == "stream" else None  # (null: each segment decoded whole)
+        return _sent(self._arriving(start, first, arrivals, pcm))
+
+    def _arriving(self, start: dict, first: str, arrivals: Iterator, pcm: str | None) -> Iterator[Chunk]:
+        from websockets.exceptions import ConnectionClosed, WebSocketException
+        from websockets.sync.client import connect
+
+        try:
+            # (no compression: audio hardly compresses; no size limit: a segment decoded whole is one message)
+            ws = connect(_ws_url(self.url, protocol.SPEECH_STREAM_PATH), additional_headers=_auth(self.api_key),
+                         compression=None, max_size=None, open_timeout=30)
+        except (OSError, WebSocketException) as e:
+            raise ServerError(f"the server at {self.url} refused the speech socket: {_reason(e)}") from None
+        failed: list[BaseException] = []
+        with ws:
+            try:
+                ws.send(json.dumps(start))
+                ws.send(json.dumps({"type": "text", "text": first}))
+            except ConnectionClosed:
+                pass  # (the server's error message is read below)
+            trace.mark("sent")
+            threading.Thread(target=_send_arrivals, args=(ws, arrivals, failed), daemon=True,
+                             name="minicpm-text").start()
+            yield None  # (sent: see _sent)
+            samples = _samples_of(pcm)
+            while True:
+                try:
+                    message = ws.recv()
+                except ConnectionClosed as e:
+                    if failed:
+                        raise failed[0] from None
+                    raise ServerError(f"the server at {self.url} closed the speech socket before the end of the "
+                                      f"audio ({e})") from None
+                if isinstance(message, bytes):
+                    yield Chunk(samples(message), self.sample_rate)
+                    continue
+                event = _json(message.encode())
+                if event.get("type") == "speech.audio.done":
+                    return
+                if event.get("type") == "error":
+                    code = 0
+                    try:
+                        ws.recv(timeout=5)  # (the close that follows carries the status)
+                    except ConnectionClosed as e:
+                        code = e.rcvd.code if e.rcvd is not None else 0
+                    except TimeoutError:
+                        pass
+                    _raise(self.url, code - protocol.WS_CLOSE_ERROR if code > protocol.WS_CLOSE_ERROR else 500,
+                           message.encode())
 
     def _speed(self, speed: float) -> float | None:
         """The request's `speed` (None, left out, at 1: what any server takes); a server that does not
@@ -277,6 +343,24 @@ class Remote:
         return resp
 
 
+def _send_arrivals(ws, arrivals: Iterator, failed: list) -> None:
+    """Each arrival as one message (the last, with the end, as the end message), on a thread of its
+    own while the audio is read. Reading the input may fail (not UTF-8): the failure is kept for the
+    reader and the socket closed, which cancels the server's work."""
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        for text, ended in arrivals:
+            ws.send(json.dumps({"type": "end" if ended else "text", "text": text}))
+            if ended:
+                return
+    except ConnectionClosed:
+        pass  # (the server ended the session: the reader says why)
+    except BaseException as e:
+        failed.append(e)
+        ws.close()
+
+
 def _samples_of(pcm: str | None) -> Callable[[bytes], "np.ndarray | Pcm"]:
     """The server's bytes as a chunk's samples: `Pcm` as they are, else float32 samples (numpy imported
     here, once the request is on its way)."""
@@ -332,6 +416,11 @@ def _base(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError(f"not an http:// URL: {url}")
     return base[:-3] if base.endswith("/v1") else base
+
+
+def _ws_url(base: str, path: str) -> str:
+    parts = urlsplit(base)
+    return f"{'wss' if parts.scheme == 'https' else 'ws'}://{parts.netloc}{_path(base, path)}"
 
 
 def _connection(base: str, timeout: float | None) -> http.client.HTTPConnection:

@@ -2,9 +2,11 @@
 
 Contract, outermost first (`app.create_app` adds them in the reverse order): `Guard` turns an
 exception no handler took into a 500 in OpenAI's shape, or drops the connection once the response
-has started; `Auth` answers 401 to a request without the key (all but `GET /health`); `BodyLimit`
-reads the whole body first, answers 413 past the path's limit, and leaves the body's size in the
-scope under `BODY_SIZE` for the routes.
+has started (a WebSocket: refused, or closed with an error message and 4500); `Auth` answers 401 to
+a request without the key (all but `GET /health`; a WebSocket without it is accepted, sent the error
+and closed with 4401, which a browser can read where it could not read a refused handshake);
+`BodyLimit` reads the whole body first, answers 413 past the path's limit, and leaves the body's
+size in the scope under `BODY_SIZE` for the routes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,28 @@ async def _send_error(send, error: ApiError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def subprotocol(scope) -> str | None:
+    """The subprotocol a WebSocket is accepted with: `minicpm` when the client offered it."""
+    return protocol.WS_SUBPROTOCOL if protocol.WS_SUBPROTOCOL in (scope.get("subprotocols") or ()) else None
+
+
+def socket_error(error: ApiError) -> list[dict]:
+    """The ASGI messages that end an accepted WebSocket with `error`: the error as a JSON message
+    (`{"type": "error", "error": {...}}`), then a close with 4000 + its status (the reason, the
+    message cut to the 123 bytes a close frame holds)."""
+    reason = error.message.encode()[:120].decode(errors="ignore")
+    return [{"type": "websocket.send", "text": json.dumps({"type": "error", **error.body()}, separators=(",", ":"))},
+            {"type": "websocket.close", "code": protocol.WS_CLOSE_ERROR + error.status, "reason": reason}]
+
+
+async def _refuse_socket(scope, receive, send, error: ApiError) -> None:
+    if (await receive())["type"] != "websocket.connect":
+        return
+    await send({"type": "websocket.accept", "subprotocol": subprotocol(scope)})
+    for message in socket_error(error):
+        await send(message)
+
+
 class Guard:
     """The last line: an exception no handler took becomes a 500 in OpenAI's shape (and one line on
     stderr, never a traceback), or, once the response has started, a dropped connection."""
@@ -37,11 +61,10 @@ class Guard:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        started = False
+        sent: set[str] = set()
 
         async def sending(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            sent.add(message["type"])
             await send(message)
 
         try:
@@ -50,8 +73,11 @@ class Guard:
             pass  # (uvicorn closes the connection: the chunked body never gets its last chunk)
         except Exception as e:
             error = internal_error(e)
-            if not started:
+            if scope["type"] == "http" and "http.response.start" not in sent:
                 await _send_error(send, error)
+            elif scope["type"] == "websocket" and "websocket.close" not in sent:
+                for message in socket_error(error) if "websocket.accept" in sent else [{"type": "websocket.close"}]:
+                    await send(message)
 
 
 class BodyLimit:
@@ -94,15 +120,27 @@ class BodyLimit:
 
 class Auth:
     """With a key, every request but `GET /health` needs `Authorization: Bearer KEY` (health probes
-    carry no key, as with llama.cpp's and vLLM's servers)."""
+    carry no key, as with llama.cpp's and vLLM's servers); a WebSocket may instead offer the
+    subprotocol `minicpm.key.KEY` (browsers cannot set headers; a query string would put the key in
+    access logs)."""
 
     def __init__(self, app, api_key: str | None):
-        self.app, self.expected = app, (f"Bearer {api_key}".encode() if api_key else None)
+        self.app, self.api_key = app, api_key
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.expected is not None and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                return await _send_error(send, ApiError(
-                    401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key"))
+        if scope["type"] in ("http", "websocket") and self.expected is not None and scope["path"] != "/health":
+            if not self._allowed(scope):
+                error = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
+                                 code="invalid_api_key")
+                if scope["type"] == "websocket":
+                    return await _refuse_socket(scope, receive, send, error)
+                return await _send_error(send, error)
         await self.app(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        if hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected):
+            return True
+        key = (protocol.WS_KEY_PREFIX + self.api_key).encode()
+        offered = (scope.get("subprotocols") or ()) if scope["type"] == "websocket" else ()
+        return any(hmac.compare_digest(p.encode(), key) for p in offered)

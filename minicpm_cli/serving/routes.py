@@ -16,7 +16,9 @@ Contract:
   `reply.audio.delta`, then `reply.done` (the text; `usage`: `output_tokens`, the reply text's LLM
   tokens, and `audio_frames`, the audio frames spoken); with `timestamps: true`, `reply.caption`
   events too.
-- `GET /health` (200 once the model is loaded and warm), `GET /v1/models`, `GET /props` (what is
+- `/v1/audio/speech/stream`: the speech socket, a WebSocket taking text as it arrives (`sockets.py`).
+- `GET /health` (200 once the model is loaded and warm; `streams`: the requests on the model, generating,
+  waiting for a row or, on the speech socket, for text), `GET /v1/models`, `GET /props` (what is
   served: model, backend, device, formats, limits), `GET /v1/voices` and `GET /v1/audio/voices` (the
   voices), `POST /v1/voices` (save one: multipart `name` and `file`).
 
@@ -47,7 +49,7 @@ from ..voices.store import VoiceExists, VoiceStore, check_name
 from .api_errors import ApiError, StreamAborted, internal_error, one_line
 from .encoding import MEDIA_TYPES, encode, raw, sse
 from .middleware import BODY_SIZE
-from .schemas import AudioRequest, ReplyRequest, SpeechRequest
+from .schemas import AudioOptions, AudioRequest, ReplyRequest, SpeechRequest
 from .service import Loaded, Service
 from .worker import Job
 
@@ -68,7 +70,7 @@ ServiceDep = Annotated[Service, Depends(service_of)]
 @router.get("/health")
 async def health(service: ServiceDep):
     service.require_ready()
-    return {"status": "ok"}
+    return {"status": "ok", "streams": service.worker.streams}
 
 
 @router.get("/props")
@@ -160,7 +162,7 @@ async def speech(req: SpeechRequest, request: Request, service: ServiceDep):
         raise ApiError(400, "a raw audio stream has no room for timestamps: use stream_format sse, or none for "
                             "a JSON response", param="timestamps")
     voice = await service.voice(req)
-    synth, sampling, frames = ld.synth, _sampling(req), _first_chunk(req)
+    synth, sampling, frames = ld.synth, sampling_of(req), first_chunk_of(req)
     decode = "segment" if req.stream_format is None else "stream"
     timeline = captions.Timeline()
     usage = {"input_tokens": 0, "output_tokens": 0}
@@ -250,7 +252,7 @@ async def reply(req: ReplyRequest, request: Request, service: ServiceDep):
     from ..engine.llm import LLMSampling
 
     voice = await service.voice(req)
-    synth, sampling, frames = ld.synth, _sampling(req), _first_chunk(req)
+    synth, sampling, frames = ld.synth, sampling_of(req), first_chunk_of(req)
     llm = LLMSampling(temperature=req.temperature)
     timeline, rate = captions.Timeline(), synth.sample_rate
 
@@ -305,16 +307,27 @@ def _count_llm_tokens(chunks: Iterator, tokenizers, usage: dict) -> Iterator:
 
 def _check_common(req: AudioRequest, ld: Loaded, service: Service, request: Request) -> str:
     """Checks shared by speech and reply (the voice apart); returns the response format."""
-    size = request.scope.get(BODY_SIZE, 0) - len(req.voice_samples or "")
-    if size > protocol.MAX_BODY_BYTES:
-        raise ApiError(413, f"the request body is larger than {protocol.MAX_BODY_BYTES} bytes (voice_samples apart)",
-                       code="request_too_large")
-    if req.model is not None and req.model not in (ld.model, *protocol.MODEL_ALIASES):
-        raise ApiError(404, f"the model '{req.model}' is not served here (this server serves '{ld.model}')",
-                       param="model", code="model_not_found")
+    check_size(request.scope.get(BODY_SIZE, 0), req)
     if len(req.input) > protocol.MAX_INPUT_CHARS:
         raise ApiError(413, f"the input has {len(req.input)} characters, more than the "
                             f"{protocol.MAX_INPUT_CHARS} a request takes", param="input", code="input_too_long")
+    return check_options(req, ld, service)
+
+
+def check_size(size: int, req: AudioOptions) -> None:
+    """A body (or the socket's start message) of `size` bytes holds at most MAX_BODY_BYTES besides its
+    voice_samples, or a 413."""
+    if size - len(req.voice_samples or "") > protocol.MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {protocol.MAX_BODY_BYTES} bytes (voice_samples apart)",
+                       code="request_too_large")
+
+
+def check_options(req: AudioOptions, ld: Loaded, service: Service) -> str:
+    """The checks of what a speech or reply request (or the socket's start) asks for but its text,
+    against the served model; returns the response format."""
+    if req.model is not None and req.model not in (ld.model, *protocol.MODEL_ALIASES):
+        raise ApiError(404, f"the model '{req.model}' is not served here (this server serves '{ld.model}')",
+                       param="model", code="model_not_found")
     fmt = req.response_format
     if fmt not in service.formats:
         known = ", ".join(f for f, why in service.formats.items() if why is None)
@@ -336,13 +349,13 @@ def _check_common(req: AudioRequest, ld: Loaded, service: Service, request: Requ
     return fmt
 
 
-def _sampling(req: AudioRequest):
+def sampling_of(req: AudioOptions):
     from ..engine.sampling import Sampling
 
     return Sampling(greedy=req.greedy, seed=req.seed)
 
 
-def _first_chunk(req: AudioRequest) -> int:
+def first_chunk_of(req: AudioOptions) -> int:
     return protocol.FRAMES_PER_CALL if req.first_chunk is None else req.first_chunk
 
 

@@ -88,8 +88,11 @@ def run(options: ServeOptions, load: Callable[[], Loaded]) -> None:
     url = url_of(options.host, sock)
     service = Service(load)
     uploads = options.api_key is not None or is_loopback(options.host)
+    # (no per-message deflate on the speech socket: audio hardly compresses, and deflating every
+    # chunk would cost time on the way to the first sound)
     config = uvicorn.Config(create_app(service, options.api_key, uploads), log_level="info" if options.verbose else "warning",
-                            access_log=options.verbose, lifespan="off", timeout_graceful_shutdown=None)
+                            access_log=options.verbose, lifespan="off", timeout_graceful_shutdown=None,
+                            ws="websockets-sansio", ws_per_message_deflate=False)
     server = _Server(config)
 
     def ready(ld: Loaded) -> None:

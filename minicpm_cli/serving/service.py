@@ -4,7 +4,8 @@ Contract: `Service(load)` owns one `Loaded` model and the `worker.Worker` thread
 it. `start` loads (and warms up) on that thread and reports readiness or failure once; until then
 `require_ready` raises the API's 503. `run` queues one request's generation (requests run in arrival
 order, chunk by chunk, while the event loop keeps answering) and cancels it when its client
-disconnects, queued or running: the generator stops after the chunk being generated. `voice`
+disconnects, queued or running: the generator stops after the chunk being generated (`submit`
+queues one for a caller that watches its client itself: the speech socket). `voice`
 resolves a request's `voice`/`voice_samples` into what the model is given, or a 400 that lists the
 voices: a saved voice of `store` (the directory `minicpm voice add` writes, read at each request),
 None for `default` and for OpenAI's names unless a saved voice has the name, or the thin client's
@@ -33,7 +34,7 @@ from ..voices.reference import Voice
 from ..voices.store import UnknownVoice, VoiceStore, locate
 from .api_errors import LOADING, ApiError, one_line
 from .encoding import writable_formats
-from .schemas import AudioRequest
+from .schemas import AudioOptions
 from .worker import Job, Worker
 
 
@@ -119,7 +120,7 @@ class Service:
                 "limits": {"max_input_chars": protocol.MAX_INPUT_CHARS, "max_body_bytes": protocol.MAX_BODY_BYTES,
                            "max_voice_body_bytes": protocol.MAX_VOICE_BODY_BYTES,
                            "max_upload_bytes": protocol.MAX_UPLOAD_BYTES},
-                "extensions": ["voice_samples", "speed"],
+                "extensions": ["voice_samples", "speed", "speech_stream"],
                 "forced_lengths": None if ld.frames_per_token is None else
                 {"frames_per_token": ld.frames_per_token, "reply_tokens": ld.reply_tokens},
                 "environment": ld.environment}
@@ -127,7 +128,7 @@ class Service:
     def voice_names(self) -> list[str]:
         return [protocol.DEFAULT_VOICE, *self.store.names()]
 
-    async def voice(self, req: AudioRequest) -> Voice | None:
+    async def voice(self, req: AudioOptions) -> Voice | None:
         """The voice a request asks for (None: the model's own), or a 400 that lists the voices."""
         name = req.voice_name
         if req.voice_samples is not None:
@@ -157,6 +158,13 @@ class Service:
 
         self.worker.submit_job(job)
         return job, end
+
+    def submit(self, work: Callable[[], Iterable]) -> Job:
+        """Queue `work` as `run` does, for a caller that watches its client itself (the speech socket)
+        and cancels the job when it leaves."""
+        job = Job(work, asyncio.get_running_loop())
+        self.worker.submit_job(job)
+        return job
 
 
 async def _watch(request: Request, job: Job) -> None:

@@ -6,9 +6,12 @@ state (current stream, graphs captured at warm-up) and torch's thread-local mode
 it exists; the loop reads them with `await job.next()`. Without an engine the worker runs each job
 whole, in arrival order; with one (`Worker.engine`, a `batching.Engine`), jobs become streams of a
 batch: the worker runs the engine's rounds while any stream is running and picks up new jobs between
-two rounds, so a request joins the running batch at the next step. `cancel()`, from the loop, stops
-a job after the item being generated (the generator is closed on the worker thread, so its cleanup
-runs there); a job cancelled before its turn never starts. Nothing here knows HTTP or the model.
+two rounds, so a request joins the running batch at the next step. When every stream of the engine
+is parked (waiting for text that has not come: `batching.Engine.stalled`) the worker sleeps until a
+job comes or `wake()` is called (from any thread: text came for a parked stream, or it was
+cancelled). `cancel()`, from the loop, stops a job after the item being generated (the generator is
+closed on the worker thread, so its cleanup runs there); a job cancelled before its turn never
+starts. Nothing here knows HTTP or the model.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import threading
 from collections.abc import Callable, Iterable
 
 _END = object()
-_NOTHING = object()
+_NOTHING = object()  # a wake-up
+_EMPTY = object()  # (the queue had nothing)
 
 
 class _Failed:
@@ -42,11 +46,21 @@ class Job:
         if self._stream is not None:
             self._stream.cancel()
 
-    def stream(self):
-        """This job as a stream of a batch (batching.Stream), on the worker thread."""
+    def interrupt(self, error: BaseException) -> None:
+        """(On the loop) `next()` raises `error` once the items already handed over are read: the
+        caller learnt something that ends the job (its client left, or sent what cannot be served)."""
+        self.items.put_nowait(_Failed(error))
+
+    def stream(self, ended: Callable[[], None] = lambda: None):
+        """This job as a stream of a batch (batching.Stream), on the worker thread; `ended()` once it
+        has ended."""
         from ..engine.batching import Stream
 
-        self._stream = Stream(self.work, self._put, lambda error: self._put(_END if error is None else _Failed(error)))
+        def done(error: BaseException | None) -> None:
+            self._put(_END if error is None else _Failed(error))
+            ended()
+
+        self._stream = Stream(self.work, self._put, done)
         if self._cancelled.is_set():
             self._stream.cancel()
         return self._stream
@@ -89,11 +103,15 @@ class Job:
 
 class Worker:
     """The one thread that touches the model. Functions run one at a time, in the order submitted;
-    jobs (`submit_job`) run whole in turn, or as streams of `engine` once one is set (on this thread)."""
+    jobs (`submit_job`) run whole in turn, or as streams of `engine` once one is set (on this thread).
+    `streams`: the jobs taken and not yet ended (waiting for a row, generating, or waiting for text),
+    written on this thread only."""
 
     def __init__(self):
         self.engine = None
+        self.streams = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._woken = False  # a wake-up is in the queue, not yet taken
         self._thread = threading.Thread(target=self._loop, name="minicpm-model", daemon=True)
         self._thread.start()
 
@@ -101,7 +119,26 @@ class Worker:
         self._queue.put(fn)
 
     def submit_job(self, job: Job) -> None:
-        self.submit(lambda: job.run() if self.engine is None else self.engine.submit(job.stream()))
+        def start() -> None:
+            self.streams += 1
+            if self.engine is not None:
+                self.engine.submit(job.stream(self._ended))
+                return
+            try:
+                job.run()
+            finally:
+                self._ended()
+
+        self.submit(start)
+
+    def _ended(self) -> None:
+        self.streams -= 1
+
+    def wake(self) -> None:
+        """Have the engine look at its parked streams again (any thread); a sleeping worker wakes."""
+        if not self._woken:  # (one wake-up in the queue is enough: new jobs wait behind each one)
+            self._woken = True
+            self._queue.put(_NOTHING)
 
     def stop(self, timeout: float | None = None) -> None:
         self._queue.put(None)
@@ -109,16 +146,19 @@ class Worker:
 
     def _loop(self) -> None:
         while True:
-            busy = self.engine is not None and not self.engine.idle
+            engine = self.engine
+            busy = engine is not None and not engine.idle and not engine.stalled
             try:  # while a batch runs, new work is picked up between two of its rounds
                 fn = self._queue.get_nowait() if busy else self._queue.get()
             except queue.Empty:
-                fn = _NOTHING
+                fn = _EMPTY
             if fn is None:
                 break
-            if fn is not _NOTHING:
+            if fn is _NOTHING:
+                self._woken = False  # (before the round looks: a later wake() queues another)
+            elif fn is not _EMPTY:
                 fn()
             if self.engine is not None and not self.engine.idle:
                 self.engine.round()
-        if self.engine is not None:  # (stopping: the requests in flight have ended by now)
-            self.engine.run()
+        if self.engine is not None:  # (stopping: the requests in flight have ended by now; a stream
+            self.engine.run()  # still waiting for text is cancelled, as none will come)
