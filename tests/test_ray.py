@@ -37,6 +37,7 @@ try:  # the official client, for the Serve tests (they skip without it)
 except ImportError:
     openai = None
 
+from minicpm_cli.engine import memory  # noqa: E402
 from minicpm_cli.scale import bulk  # noqa: E402
 from minicpm_cli.errors import OptionError, UsageError  # noqa: E402
 
@@ -507,8 +508,9 @@ def test_serve_args_and_deployment_options(monkeypatch):
     assert opts["autoscaling_config"] == {"min_replicas": 2, "initial_replicas": 2, "max_replicas": 6,
                                           "target_ongoing_requests": 8.0}
     assert "num_replicas" not in opts and opts["ray_actor_options"] == {"num_gpus": 1}
-    assert opts["max_ongoing_requests"] == 16
-    assert ray_serve.deployment_options(ray_serve.ServeArgs())["max_ongoing_requests"] == 8  # (serve's --batch)
+    assert opts["max_ongoing_requests"] == 32  # (its 16 rows, and 16 queued to refill them)
+    # (serve's --batch 0: each replica as many rows as fit, at most MAX_ROWS)
+    assert ray_serve.deployment_options(ray_serve.ServeArgs())["max_ongoing_requests"] == 2 * memory.MAX_ROWS
     monkeypatch.setenv("TRITON_CACHE_DIR", "/shared/triton")
     fixed = ray_serve.deployment_options(ray_serve.ServeArgs.from_args(
         {"replicas": 3, "device": "cpu", "api_key": "k", "max_ongoing_requests": "2", "target_ongoing_requests": 1}))
