@@ -161,7 +161,7 @@ def whole_ttfa(model: str, backend: str, device: str) -> float:
             proc.stdout.read1(1)
             t = time.time()
             loaded = next(json.loads(line)["t"] for line in log.read_text().splitlines()
-                          if json.loads(line)["event"] == "loaded")
+                          if json.loads(line).get("event") == "loaded")
             return t - loaded
         finally:
             proc.kill()

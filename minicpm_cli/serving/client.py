@@ -180,11 +180,23 @@ class Remote:
         `read` sends it; so is all of it for a server without the socket (an older minicpm), sent
         once the input has ended."""
         arrivals = iter(arrivals)
-        first, ended = next(arrivals)
+        socket_ok = "speech_stream" in self.props.get("extensions", ())
+        # (the socket opens while the writer writes: importing websockets and the handshake cost tens of
+        # ms that would otherwise fall between the first arrival and its audio; unused if the text
+        # comes whole)
+        opening = _Opening(self) if socket_ok else None
+        try:
+            first, ended = next(arrivals)
+        except BaseException:
+            if opening is not None:
+                opening.discard()
+            raise
         options = dict(greedy=greedy, seed=seed, decode=decode, first_chunk=first_chunk, speed=speed, pcm=pcm)
-        if not ended and "speech_stream" not in self.props.get("extensions", ()):
+        if not ended and not socket_ok:
             first, ended = first + "".join(t for t, _ in arrivals), True
         if ended:
+            if opening is not None:
+                opening.discard()
             if not first.strip():
                 raise UsageError("no text to speak")
             return self.read(first.strip(), **options)
@@ -193,18 +205,13 @@ class Remote:
                  "seed": seed, "first_chunk": first_chunk, "speed": self._speed(speed)}
         start = {k: v for k, v in start.items() if v is not None}
         start["stream_format"] = "audio" if decode == "stream" else None  # (null: each segment decoded whole)
-        return _sent(self._arriving(start, first, arrivals, pcm))
+        return _sent(self._arriving(start, first, arrivals, pcm, opening))
 
-    def _arriving(self, start: dict, first: str, arrivals: Iterator, pcm: str | None) -> Iterator[Chunk]:
-        from websockets.exceptions import ConnectionClosed, WebSocketException
-        from websockets.sync.client import connect
+    def _arriving(self, start: dict, first: str, arrivals: Iterator, pcm: str | None,
+                  opening: "_Opening") -> Iterator[Chunk]:
+        from websockets.exceptions import ConnectionClosed
 
-        try:
-            # (no compression: audio hardly compresses; no size limit: a segment decoded whole is one message)
-            ws = connect(_ws_url(self.url, protocol.SPEECH_STREAM_PATH), additional_headers=_auth(self.api_key),
-                         compression=None, max_size=None, open_timeout=30)
-        except (OSError, WebSocketException) as e:
-            raise ServerError(f"the server at {self.url} refused the speech socket: {_reason(e)}") from None
+        ws = opening.socket()
         failed: list[BaseException] = []
         with ws:
             try:
@@ -416,6 +423,47 @@ def _base(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UsageError(f"not an http:// URL: {url}")
     return base[:-3] if base.endswith("/v1") else base
+
+
+class _Opening:
+    """The speech socket of `remote`, opened on a thread of its own from now on; `socket()` waits for
+    it (a refusal raised there as ServerError), `discard()` closes it unused."""
+
+    def __init__(self, remote: "Remote"):
+        self.url, self.api_key = remote.url, remote.api_key
+        self.done = threading.Event()
+        self.ws, self.error = None, None
+        threading.Thread(target=self._open, daemon=True, name="minicpm-socket").start()
+
+    def _open(self) -> None:
+        try:
+            from websockets.exceptions import WebSocketException
+            from websockets.sync.client import connect
+
+            try:
+                # (no compression: audio hardly compresses; no size limit: a segment decoded whole is one message)
+                self.ws = connect(_ws_url(self.url, protocol.SPEECH_STREAM_PATH), additional_headers=_auth(self.api_key),
+                                  compression=None, max_size=None, open_timeout=30)
+            except (OSError, WebSocketException) as e:
+                self.error = ServerError(f"the server at {self.url} refused the speech socket: {_reason(e)}")
+        except BaseException as e:  # (handed to the caller of socket())
+            self.error = e
+        finally:
+            self.done.set()
+
+    def socket(self):
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.ws
+
+    def discard(self) -> None:
+        def close() -> None:
+            self.done.wait()
+            if self.ws is not None:
+                self.ws.close()
+
+        threading.Thread(target=close, daemon=True, name="minicpm-socket-close").start()
 
 
 def _ws_url(base: str, path: str) -> str:
