@@ -101,8 +101,16 @@ def apply_cap(device: "torch.device") -> None:
     cap = cap_bytes()
     if cap is None or device.type != "cuda":
         return
+    device = _indexed(device)
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+
+
+def _indexed(device: "torch.device") -> "torch.device":
+    """`cuda` as the device it means (the current one): torch's memory fraction takes no other."""
+    import torch
+
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def available(device: "torch.device") -> int | None:
@@ -111,6 +119,7 @@ def available(device: "torch.device") -> int | None:
 
     if device.type != "cuda":
         return None
+    device = _indexed(device)
     apply_cap(device)
     free = torch.cuda.mem_get_info(device)[0]
     cap = cap_bytes()

@@ -72,7 +72,8 @@ def bench(
     if not names and server is None:
         raise OptionError("--backend needs at least one name")
     for name in names:
-        registry.get(name).check()
+        if name != registry.AUTO:  # (auto: chosen as it loads, by the device, checkpoint and free memory)
+            registry.get(name).check()
     check_model_options(",".join(names) or registry.AUTO, device, dtype, gguf)
     workloads = {"read": ("read",), "reply": ("reply",), "bulk": ("bulk",),
                  "all": ("read", "reply") + (("bulk",) if concurrency and server is None else ())}.get(workload)
