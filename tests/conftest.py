@@ -111,3 +111,31 @@ def assert_read_golden(goldens, manifest):
         np.testing.assert_allclose(utt.audio, goldens[f"read_{tag}_wav"], atol=atol, rtol=0)
 
     return check
+
+
+def slow_writer(cmd: list[str], env: dict) -> tuple[int, bytes, bool, bytes]:
+    """`cmd` (a `say` reading stdin) fed by a slow writer: the first sentence, then a wait until the
+    first audio byte comes (or 120 s), then the rest and the end -> (exit status, stderr, whether
+    audio came while the writer waited, stdout)."""
+    import subprocess
+    import threading
+
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = threading.Event()
+    out = bytearray()
+
+    def read() -> None:
+        while data := p.stdout.read1(1 << 16):
+            out.extend(data)
+            first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    p.stdin.write(b"The first sentence arrives alone.\n")
+    p.stdin.flush()
+    came = first.wait(120)
+    p.stdin.write(b"Then the rest of it.\n")
+    p.stdin.close()
+    p.wait(120)
+    reader.join(10)
+    return p.returncode, p.stderr.read(), came, bytes(out)

@@ -5,13 +5,13 @@ reading a slow writer's stdin."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import slow_writer
 
 from minicpm_cli.engine.sampling import Sampling
 from minicpm_cli.engine.inbox import Closed, Inbox
@@ -137,26 +137,8 @@ def test_say_speaks_before_a_slow_writer_goes_on(tiny_dir):
     rest is written only once audio came, or after 120 s), and the stream holds the whole text's
     audio once stdin closes."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "say", "--local", "--model", str(tiny_dir), "--greedy",
-                          "--device", "cpu", "-o", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env=env)
-    first = threading.Event()
-    out = bytearray()
-
-    def read() -> None:
-        while data := p.stdout.read1(1 << 16):
-            out.extend(data)
-            first.set()
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    p.stdin.write(b"The first sentence arrives alone.\n")
-    p.stdin.flush()
-    came = first.wait(120)
-    p.stdin.write(b"Then the rest of it.\n")
-    p.stdin.close()
-    p.wait(120)
-    reader.join(10)
-    assert p.returncode == 0, p.stderr.read().decode()
+    code, err, came, out = slow_writer([sys.executable, "-m", "minicpm_cli", "say", "--local", "--model", str(tiny_dir),
+                                        "--greedy", "--device", "cpu", "-o", "-"], env)
+    assert code == 0, err.decode()
     assert came, "no audio before the rest of the text was written"
     assert out[:4] == b"RIFF" and len(out) > 44

@@ -34,6 +34,7 @@ import soundfile as sf
 # the official client is the server's test client (the test extra)
 openai = pytest.importorskip("openai", reason="the openai client (the test extra) is not installed")
 
+from conftest import slow_writer  # noqa: E402
 from minicpm_cli import protocol  # noqa: E402
 
 
@@ -762,26 +763,9 @@ def test_socket_bad_messages_get_an_error_then_a_close(served):
 def test_say_through_the_server_speaks_before_a_slow_writer_goes_on(served):
     """`say --server` reading a pipe: the first sentence, then the writer waits: the first audio byte
     comes while it waits (the rest is written once audio came, or after 120 s)."""
-    p = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "say", "--server", served.url, "--greedy", "-o", "-"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
-    first = threading.Event()
-    out = bytearray()
-
-    def read() -> None:
-        while data := p.stdout.read1(1 << 16):
-            out.extend(data)
-            first.set()
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    p.stdin.write(b"The first sentence arrives alone.\n")
-    p.stdin.flush()
-    came = first.wait(120)
-    p.stdin.write(b"Then the rest of it.\n")
-    p.stdin.close()
-    p.wait(120)
-    reader.join(10)
-    assert p.returncode == 0 and p.stderr.read() == b""
+    code, err, came, out = slow_writer([sys.executable, "-m", "minicpm_cli", "say", "--server", served.url, "--greedy",
+                                        "-o", "-"], _env())
+    assert code == 0 and err == b""
     assert came, "no audio before the rest of the text was written"
     assert out[:4] == b"RIFF" and len(out) > 44
 
