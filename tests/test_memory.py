@@ -72,8 +72,9 @@ def test_a_capped_gpu_is_what_auto_and_rows_see(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79 * GB, 80 * GB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"total_memory": 80 * GB}))
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
-    free = memory.available(torch.device("cuda"))
-    assert free == 8 * GB and fractions == [0.1]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append((f, device)))
+    free = memory.available(torch.device("cuda"))  # (as users name it: torch's fraction needs the index)
+    assert free == 8 * GB and fractions == [(0.1, torch.device("cuda", 0))]
     assert registry.choose(None, "cuda", triton=True, free=free) == "int4"
     assert memory.rows_for("int4", free) == memory.need("int4").rows(free) >= 1
