@@ -139,3 +139,24 @@ def slow_writer(cmd: list[str], env: dict) -> tuple[int, bytes, bool, bytes]:
     p.wait(120)
     reader.join(10)
     return p.returncode, p.stderr.read(), came, bytes(out)
+
+
+def tts_eager_and_kernel_runs(synth, text: str, device) -> list:
+    """The eager TTS runner and the kernel-backed one (float32), each prefilled with `text`'s
+    condition and a random speaker, then 4 greedy steps (the interpreter is slow) -> per runner
+    (codes, the steps' raw logits)."""
+    import torch
+
+    from minicpm_cli.backends.compile import GraphTTSRunner
+    from minicpm_cli.engine.tts import TTSRunner
+
+    cond = synth.tokenizers.condition(text, synth.tts_model.config.streaming_text_reserved_len)
+    spk = torch.nn.functional.normalize(torch.randn(synth.tts_model.config.decoder.dim), dim=0).to(device)
+    runs = []
+    for runner in (TTSRunner(synth.tts_model), GraphTTSRunner(synth.tts_model, use_triton=True)):
+        runner.trace = []
+        runner.start(cond.n)
+        runner.prefill(cond.ids[: cond.n + 3], 0, spk)
+        codes, _ = runner.generate(None, n_steps=4, min_new=4)
+        runs.append((codes, torch.stack([raw for raw, _ in runner.trace])))
+    return runs

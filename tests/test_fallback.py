@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tts_eager_and_kernel_runs
 
 pytest.importorskip("triton")
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from minicpm_cli.backends import invariant  # noqa: E402
-from minicpm_cli.backends.compile import CompiledLLM, GraphTTSRunner  # noqa: E402
+from minicpm_cli.backends.compile import CompiledLLM  # noqa: E402
 from minicpm_cli.backends.gptq import Q4Linear, dequantize, quantize  # noqa: E402
 from minicpm_cli.backends.kernels import decode, fallback, q4  # noqa: E402
 from minicpm_cli.engine.pipeline import Synthesizer  # noqa: E402
@@ -49,20 +50,11 @@ def warnings(err: str) -> list[str]:
 def test_tts_step_falls_back_to_eager_once(tiny_dir, monkeypatch, capsys):
     """The TTS step's attention kernel fails: the frames and logits are the eager runner's, one
     warning names the kernel and the device, and the kernel is not tried again."""
-    from minicpm_cli.engine.tts import TTSRunner
 
     failing = Failing("attention_kernel")
     monkeypatch.setattr(decode, "attention_kernel", failing)
     s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
-    cond = s.tokenizers.condition("Hello there, how are you?", s.tts_model.config.streaming_text_reserved_len)
-    spk = torch.nn.functional.normalize(torch.randn(s.tts_model.config.decoder.dim), dim=0).to(DEVICE)
-    runs = []
-    for runner in (TTSRunner(s.tts_model), GraphTTSRunner(s.tts_model, use_triton=True)):
-        runner.trace = []
-        runner.start(cond.n)
-        runner.prefill(cond.ids[: cond.n + 3], 0, spk)
-        codes, _ = runner.generate(None, n_steps=4, min_new=4)
-        runs.append((codes, torch.stack([raw for raw, _ in runner.trace])))
+    runs = tts_eager_and_kernel_runs(s, "Hello there, how are you?", DEVICE)
     (codes_e, raw_e), (codes_f, raw_f) = runs
     assert torch.equal(codes_e, codes_f)
     torch.testing.assert_close(raw_f, raw_e, rtol=1e-5, atol=1e-5)

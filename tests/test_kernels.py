@@ -7,10 +7,11 @@ import copy
 
 import pytest
 import torch
+from conftest import tts_eager_and_kernel_runs
 
 pytest.importorskip("triton")
 
-from minicpm_cli.backends.compile import CompiledLLM, GraphTTSRunner
+from minicpm_cli.backends.compile import CompiledLLM
 from minicpm_cli.backends.kernels.decode import TritonDecode, kernels_scratch
 from minicpm_cli.models.transformer import Decoder, DecoderConfig
 from minicpm_cli.engine.pipeline import Synthesizer
@@ -91,18 +92,9 @@ def test_decode_step_bfloat16_within_eager_rounding():
 
 def test_tts_steps_on_kernels_match_eager_runner(tiny_dir):
     """Greedy frames and step logits of the kernel-backed runner equal the eager runner's (float32)."""
-    from minicpm_cli.engine.tts import TTSRunner
 
     s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
-    cond = s.tokenizers.condition("Hello there, how are you doing today?", s.tts_model.config.streaming_text_reserved_len)
-    spk = torch.nn.functional.normalize(torch.randn(s.tts_model.config.decoder.dim), dim=0).to(DEVICE)
-    runs = []
-    for runner in (TTSRunner(s.tts_model), GraphTTSRunner(s.tts_model, use_triton=True)):
-        runner.trace = []
-        runner.start(cond.n)
-        runner.prefill(cond.ids[: cond.n + 3], 0, spk)
-        codes, _ = runner.generate(None, n_steps=4, min_new=4)  # (4 steps: the interpreter is slow)
-        runs.append((codes, torch.stack([raw for raw, _ in runner.trace])))
+    runs = tts_eager_and_kernel_runs(s, "Hello there, how are you doing today?", DEVICE)
     (codes_e, raw_e), (codes_t, raw_t) = runs
     assert len(codes_e) == 4 and torch.equal(codes_e, codes_t)
     assert (raw_t - raw_e).abs().max() <= 1e-4 * raw_e.abs().max()
