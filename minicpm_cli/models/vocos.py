@@ -76,10 +76,19 @@ class ISTFT(nn.Module):
         super().__init__()
         self.n_fft, self.hop = c.n_fft, c.hop
         self.register_buffer("window", torch.hann_window(c.n_fft))
+        # 0 at the DC and Nyquist bins, 1 elsewhere: their imaginary parts, dropped (below)
+        keep = torch.ones(c.n_fft // 2 + 1)
+        keep[0] = keep[-1] = 0
+        self.register_buffer("imag_keep", keep[:, None], persistent=False)
 
     def forward(self, spec: Tensor) -> Tensor:
         """spec (B, n_fft/2+1, F) complex -> (B, hop * F)."""
         n, frames = self.n_fft, spec.shape[-1]
+        # The inverse real FFT takes the DC and Nyquist bins as real, as a real signal's are; the
+        # head's are not. pocketfft (CPU, the reference's goldens) drops their imaginary parts; cuFFT
+        # does for one row but not in a batch of 8 (4.7e-3 off, H100, float32). Dropped here, every
+        # device and batch size gives the reference's samples.
+        spec = torch.complex(spec.real, spec.imag * self.imag_keep)
         pad = (n - self.hop) // 2
         fold = dict(output_size=(1, (frames - 1) * self.hop + n), kernel_size=(1, n), stride=(1, self.hop))
         frames_t = torch.fft.irfft(spec, n, dim=1, norm="backward") * self.window[None, :, None]  # (B, n, F)
