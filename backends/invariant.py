@@ -167,7 +167,8 @@ class PromptAttention:
         prompt_attend[(triton.cdiv(T, self.BLOCK_T), H, B)](
             q, k, v, rows, starts, out, D**-0.5, T, q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            GROUP=self.group, D=D, BLOCK_T=self.BLOCK_T, BLOCK_S=self.BLOCK_S, num_warps=4)
+            GROUP=self.group, D=D, BLOCK_T=self.BLOCK_T, BLOCK_S=self.BLOCK_S,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
         return out.view(B, T, H * D)
 
 

@@ -36,7 +36,7 @@ def test_product_rows_do_not_depend_on_tile_or_count(dtype):
     x = torch.randn(37, 96, device=DEVICE).to(dtype)
     ref = invariant_mm(x, w, b, cfg=(16, 16, 64, 4, 3))
     assert (ref.float() - torch.nn.functional.linear(x.float(), w.float(), b.float())).abs().max() < 0.5
-    for cfg in [(32, 64, 64, 4, 3), (64, 16, 64, 4, 3), (16, 32, 128, 8, 4), (128, 16, 256, 4, 6)]:
+    for cfg in [(32, 64, 64, 4, 3), (64, 16, 64, 4, 3), (16, 32, 128, 8, 4), (128, 16, 256, 4, 2)]:  # (each fits an H100's shared memory)
         assert torch.equal(invariant_mm(x, w, b, cfg=cfg), ref)
         assert torch.equal(invariant_mm(x[5:9], w, b, cfg=cfg), ref[5:9])
         assert torch.equal(invariant_mm(x[7:8], w, b, cfg=cfg), ref[7:8])

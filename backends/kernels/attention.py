@@ -122,7 +122,8 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
                                "so_t", "so_h"])  # (one compilation for every prompt: none mid-run)
 def prompt_attend(q_ptr, kc_ptr, vc_ptr, row_ptr, start_ptr, out_ptr, scale, T,
                   sq_b, sq_h, sq_t, sc_r, sc_h, sc_s, so_b, so_t, so_h,
-                  GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+                  GROUP: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+                  PRECISION: tl.constexpr = "tf32"):
     """Causal attention of a prompt's queries over their cache row, the same arithmetic for a query
     whatever else is computed beside it. Program (i, h, b): queries i*BLOCK_T.. of sequence b (head
     h, positions start[b] + t) against cache row row[b] (KV head h // GROUP), blocks of BLOCK_S slots
@@ -130,7 +131,8 @@ def prompt_attend(q_ptr, kc_ptr, vc_ptr, row_ptr, start_ptr, out_ptr, scale, T,
     a query sees leaves that query's max, sum and output exactly as they were (its weights are 0 and
     its rescale 1), so a query's result depends on its position and its row's cache only: not on the
     number of queries, the padding, the sequences beside it or the cache's length. q (B, H, T, D),
-    cache (rows, Hkv, S, D), out (B, T, H, D), by strides."""
+    cache (rows, Hkv, S, D), out (B, T, H, D), by strides. PRECISION "ieee" for float32 heads (the
+    products in float32, not TF32: 1.6e-3 from SDPA otherwise, H100); bfloat16 ignores it."""
     i, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     row = tl.load(row_ptr + b)
     start = tl.load(start_ptr + b)
@@ -150,13 +152,13 @@ def prompt_attend(q_ptr, kc_ptr, vc_ptr, row_ptr, start_ptr, out_ptr, scale, T,
         inside = (s < end)[:, None]
         k = tl.load(kv + s[:, None] * sc_s + dd[None, :], mask=inside, other=0.0)
         v = tl.load(vv + s[:, None] * sc_s + dd[None, :], mask=inside, other=0.0)
-        sc = tl.dot(q, tl.trans(k)) * scale
+        sc = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         sc = tl.where(s[None, :] <= pos[:, None], sc, float("-inf"))
         m_new = tl.maximum(m, tl.max(sc, 1))
         p = tl.exp(sc - m_new[:, None])
         alpha = tl.exp(m - m_new)
         total = total * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     y = acc / total[:, None]
     tl.store(out_ptr + b * so_b + t[:, None] * so_t + h * so_h + dd[None, :], y.to(out_ptr.dtype.element_ty),
