@@ -4,7 +4,8 @@ server found, request sent, response headers in, file written).
 
 `mark(event, **info)` notes a moment (wall-clock seconds since the epoch, comparable with the parent's
 clock; the response's mark carries the server's own time to first audio, its Server-Timing header),
-`span(name)` the duration of a piece of work (summed by name by the reader). Without the variable both
+`span(name)` the duration of a piece of work (summed by name by the reader; its end and process
+too, for a timeline of several processes). Without the variable both
 cost a dictionary lookup; nothing here imports torch.
 """
 
@@ -26,7 +27,7 @@ def _write(record: dict) -> None:
 
 
 def mark(event: str, **info) -> None:
-    _write({"event": event, "t": time.time(), **info})
+    _write({"event": event, "t": time.time(), "pid": os.getpid(), **info})
 
 
 @contextmanager
@@ -38,4 +39,4 @@ def span(name: str, **info):
     try:
         yield
     finally:
-        _write({"span": name, "s": time.perf_counter() - t, **info})
+        _write({"span": name, "s": time.perf_counter() - t, "end": time.time(), "pid": os.getpid(), **info})
