@@ -129,6 +129,9 @@ def concurrent(opts: BenchOptions) -> dict:
             entry.update({"backend": backend, "workload": workload, "streams": n, "warmup_s": warmup_s,
                           "peak_gpu_gib": (torch.cuda.max_memory_allocated(device)
                                            + getattr(synth.llm, "extra_gpu_bytes", 0)) / 2**30
+                          if device.type == "cuda" else None,
+                          # (what MINICPM_MEMORY_CAP bounds: the allocator's reserve, not the tensors alone)
+                          "reserved_gpu_gib": torch.cuda.max_memory_reserved(device) / 2**30
                           if device.type == "cuda" else None})
             result["results"].append(entry)
         del synth

@@ -3,11 +3,14 @@ chooses a backend by and `serve` its rows by, and the cap `MINICPM_MEMORY_CAP` p
 
 `need(backend, rows)` estimates, in bytes, the full-size model's weights (the bf16 LLM 15.2 GB,
 int4's 4-bit layers 3.3 GB plus its bf16 embeddings and lm_head 2.2 GB; the TTS head and the codec
-0.6 GB; gguf's LLM is llama.cpp's, not counted), each row's KV caches (the LLM's 28 layers x 2 x 4
-KV heads x 128 x 2 bytes x its 4096 slots, 0.23 GB, and the TTS's, 0.015 GB) and a fixed share for
-CUDA graph pools, activations of a prefill and workspaces (1 GB). The sizes come from the official
-model's shapes (`engine/synthetic.py`'s full spec). These are estimates to be measured (README,
-"Which GPU runs what").
+0.6 GB; gguf's LLM is llama.cpp's, not counted), a fixed share for CUDA graph pools, a prefill's
+activations, workspaces and the allocator's slack (1.3 GB: with 1.0, 17 compile rows under a 24 GB
+cap and 12 int4 rows under 12 GB ran out of memory), and per row 0.417 GB: its KV caches (the
+LLM's 28 layers x 2 x 4 KV heads x 128 x 2 bytes x 4096 slots, 0.23 GB; the TTS's 20 x 2 x 768 x 2
+bytes x 2401 slots, 0.15 GB) and its share of the batched steps' buffers and graphs (ROW_WORK: on an
+H100, 16 -> 40 replies at once took 0.397 GB a row more of tensors and 0.414 GB more of the
+allocator's reserve, which is what a cap bounds). The sizes come from the official model's shapes
+(`engine/synthetic.py`'s full spec); docs/benchmarks.md has the measurements under caps.
 
 `available(device)` is what a process may still allocate: the GPU's free memory, or less under
 `MINICPM_MEMORY_CAP` (GB), which `apply_cap` turns into torch's per-process fraction, so that a
@@ -29,7 +32,8 @@ if TYPE_CHECKING:
     import torch
 
 GB = 10**9
-OVERHEAD = 1 * GB  # graph pools, a prefill's activations, cuBLAS/cuDNN workspaces, the codec's batches
+OVERHEAD = 13 * GB // 10  # graph pools, a prefill's activations, cuBLAS/cuDNN workspaces, the allocator's slack
+ROW_WORK = 35 * 10**6  # a row's share of the batched steps' buffers, graphs and allocator blocks (measured)
 LLM_CONTEXT = 4096  # (pipeline.LLM_CONTEXT: the LLM's KV slots a row)
 TTS_SLOTS = 2401  # (the TTS runner's max_len for the real model: 303 condition slots + 2048 frames + 50)
 MAX_ROWS = 16  # rows `serve` takes by default at most (more queue)
@@ -76,7 +80,7 @@ def need(backend: str, rows: int = 1) -> Need:
         llm = 0  # (llama.cpp's memory: its own, from the GGUF file)
     else:
         llm = 2 * z["llm"]
-    return Need(llm + rest, z["kv"])
+    return Need(llm + rest, z["kv"] + ROW_WORK)
 
 
 def cap_bytes() -> int | None:
