@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from minicpm_cli.engine.pipeline import Synthesizer
@@ -182,3 +183,46 @@ def test_bench_voice_usage_errors(voice_dir, tmp_path):
     p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--model", str(voice_dir), "--voice",
                         str(tmp_path / "none.wav")], capture_output=True, env=env, timeout=120)
     assert p.returncode == 1 and b"none.wav: no such file" in p.stderr and p.stdout == b""
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    from minicpm_cli.cli.bench_many import arrivals
+
+    assert arrivals(4, None) == [0.0] * 4
+    a = arrivals(2000, 50.0, seed=3)
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:])) and a == arrivals(2000, 50.0, seed=3)
+    assert abs(a[-1] / 1999 - 1 / 50) < 0.1 / 50  # mean gap 1/rate
+    assert arrivals(5, 50.0, seed=4) != arrivals(5, 50.0, seed=3)
+
+
+@pytest.mark.parametrize("rate", [None, 4.0])
+def test_bench_concurrency_at_once_and_arriving(tiny_dir, tmp_path, rate):
+    """N requests in one batch, started together or arriving at `rate` a second: every request is
+    timed from its own arrival (a late one's TTFA is not its wait before it arrived)."""
+    out = tmp_path / "many.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    extra = [] if rate is None else ["--arrival-rate", str(rate)]
+    p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--model", str(tiny_dir), "--device", "cpu",
+                        "--dtype", "float32", "--backend", "eager", "--concurrency", "3", "--workload", "read",
+                        "--runs", "1", "--warmup", "0", "--json", str(out), *extra],
+                       capture_output=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr.decode()
+    assert "| eager | read | 3 |" in p.stdout.decode()
+    assert ("Arrivals: 4 requests a second" in p.stdout.decode()) == (rate is not None)
+    (entry,) = json.loads(out.read_text())["results"]
+    moments = [s["arrival_s"] for s in entry["samples"]]
+    if rate is None:
+        assert moments == [0.0, 0.0, 0.0]
+    else:
+        assert moments[0] == 0.0 and moments[1] > 0 and moments[2] > moments[1]
+    for s in entry["samples"]:
+        assert 0 < s["ttfa_ms"] <= s["total_s"] * 1e3 and s["audio_s"] > 0 and s["rtf"] > 0
+    assert entry["audio_s_per_s"] > 0
+
+
+def test_arrival_rate_needs_concurrency():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for args in (["--arrival-rate", "5"], ["--concurrency", "2", "--arrival-rate", "0"]):
+        p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--random-weights", "--device", "cpu", *args],
+                           capture_output=True, env=env, timeout=120)
+        assert p.returncode == 2 and b"--arrival-rate" in p.stderr and b"Traceback" not in p.stderr

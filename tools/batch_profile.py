@@ -1,12 +1,14 @@
 """Where the time of a batch goes: N reads (or replies) started together, each stage timed.
 
     python tools/batch_profile.py [--streams 16] [--workload read|reply|bulk] [--lines N] [--backend compile]
-                                  [--cprofile] [--timeline] [--stalls RUNS]
+                                  [--arrival-rate R] [--cprofile] [--timeline] [--stalls RUNS]
 
 Full-size random weights, lengths forced as `bench --random-weights` forces them. After a warm-up
 batch, one batch runs with every stage wrapped in a device-synchronised timer (so the total is
 longer than an untimed run's): the batched TTS steps and LLM tokens, the prefills of each stream
 (LLM prompt, TTS text chunks), the codec, and what is left (host work between them). With
+--arrival-rate R the streams arrive as `bench --arrival-rate` makes them (their first audio then
+counts from each one's arrival). With
 --cprofile, a second batch runs under cProfile (host time by function). With --stalls RUNS, RUNS
 untimed batches (as bench runs them, seeds moving on) each report their wall time and what paused
 them: CUDA graphs captured mid-run (key and time), frames torch.compile compiled, garbage
@@ -63,16 +65,28 @@ def batch(synth, workload: str, n: int, opts, lines: int | None = None) -> float
     engine = synth.batch(n)
     items = b.workload_texts(workload)
     firsts: list = []  # (stream, time) of every chunk with samples
-    for k in range(n):
+    moments = bench_many.arrivals(n, opts.arrival_rate)
+
+    def submit(k: int) -> None:
         engine.submit(Stream(lambda lane, k=k: b.request_stream(synth, workload, items[k % len(items)], k, opts, lane),
                              lambda chunk, k=k: firsts.append((k, time.perf_counter())) if len(chunk.samples) else None))
+
     EVENTS.clear()
     t = time.perf_counter()
+    k = 0
+    while k < n:  # (bench_many.streams_together's loop: each stream submitted at its arrival)
+        while k < n and moments[k] <= time.perf_counter() - t:
+            submit(k)
+            k += 1
+        if k < n and engine.idle:
+            time.sleep(max(0.0, moments[k] - (time.perf_counter() - t)))
+        elif k < n:
+            engine.round()
     engine.run()
     torch.cuda.synchronize()
     batch.start, batch.firsts = t, {}
     for k, at in firsts:
-        batch.firsts.setdefault(k, at)
+        batch.firsts.setdefault(k, at - t - moments[k])  # (seconds from its arrival)
     return time.perf_counter() - t
 
 
@@ -132,6 +146,7 @@ def main() -> None:
     ap.add_argument("--fifo", action="store_true", help="bulk: lines start in input order (sizes ignored)")
     ap.add_argument("--stalls", type=int, default=0, metavar="RUNS", help="RUNS untimed batches, each with its "
                     "mid-run graph captures, torch.compile frames and long garbage collections")
+    ap.add_argument("--arrival-rate", type=float, default=None, help="streams arriving at R a second (read, reply)")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--timeline", action="store_true", help="the timed batch's stages in order, until the last "
                     "stream's first audio (ms from the start; gaps are host work)")
@@ -139,7 +154,7 @@ def main() -> None:
     if args.fifo:
         read_job = Synthesizer.read_job
         Synthesizer.read_job = lambda *a, **k: dataclasses.replace(read_job(*a, **k), size=0)
-    opts = b.BenchOptions(backends=(args.backend,), random_weights=True)
+    opts = b.BenchOptions(backends=(args.backend,), random_weights=True, arrival_rate=args.arrival_rate)
     synth = Synthesizer.load(None, backend=args.backend, random_weights=True, rows=args.streams)
     batch(synth, args.workload, args.streams, opts, args.lines)  # warm-up: graphs captured here
     plain = batch(synth, args.workload, args.streams, opts, args.lines)
@@ -165,9 +180,12 @@ def main() -> None:
         rest -= secs
         print(f"  {key:22s} {count:6d} calls {secs * 1e3:8.1f} ms  {secs / count * 1e3:7.3f} ms/call")
     print(f"  {'rest (host)':22s} {'':6s}       {rest * 1e3:8.1f} ms")
+    if args.workload != "bulk":
+        print(f"  first audio, ms from each stream's arrival: {sorted(round(x * 1e3) for x in batch.firsts.values())}")
     if args.timeline and args.workload != "bulk":
-        t0, last = batch.start, max(batch.firsts.values())
-        print(f"  first audio (ms): {sorted(round((at - t0) * 1e3, 1) for at in batch.firsts.values())}")
+        t0 = batch.start
+        moments = bench_many.arrivals(args.streams, args.arrival_rate)
+        last = t0 + max(x + moments[k] for k, x in batch.firsts.items())
         prev = t0
         for key, start, end in EVENTS:
             if start > last:

@@ -75,6 +75,7 @@ class BenchOptions:
     bulk_lines: int = BULK_LINES  # lines of the bulk workload
     voice: str | None = None  # a reference recording: time voice cloning too
     batch_variant: bool = False  # the faster kernels whose rounding depends on the batch
+    arrival_rate: float | None = None  # with concurrency: requests a second (bench_many.arrivals), None: at once
 
     def __post_init__(self):
         if self.runs < 1 or self.warmup < 0:

@@ -3,7 +3,11 @@
 With `concurrency` N, N requests of a workload start together (in one batch of
 streams here, or as N simultaneous HTTP requests to a server), `runs` times: TTFA per request from
 the common start to its first audio, RTF per stream (its end over its audio), and the aggregate
-audio seconds per wall second. The `bulk` workload reads BULK_LINES lines with up to N in flight, as
+audio seconds per wall second. With `arrival_rate` R they arrive spread over time instead, as a
+Poisson process of R requests a second (`arrivals`: exponential gaps from a fixed seed, so every run
+and every backend sees the same moments): each one joins the batch in flight when it arrives (here:
+submitted at its moment between the engine's rounds; to a server: sent then), and its TTFA and RTF
+count from its own arrival, the wait for admission included. The `bulk` workload reads BULK_LINES lines with up to N in flight, as
 `say --lines --dir --batch N` does, and reports the aggregate only; its warm-up reads every line once
 (with other seeds).
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import random
 import time
 
 import torch
@@ -25,14 +30,27 @@ from .bench import (BenchOptions, Clock, bulk_lines, cell, device_line, http_sam
                     workload_texts)
 
 
+def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """The moments (seconds from the first) at which n requests arrive: all at 0 without a rate, else
+    a Poisson process of `rate` a second (exponential gaps drawn from `seed`; the first at 0)."""
+    if rate is None:
+        return [0.0] * n
+    rng = random.Random(seed)
+    out = [0.0]
+    for _ in range(n - 1):
+        out.append(out[-1] + rng.expovariate(rate))
+    return out
+
+
 def streams_together(synth, workload: str, n: int, seed: int, opts: BenchOptions, clock: Clock) -> list[dict]:
-    """n requests of `workload` started together in one batch -> one record each (times from the start)."""
+    """n requests of `workload` in one batch, started together or at their `arrivals` -> one record
+    each (times from each one's arrival)."""
     from ..engine.batching import Stream
 
     items = workload_texts(workload)
     engine = synth.batch(n)
     recs = [{"text": items[k % len(items)], "seed": seed + k, "first": None, "end": None, "samples": 0,
-             "error": None} for k in range(n)]
+             "error": None, "arrival": at} for k, at in enumerate(arrivals(n, opts.arrival_rate, seed))]
 
     def sink(rec, chunk):
         if rec["first"] is None and len(chunk.samples):
@@ -42,25 +60,36 @@ def streams_together(synth, workload: str, n: int, seed: int, opts: BenchOptions
     def done(rec, error):
         rec["end"], rec["error"] = clock.now(), error
 
-    clock.sync()
-    t0 = clock.now()
-    for rec in recs:
+    def submit(rec):
         engine.submit(Stream(lambda lane, r=rec: request_stream(synth, workload, r["text"], r["seed"], opts, lane),
                              lambda c, r=rec: sink(r, c), lambda e, r=rec: done(r, e)))
+
+    clock.sync()
+    t0 = clock.now()
+    waiting = list(recs)  # (in order of arrival)
+    while waiting:
+        now = clock.now() - t0
+        while waiting and waiting[0]["arrival"] <= now:
+            submit(waiting.pop(0))
+        if waiting and engine.idle:  # nothing to compute until the next arrival
+            time.sleep(max(0.0, waiting[0]["arrival"] - (clock.now() - t0)))
+        elif waiting:
+            engine.round()
     engine.run()
     return _records(recs, t0, synth.sample_rate)
 
 
 def _records(recs: list[dict], t0: float, rate: int) -> list[dict]:
+    """Each request's audio, TTFA, end and RTF, times from its arrival (t0 + its `arrival`)."""
     failed = [r["error"] for r in recs if r["error"] is not None]
     if failed:
         raise failed[0]
     out = []
     for r in recs:
-        audio = r["samples"] / rate
-        out.append({"text": r["text"], "seed": r["seed"], "audio_s": audio,
-                    "ttfa_ms": None if r["first"] is None else (r["first"] - t0) * 1e3, "total_s": r["end"] - t0,
-                    "rtf": (r["end"] - t0) / audio if audio else None})
+        audio, start = r["samples"] / rate, t0 + r["arrival"]
+        out.append({"text": r["text"], "seed": r["seed"], "audio_s": audio, "arrival_s": r["arrival"],
+                    "ttfa_ms": None if r["first"] is None else (r["first"] - start) * 1e3,
+                    "total_s": r["end"] - start, "rtf": (r["end"] - start) / audio if audio else None})
     return out
 
 
@@ -123,7 +152,7 @@ def concurrent(opts: BenchOptions) -> dict:
                 for r in range(opts.runs):
                     recs = streams_together(synth, workload, n, r * n, opts, clock)
                     samples += recs
-                    wall += max(s["total_s"] for s in recs)
+                    wall += max(s["arrival_s"] + s["total_s"] for s in recs)
                     log(f"{backend} {workload} x{n}: run {r + 1}/{opts.runs}")
                 entry = {**_summary(samples, wall), "samples": samples}
             entry.update({"backend": backend, "workload": workload, "streams": n, "warmup_s": warmup_s,
@@ -154,11 +183,18 @@ def _concurrent_server(opts: BenchOptions) -> dict:
               "concurrency": n, "results": []}
 
     def together(workload: str, seed: int) -> list[dict]:
-        """(each request is timed from its own send; the n threads send at once)"""
+        """(each request is timed from its own send; the n threads send at once, or each at its
+        arrival)"""
         items = workload_texts(workload)
+        moments = arrivals(n, opts.arrival_rate, seed)
+        t0 = time.perf_counter()
+
+        def one(k: int) -> dict:
+            time.sleep(max(0.0, moments[k] - (time.perf_counter() - t0)))
+            return {**http_sample(remote, workload, items[k % len(items)], seed + k, opts), "arrival_s": moments[k]}
+
         with ThreadPoolExecutor(n) as pool:
-            return list(pool.map(lambda k: http_sample(remote, workload, items[k % len(items)], seed + k, opts),
-                                 range(n)))
+            return list(pool.map(one, range(n)))
 
     for workload in [w for w in opts.workloads if w != "bulk"]:
         t = time.perf_counter()
@@ -169,7 +205,7 @@ def _concurrent_server(opts: BenchOptions) -> dict:
         for r in range(opts.runs):
             t0 = time.perf_counter()
             samples += together(workload, r * n)
-            wall += time.perf_counter() - t0
+            wall += time.perf_counter() - t0  # (from the first send to the last end)
             log(f"server {workload} x{n}: run {r + 1}/{opts.runs}")
         result["results"].append({**_summary(samples, wall), "samples": samples, "backend": f"{props['backend']} (server)",
                                   "workload": workload, "streams": n, "warmup_s": warmup_s, "peak_gpu_gib": None})
@@ -189,6 +225,10 @@ def concurrency_table(result: dict) -> str:
             f"| {e['backend']} | {e['workload']} | {e['streams']} | {cell(e['ttfa_ms']['p50'], '.1f')} / "
             f"{cell(e['ttfa_ms']['p90'], '.1f')} | {cell(e['rtf']['p50'], '.3f')} / {cell(e['rtf']['p90'], '.3f')} "
             f"| {cell(e['audio_s_per_s'], '.1f')} | {cell(e['peak_gpu_gib'], '.1f')} | {e['warmup_s']:.1f} |")
+    rate = result["options"].get("arrival_rate")
+    if rate:
+        lines += ["", f"Arrivals: {rate:g} requests a second (a seeded Poisson process), each timed from its arrival "
+                  "(bulk: N in flight)."]
     if result.get("forced_lengths"):
         lines += ["", "Forced lengths (random weights): "
                   f"{loading.FORCED_REPLY_TOKENS} LLM tokens a reply, {loading.FORCED_FRAMES_PER_TOKEN} frames per TTS text token."]

@@ -31,11 +31,14 @@ def bench(
     startup: Annotated[bool, typer.Option("--startup", help="Time one-shot `say` commands in fresh processes on the checkpoint directory --model DIR, phase by phase, with empty and with filled compilation caches.")] = False,
     concurrency: Annotated[Optional[int], typer.Option("--concurrency", "-c", help="Start N requests together (one batch of streams, or N at once to --server): per-request TTFA, per-stream RTF and audio seconds per wall second; the bulk workload reads 256 lines with N in flight.", show_default=False)] = None,
     voice: Annotated[Optional[str], typer.Option("--voice", help="Also time voice cloning with this recording: its encoding, and TTFA with the voice cached and as a new file (needs a checkpoint with the audio encoder, or --random-weights).", show_default=False)] = None,
+    arrival_rate: Annotated[Optional[float], typer.Option("--arrival-rate", help="With --concurrency: the N requests arrive at R a second (a seeded Poisson process) instead of all at once, each timed from its arrival (read and reply; bulk keeps N in flight).", show_default=False)] = None,
     batch_variant: BatchVariantOpt = False,
 ) -> None:
     """Benchmark backends: time to first audio, real-time factor, per-stage costs (table on stdout)."""
     if concurrency is not None and (concurrency < 1 or startup or voice is not None):
         raise OptionError("--concurrency takes a number of streams of at least 1, and neither --startup nor --voice")
+    if arrival_rate is not None and (concurrency is None or not arrival_rate > 0):
+        raise OptionError("--arrival-rate takes requests a second above 0, with --concurrency N")
     if voice is not None:
         if startup or server is not None:
             raise OptionError("--voice times voice cloning on a model loaded here: not with --startup or --server")
@@ -93,7 +96,8 @@ def bench(
     opts = b.BenchOptions(backends=names, workloads=workloads, runs=runs, warmup=warmup,
                           random_weights=random_weights, model=model, device=device, dtype=dtype,
                           max_tokens=max_tokens, first_chunk=chunk_frames(first_chunk), gguf=gguf, server=server,
-                          concurrency=concurrency, voice=voice, batch_variant=batch_variant)
+                          concurrency=concurrency, voice=voice, batch_variant=batch_variant,
+                          arrival_rate=arrival_rate)
     result = b.run(opts) if concurrency is None else bench_many.concurrent(opts)
     if json_out:
         b.write_json(result, json_out)
