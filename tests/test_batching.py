@@ -253,3 +253,33 @@ def test_speed_in_a_batch_is_the_single_streams(synth):
             alone = list(synth.synthesize(t, Sampling(seed=i), decode=decode, speed=1.5))
             assert np.array_equal(np.concatenate([c.samples for c in chunks]),
                                   np.concatenate([c.samples for c in alone])), (decode, t)
+
+
+def test_llm_tokens_wait_for_other_rows_without_changing_the_audio(synth, monkeypatch):
+    """A stream that needs an LLM token while others run TTS steps waits up to `llm_defer` rounds for
+    more rows to join its token step (a step reads the weights once for any rows): replies that
+    arrived rounds apart take fewer token steps, and each one's audio is still its audio alone (only
+    when a stream computes changes, not its order of work or of random draws)."""
+    llm = LLMSampling(temperature=0.7)
+    reqs = [("What is your name?", Sampling(seed=3)), ("Tell me about autumn.", Sampling(seed=11)),
+            ("How are you?", Sampling(seed=5))]
+    alone = [list(synth.reply(text, s, llm=llm, max_tokens=24)) for text, s in reqs]
+    steps: list[int] = []
+    decode_rows = synth.llm.decode_rows
+    monkeypatch.setattr(synth.llm, "decode_rows", lambda rows, ids: (steps.append(len(rows)), decode_rows(rows, ids))[1])
+    counts = {}
+    for defer in (0, 4):
+        steps.clear()
+        engine = synth.batch()
+        engine.llm_defer = defer
+        out: list[list] = [[] for _ in reqs]
+        for k, (text, s) in enumerate(reqs):  # each arriving 7 rounds after the one before
+            engine.submit(Stream(lambda lane, text=text, s=s: synth.reply(text, s, llm=llm, max_tokens=24, lane=lane),
+                                 out[k].append))
+            for _ in range(7):
+                engine.round()
+        engine.run()
+        for a, b in zip(alone, out):
+            _same(a, b)
+        counts[defer] = len(steps)
+    assert counts[4] < counts[0], counts

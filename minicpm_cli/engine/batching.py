@@ -56,6 +56,9 @@ PROMPT_TOKENS = 4096  # padded LLM prompt tokens a round prefills at most (one g
 HELD_BATCHES = 8  # in_order: jobs taken and not yet yielded, at most this many batches' worth
 LOOKAHEAD = 2  # in_order: jobs taken ahead of those running, this many batches' worth at most
 GROUP_OVERHEAD = 256  # a forward's cost beyond its tokens, in tokens (reading the weights once)
+# rounds a stream's LLM token may wait for others to join its batched token step while TTS steps run
+# (docs/design.md, "Many streams at once": a token step costs about seven TTS steps, whatever its rows)
+LLM_DEFER = 4
 
 
 class LLMLane:
@@ -179,6 +182,9 @@ class Engine:
         self.batch_prompts = hasattr(synth.llm, "prefill_rows")
         self.active = 0
         self.loop: greenlet.greenlet | None = None
+        self.llm_defer = LLM_DEFER
+        self.rounds = 0  # rounds run so far
+        self.llm_since = 0  # the round in which the oldest waiting LLM token began to wait
 
     def submit(self, stream: Stream) -> Stream:
         self.queued.append(stream)
@@ -243,10 +249,11 @@ class Engine:
                     self._prefill_text()
                 if self.decodes:
                     self._decode()
+        self.rounds += 1
         with torch.inference_mode():
             if self.llm_prompts:
                 self._prefill_prompts()
-            if self.llm_tokens:
+            if self.llm_tokens and self._llm_due():
                 rows = sorted(self.llm_tokens)
                 logits, hidden = self.synth.llm.decode_rows(rows, [self.llm_tokens[r][1] for r in rows])
                 for i, r in enumerate(rows):
@@ -254,6 +261,14 @@ class Engine:
             if self.tts_calls:
                 for call in self.synth.tts.step_calls([c for _, c in self.tts_calls.values()]):
                     self.ready.append((self.tts_calls.pop(call.row)[0], None))
+
+    def _llm_due(self) -> bool:
+        """Whether the waiting LLM tokens run this round. A token step reads the LLM's weights once
+        for any number of rows, so a stream that needs one while others run TTS steps waits up to
+        `llm_defer` rounds (TTS steps) for more to need theirs; at once when no TTS step would run
+        (nothing to overlap: one stream, or all waiting for the LLM). Only when a stream computes
+        changes, not what: its own order of work and of random draws stays as it was."""
+        return not self.tts_calls or self.rounds - self.llm_since >= self.llm_defer
 
     def _prefill_prompts(self) -> None:
         """The waiting LLM prompts, in groups of similar length (`prompt_groups`), each one padded
@@ -360,6 +375,8 @@ class Engine:
 
     def _llm_wait(self, row: int, ids: list[int]) -> tuple[Tensor, Tensor]:
         if len(ids) == 1:
+            if not self.llm_tokens:
+                self.llm_since = self.rounds + 1  # (this round's, counted once it computes)
             self.llm_tokens[row] = (greenlet.getcurrent(), ids[0])
         elif self.batch_prompts:
             self.llm_prompts[row] = (greenlet.getcurrent(), ids)
