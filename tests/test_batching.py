@@ -266,7 +266,8 @@ def test_llm_tokens_wait_for_other_rows_without_changing_the_audio(synth, monkey
     alone = [list(synth.reply(text, s, llm=llm, max_tokens=24)) for text, s in reqs]
     steps: list[int] = []
     decode_rows = synth.llm.decode_rows
-    monkeypatch.setattr(synth.llm, "decode_rows", lambda rows, ids: (steps.append(len(rows)), decode_rows(rows, ids))[1])
+    monkeypatch.setattr(synth.llm, "decode_rows",
+                        lambda rows, ids: (steps.append(len(rows)), decode_rows(rows, ids))[1])
     counts = {}
     for defer in (0, 4):
         steps.clear()

@@ -7,9 +7,9 @@ audio seconds per wall second. With `arrival_rate` R they arrive spread over tim
 Poisson process of R requests a second (`arrivals`: exponential gaps from a fixed seed, so every run
 and every backend sees the same moments): each one joins the batch in flight when it arrives (here:
 submitted at its moment between the engine's rounds; to a server: sent then), and its TTFA and RTF
-count from its own arrival, the wait for admission included. The `bulk` workload reads BULK_LINES lines with up to N in flight, as
-`say --lines --dir --batch N` does, and reports the aggregate only; its warm-up reads every line once
-(with other seeds).
+count from its own arrival, the wait for admission included. The `bulk` workload reads BULK_LINES
+lines with up to N in flight, as `say --lines --dir --batch N` does, and reports the aggregate only;
+its warm-up reads every line once (with other seeds).
 
 The single-stream workloads, timers, records and tables it builds on are `cli.bench`'s.
 """
