@@ -160,3 +160,28 @@ def tts_eager_and_kernel_runs(synth, text: str, device) -> list:
         codes, _ = runner.generate(None, n_steps=4, min_new=4)
         runs.append((codes, torch.stack([raw for raw, _ in runner.trace])))
     return runs
+
+
+def llm_eager_and_kernel_runs(tiny_dir, device, prompt: str, steps: int) -> list:
+    """The eager LLM stage and the kernel-backed one (CompiledLLM with Triton, float32) on `tiny_dir`:
+    `prompt` (a user message), then `steps` greedy tokens -> per stage (the logits of the prompt and
+    each step, stacked; the last step's hidden state)."""
+    import torch
+
+    from minicpm_cli.backends.compile import CompiledLLM
+    from minicpm_cli.engine.pipeline import Synthesizer
+
+    eager = Synthesizer.load(str(tiny_dir), backend="eager", device=device, dtype="float32")
+    comp = Synthesizer.load(str(tiny_dir), backend="eager", device=device, dtype="float32")
+    llm = CompiledLLM(comp.llm.model, max_len=512, use_triton=True)
+    ids = eager.tokenizers.encode_llm(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+    runs = []
+    for stage in (eager.llm, llm):
+        stage.reset()
+        logits, _ = stage.forward(ids)
+        out = [logits.clone()]  # a backend's buffers: valid until the next call
+        for _ in range(steps):
+            logits, hidden = stage.forward([int(logits.argmax())])
+            out.append(logits.clone())
+        runs.append((torch.stack(out), hidden.clone()))
+    return runs

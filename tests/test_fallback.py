@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tts_eager_and_kernel_runs
+from conftest import llm_eager_and_kernel_runs, tts_eager_and_kernel_runs
 
 pytest.importorskip("triton")
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from minicpm_cli.backends import invariant  # noqa: E402
-from minicpm_cli.backends.compile import CompiledLLM  # noqa: E402
 from minicpm_cli.backends.gptq import Q4Linear, dequantize, quantize  # noqa: E402
 from minicpm_cli.backends.kernels import decode, fallback, q4  # noqa: E402
 from minicpm_cli.engine.pipeline import Synthesizer  # noqa: E402
@@ -67,19 +66,7 @@ def test_tts_step_falls_back_to_eager_once(tiny_dir, monkeypatch, capsys):
 def test_llm_decode_falls_back_to_eager(tiny_dir, monkeypatch, capsys):
     """The LLM decode step's first kernel fails: the same tokens and logits as the eager backend."""
     monkeypatch.setattr(decode, "_rms_qkv_rope", Failing("_rms_qkv_rope"))
-    eager = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
-    comp = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
-    llm = CompiledLLM(comp.llm.model, max_len=512, use_triton=True)
-    ids = eager.tokenizers.encode_llm("<|im_start|>user\nHello world<|im_end|>\n<|im_start|>assistant\n")
-    runs = []
-    for stage in (eager.llm, llm):
-        stage.reset()
-        logits, _ = stage.forward(ids)
-        steps = [logits.clone()]
-        for _ in range(4):
-            logits, hidden = stage.forward([int(logits.argmax())])
-            steps.append(logits.clone())
-        runs.append((torch.stack(steps), hidden.clone()))
+    runs = llm_eager_and_kernel_runs(tiny_dir, DEVICE, "Hello world", steps=4)
     (le, he), (lf, hf) = runs
     assert torch.equal(le.argmax(-1), lf.argmax(-1))
     torch.testing.assert_close(lf, le, rtol=1e-4, atol=1e-4)

@@ -7,11 +7,10 @@ import copy
 
 import pytest
 import torch
-from conftest import tts_eager_and_kernel_runs
+from conftest import llm_eager_and_kernel_runs, tts_eager_and_kernel_runs
 
 pytest.importorskip("triton")
 
-from minicpm_cli.backends.compile import CompiledLLM
 from minicpm_cli.backends.kernels.decode import TritonDecode, kernels_scratch
 from minicpm_cli.models.transformer import Decoder, DecoderConfig
 from minicpm_cli.engine.pipeline import Synthesizer
@@ -102,19 +101,7 @@ def test_tts_steps_on_kernels_match_eager_runner(tiny_dir):
 
 def test_llm_decode_on_kernels_matches_eager(tiny_dir):
     """Prompt, then greedy tokens decoded on the kernels: the same tokens and logits as eager."""
-    eager = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
-    comp = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
-    llm = CompiledLLM(comp.llm.model, max_len=512, use_triton=True)
-    ids = eager.tokenizers.encode_llm("<|im_start|>user\nHello world, how are you?<|im_end|>\n<|im_start|>assistant\n")
-    runs = []
-    for stage in (eager.llm, llm):
-        stage.reset()
-        logits, _ = stage.forward(ids)
-        steps = [logits.clone()]  # a backend's buffers: valid until the next call
-        for _ in range(6):
-            logits, hidden = stage.forward([int(logits.argmax())])
-            steps.append(logits.clone())
-        runs.append((torch.stack(steps), hidden))
+    runs = llm_eager_and_kernel_runs(tiny_dir, DEVICE, "Hello world, how are you?", steps=6)
     (le, he), (lt, ht) = runs
     assert torch.equal(le.argmax(-1), lt.argmax(-1))
     assert (lt - le).abs().max() <= 1e-4 * le.abs().max()
