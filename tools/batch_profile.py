@@ -73,16 +73,7 @@ def batch(synth, workload: str, n: int, opts, lines: int | None = None) -> float
 
     EVENTS.clear()
     t = time.perf_counter()
-    k = 0
-    while k < n:  # (bench_many.streams_together's loop: each stream submitted at its arrival)
-        while k < n and moments[k] <= time.perf_counter() - t:
-            submit(k)
-            k += 1
-        if k < n and engine.idle:
-            time.sleep(max(0.0, moments[k] - (time.perf_counter() - t)))
-        elif k < n:
-            engine.round()
-    engine.run()
+    bench_many.run_arriving(engine, moments, submit, t)
     torch.cuda.synchronize()
     batch.start, batch.firsts = t, {}
     for k, at in firsts:

@@ -20,6 +20,7 @@ import datetime
 import gc
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -42,6 +43,21 @@ def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
     return out
 
 
+def run_arriving(engine, moments: list[float], submit: Callable[[int], None], t0: float) -> None:
+    """Submit stream k (`submit(k)`) once `moments[k]` seconds have passed since t0 (perf_counter),
+    between the engine's rounds, sleeping while it has nothing to compute; then run it to the end."""
+    k = 0
+    while k < len(moments):
+        while k < len(moments) and moments[k] <= time.perf_counter() - t0:
+            submit(k)
+            k += 1
+        if k < len(moments) and engine.idle:  # nothing to compute until the next arrival
+            time.sleep(max(0.0, moments[k] - (time.perf_counter() - t0)))
+        elif k < len(moments):
+            engine.round()
+    engine.run()
+
+
 def streams_together(synth, workload: str, n: int, seed: int, opts: BenchOptions, clock: Clock) -> list[dict]:
     """n requests of `workload` in one batch, started together or at their `arrivals` -> one record
     each (times from each one's arrival)."""
@@ -60,22 +76,14 @@ def streams_together(synth, workload: str, n: int, seed: int, opts: BenchOptions
     def done(rec, error):
         rec["end"], rec["error"] = clock.now(), error
 
-    def submit(rec):
-        engine.submit(Stream(lambda lane, r=rec: request_stream(synth, workload, r["text"], r["seed"], opts, lane),
-                             lambda c, r=rec: sink(r, c), lambda e, r=rec: done(r, e)))
+    def submit(k: int) -> None:
+        r = recs[k]
+        engine.submit(Stream(lambda lane: request_stream(synth, workload, r["text"], r["seed"], opts, lane),
+                             lambda c: sink(r, c), lambda e: done(r, e)))
 
     clock.sync()
     t0 = clock.now()
-    waiting = list(recs)  # (in order of arrival)
-    while waiting:
-        now = clock.now() - t0
-        while waiting and waiting[0]["arrival"] <= now:
-            submit(waiting.pop(0))
-        if waiting and engine.idle:  # nothing to compute until the next arrival
-            time.sleep(max(0.0, waiting[0]["arrival"] - (clock.now() - t0)))
-        elif waiting:
-            engine.round()
-    engine.run()
+    run_arriving(engine, [r["arrival"] for r in recs], submit, t0)
     return _records(recs, t0, synth.sample_rate)
 
 
