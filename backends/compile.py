@@ -203,7 +203,7 @@ class CompiledLLM(Rows):
             self.lm_head = _kernels("common").Weight(model.lm_head.weight)
             self.logits = torch.zeros(model.lm_head.out_features, device=dev)
             self.hidden = torch.zeros(1, model.config.decoder.dim, dtype=model.lm_head.weight.dtype, device=dev)
-            self.lm_head_cfg = LM_HEAD_GEMV
+            self.lm_head_cfg = dict(LM_HEAD_GEMV)  # (its own: tests and sweeps change a runner's)
             self.fallback = _fallback("the LLM's decode step")
         # torch.compile'd layer halves only where one-token steps do not run on the Triton kernels
         # (a CPU, act-order int4): creating them imports torch._dynamo, seconds of a start
@@ -422,7 +422,7 @@ class GraphTTSRunner(TTSRunner):
             # the code heads on the Triton GEMV (one K-block); batched rows on `MMADecode.heads`, or on
             # `gemv_rows` with the same blocking: a row's logits do not depend on its batch (cuBLAS's would)
             self.heads = _kernels("common").Weight(model.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
-            self.heads_cfg = HEADS_GEMV
+            self.heads_cfg = dict(HEADS_GEMV)  # (its own: tests and sweeps change a runner's)
             if (rows > 1 or self.invariant) and batch_kernels == "mma":
                 self.batch = _kernels("mma").MMADecode(self.triton)
             elif rows > 1 or self.invariant:
