@@ -203,11 +203,11 @@ def cuda_gate_up(w: Weight, x: Tensor, gain: Tensor, h: Tensor, eps: float, *, w
     k((blocks,), 32 * warps, x, gain, w.w, w.scales, w.zeros, h, float(eps), pdl=pdl)
 
 
-def decode_config(dim: int, q4: bool, cc: tuple[int, int] | None) -> dict:
+def decode_config(dim: int, q4: bool) -> dict:
     """`TritonDecode.cfg`, the launch shapes of its kernels for a model of width `dim` (4-bit
-    weights: `q4`) on compute capability `cc` (None: the interpreter): per kernel (rows per program,
-    K per iteration, warps, K-blocks whose loads are in flight at once[, programs per row block
-    (split-K) for o and down][, 1: 4-bit words through Triton's pipelining, see `k_loop`]); the qkv
+    weights: `q4`), the same on every GPU: per kernel (rows per program, K per iteration, warps,
+    K-blocks whose loads are in flight at once[, programs per row block (split-K) for o and
+    down][, 1: 4-bit words through Triton's pipelining, see `k_loop`]); the qkv
     kernel's rows are per half head. The best of a sweep on an H200 (docs/journal.md): a small model
     wants all of K in one iteration (latency), a large one more, shorter programs.
     "gate_up_cuda": (warps a block, chunks of K, stages) of `cuda_gate_up`, which a 4-bit bfloat16
@@ -268,7 +268,7 @@ class TritonDecode:
         self.q = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.y = torch.zeros(c.n_heads * c.head_dim, dtype=dt, device=dev)
         self.h = torch.zeros(c.intermediate, dtype=dt, device=dev)
-        self.cfg = decode_config(c.dim, self.weights[0][0].q4, targets.capability(dev))
+        self.cfg = decode_config(c.dim, self.weights[0][0].q4)
         self.scratch = kernels_scratch(self.cfg, self.weights[0][1], self.weights[0][3], dev)
         self.pdl = targets.pdl(dev) if pdl is None else pdl
         self.block_s = 64

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -100,13 +101,9 @@ def sm_count(device: torch.device) -> int:
     return planned[1] if planned else 132
 
 
-_sms: dict = {}
-
-
+@functools.cache
 def _sm_count_cuda(device: torch.device) -> int:
-    if device not in _sms:
-        _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _sms[device]
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def pdl(device: torch.device) -> bool:

@@ -46,15 +46,13 @@ def arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
 def run_arriving(engine, moments: list[float], submit: Callable[[int], None], t0: float) -> None:
     """Submit stream k (`submit(k)`) once `moments[k]` seconds have passed since t0 (perf_counter),
     between the engine's rounds, sleeping while it has nothing to compute; then run it to the end."""
-    k = 0
-    while k < len(moments):
-        while k < len(moments) and moments[k] <= time.perf_counter() - t0:
-            submit(k)
-            k += 1
-        if k < len(moments) and engine.idle:  # nothing to compute until the next arrival
-            time.sleep(max(0.0, moments[k] - (time.perf_counter() - t0)))
-        elif k < len(moments):
-            engine.round()
+    for k, at in enumerate(moments):
+        while time.perf_counter() - t0 < at:
+            if engine.idle:  # nothing to compute until this arrival
+                time.sleep(max(0.0, at - (time.perf_counter() - t0)))
+            else:
+                engine.round()
+        submit(k)
     engine.run()
 
 

@@ -180,7 +180,6 @@ class Engine:
         self.parked: dict[int, tuple[greenlet.greenlet, Callable[[], bool]]] = {}  # waiting for ready()
         self.running: dict[int, Stream] = {}  # the stream on each row taken
         self.batch_prompts = hasattr(synth.llm, "prefill_rows")
-        self.active = 0
         self.loop: greenlet.greenlet | None = None
         self.llm_defer = LLM_DEFER
         self.rounds = 0  # rounds run so far
@@ -192,7 +191,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not (self.queued or self.active)
+        return not (self.queued or self.running)
 
     @property
     def stalled(self) -> bool:
@@ -226,7 +225,6 @@ class Engine:
                 continue
             stream.lane = self.lanes[self.free.pop(0)]
             self.running[stream.lane.row] = stream
-            self.active += 1
             self.ready.append((greenlet.greenlet(functools.partial(self._body, stream)), _START))
         for r, (g, ready) in list(self.parked.items()):
             if self.running[r].cancelled or ready():
@@ -348,7 +346,6 @@ class Engine:
             del self.running[stream.lane.row]
             self.free.append(stream.lane.row)
             self.free.sort()
-            self.active -= 1
         stream.done(error)
 
     def _park(self, row: int, ready: Callable[[], bool]) -> None:

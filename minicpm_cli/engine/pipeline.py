@@ -339,8 +339,7 @@ class Synthesizer:
         from .batching import in_order
 
         if self.rows == 1 or len(requests) == 1:
-            return [self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice, speed=speed,
-                                                         frames_per_token=frames_per_token)))
+            return [self.say(text, sampling, voice=voice, speed=speed, frames_per_token=frames_per_token)
                     for text, sampling, voice in requests]
         jobs = (self.read_job(text, sampling, voice=as_voice(voice), speed=speed, frames_per_token=frames_per_token)
                 for text, sampling, voice in requests)
@@ -561,10 +560,12 @@ class Synthesizer:
             yield AudioChunk(audio.float().cpu().numpy(), self.sample_rate, text, frames, segment, final,
                              tuple(marks), ends_segment)
 
-    def say(self, text: str, sampling: Sampling = Sampling(), *,
-            voice: Voice | np.ndarray | None = None, speed: float = 1.0) -> Utterance:
-        """The whole read-aloud utterance at once (decoded per segment, as the reference reads)."""
-        return self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice, speed=speed)))
+    def say(self, text: str, sampling: Sampling = Sampling(), *, voice: Voice | np.ndarray | None = None,
+            speed: float = 1.0, frames_per_token: int | None = None) -> Utterance:
+        """The whole read-aloud utterance at once (decoded per segment, as the reference reads).
+        `frames_per_token`: lengths forced (random weights)."""
+        return self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice, speed=speed,
+                                                    frames_per_token=frames_per_token)))
 
 
 def check_speed(speed: float) -> None:

@@ -109,11 +109,10 @@ def ready_parts(arrivals: Iterable[tuple[str, bool] | Arrival],
     part that is also the last is the whole text given at once."""
     buf = ""
     for item in arrivals:
-        text, ended = item[0], item[1]
+        text, ended, flushed = Arrival(*item)
         buf += text
         if ended:
             break
-        flushed = len(item) > 2 and item[2]
         cut = len(buf) if flushed and buf.strip() else arrival_cut(buf, count)
         if cut:
             yield buf[:cut], False

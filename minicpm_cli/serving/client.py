@@ -158,15 +158,19 @@ class Remote:
 
     # -- speaking ------------------------------------------------------------------------------
 
+    def _speech(self, greedy: bool, seed: int | None, first_chunk: int, speed: float, pcm: str | None) -> dict:
+        """The speech request's options (the speech endpoint's body, the socket's `start`), less its text."""
+        return {"model": self.props["model"], "voice": protocol.DEFAULT_VOICE, "voice_samples": self._voice_samples,
+                "response_format": FORMAT_OF[pcm], "greedy": greedy, "seed": seed, "first_chunk": first_chunk,
+                "speed": self._speed(speed)}
+
     def read(self, text: str, *, greedy: bool, seed: int | None, decode: str, first_chunk: int,
              speed: float = 1.0, pcm: str | None = None) -> Iterator[Chunk]:
         """`Synthesizer.synthesize` on the server: decode "stream" (chunk by chunk) or "segment". With
         `pcm` ("s16" or "f32", for a sink that writes it as it comes: `audio.takes_pcm`) the server
         converts the samples as that sink would (`audio.to_pcm`) and the chunks hold `audio.Pcm`;
         else float32 samples."""
-        body = {"model": self.props["model"], "input": text, "voice": protocol.DEFAULT_VOICE,
-                "voice_samples": self._voice_samples, "response_format": FORMAT_OF[pcm], "greedy": greedy,
-                "seed": seed, "first_chunk": first_chunk, "speed": self._speed(speed)}
+        body = {**self._speech(greedy, seed, first_chunk, speed, pcm), "input": text}
         if decode == "stream":
             body["stream_format"] = "audio"
         return _sent(self._samples(body, pcm))
@@ -200,9 +204,7 @@ class Remote:
             if not first.strip():
                 raise UsageError("no text to speak")
             return self.read(first.strip(), **options)
-        start = {"type": "start", "model": self.props["model"], "voice": protocol.DEFAULT_VOICE,
-                 "voice_samples": self._voice_samples, "response_format": FORMAT_OF[pcm], "greedy": greedy,
-                 "seed": seed, "first_chunk": first_chunk, "speed": self._speed(speed)}
+        start = {"type": "start", **self._speech(greedy, seed, first_chunk, speed, pcm)}
         start = {k: v for k, v in start.items() if v is not None}
         start["stream_format"] = "audio" if decode == "stream" else None  # (null: each segment decoded whole)
         return _sent(self._arriving(start, first, arrivals, pcm, opening))

@@ -149,14 +149,13 @@ class Service:
     async def run(self, request: Request, work: Callable[[], Iterable]) -> tuple[Job, Callable[[], None]]:
         """Queue `work` (a function returning the request's chunks); returns the job and a function
         that ends it. The job is cancelled as soon as the client disconnects, queued or running."""
-        job = Job(work, asyncio.get_running_loop())
+        job = self.submit(work)
         watcher = asyncio.create_task(_watch(request, job))
 
         def end() -> None:
             job.cancel()
             watcher.cancel()
 
-        self.worker.submit_job(job)
         return job, end
 
     def submit(self, work: Callable[[], Iterable]) -> Job:
