@@ -48,7 +48,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from minicpm_cli.cli.bench import READ_TEXTS  # noqa: E402  (the texts `minicpm bench` reads)
+from minicpm_cli.cli.bench import READ_TEXTS, percentile  # noqa: E402  (the texts `minicpm bench` reads)
 
 KEY = "scale-bench"
 SEED = 7
@@ -90,11 +89,6 @@ def subset_ids(rows: list[dict], batch: int, count: int) -> list[str]:
     plan = bulk.batches(bulk.plan(rows, fmt="wav", greedy=False, seed=SEED, base=ROOT), batch)
     keep = plan[-max(1, -(-count // batch)):]
     return [i.id for group in keep for i in group]
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))] if xs else None
 
 
 def env(**extra) -> dict:
@@ -236,7 +230,9 @@ def cluster_run(spec: dict, work: Path) -> dict:
     from ray_cluster import two_nodes
 
     t0 = time.time()
-    with two_nodes(spec["head_gpus"], spec["worker_gpus"], spec.get("num_cpus")) as cluster:
+    # (the nodes' actors write their marks to the run's trace, as a one-node run's do)
+    with two_nodes(spec["head_gpus"], spec["worker_gpus"], spec.get("num_cpus"),
+                   env={"MINICPM_STARTUP_LOG": str(work / "trace.jsonl")}) as cluster:
         up = time.time() - t0
         spec = {**spec, "args": [*spec["args"], "--ray", cluster.address]}
         result = bulk_run(spec, work, cluster.env)
@@ -247,14 +243,10 @@ def cluster_run(spec: dict, work: Path) -> dict:
 # -- serve ----------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args: list[str], extra_env: dict | None = None,
                  timeout: float = 600) -> tuple[subprocess.Popen, int, list[str]]:
+    from ray_cluster import free_port
+
     port = free_port()
     proc = subprocess.Popen(minicpm("serve", "--port", str(port), "--api-key", KEY, *args),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env(**(extra_env or {})), text=True)
@@ -332,7 +324,7 @@ def load(port: int, clients: int, requests: int, texts: list[str], greedy: bool)
     ttfa = [s["ttfa_ms"] for s in good if s["ttfa_ms"] is not None]
     span = max((s["t1"] for s in good), default=0) - min((s["t0"] for s in samples), default=0)
     return {"clients": clients, "requests": len(samples), "errors": len(samples) - len(good),
-            "ttfa_p50_ms": pct(ttfa, 0.5), "ttfa_p90_ms": pct(ttfa, 0.9),
+            "ttfa_p50_ms": percentile(ttfa, 0.5), "ttfa_p90_ms": percentile(ttfa, 0.9),
             "audio_per_s": sum(s["audio_s"] for s in good) / span if good and span > 0 else None,
             "samples": [{k: v for k, v in s.items() if k not in ("t0", "t1")} for s in samples]}
 

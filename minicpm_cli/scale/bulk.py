@@ -338,7 +338,7 @@ class Speaker:
             # the graphs a batch of `rows` captures (and the kernels they compile): now, as part of the
             # start, rather than in the first batch (say_batch would; once done, it does nothing)
             self.synth.warm_batches(rows)
-        trace.mark("speaker_ready", pid=os.getpid(), gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        trace.mark("speaker_ready", gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def _voice(self, path: str):
         if not path:
@@ -367,7 +367,7 @@ class Speaker:
         audio = np.empty(len(requests), dtype=object)
         audio[:] = [b"" if u is None else np.asarray(u.audio, "<f4").tobytes() for u in utterances]
         seconds = [0.0 if u is None else len(u.audio) / u.sample_rate for u in utterances]
-        trace.mark("bulk_batch", pid=os.getpid(), began=began, items=len(requests), audio_s=sum(seconds))
+        trace.mark("bulk_batch", began=began, items=len(requests), audio_s=sum(seconds))
         return {"id": np.asarray(batch["id"], dtype=object), "audio": audio,
                 "seconds": np.array(seconds),
                 "marks": np.array(["[]" if u is None else json.dumps(u.marks) for u in utterances], dtype=object),

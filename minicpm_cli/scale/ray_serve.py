@@ -84,14 +84,12 @@ class ServeArgs:
             try:
                 if key == "replicas":
                     values[key] = cluster.parse_replicas(value)
-                elif key == "random_weights":
+                elif key in ("random_weights", "batch_variant"):
                     values[key] = _bool(value)
                 elif key in ("gpus", "target_ongoing_requests"):
                     values[key] = float(value)
                 elif key in ("max_ongoing_requests", "batch"):
                     values[key] = int(value)
-                elif key == "batch_variant":
-                    values[key] = _bool(value)
                 else:
                     values[key] = str(value)
             except (TypeError, ValueError):
@@ -199,7 +197,7 @@ class Speech:
             raise self.service.failure
         # (a key from the replica's environment, e.g. a Kubernetes secret, never enters Serve's config)
         _ReplicaApp.app = create_app(self.service, args.api_key or os.environ.get(protocol.API_KEY_ENV) or None)
-        trace.mark("replica_ready", pid=os.getpid(), gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        trace.mark("replica_ready", gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
     def props(self) -> dict:
         """What this replica serves (`GET /props`), for `deploy`'s ready line."""
