@@ -226,3 +226,14 @@ def test_arrival_rate_needs_concurrency():
         p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--random-weights", "--device", "cpu", *args],
                            capture_output=True, env=env, timeout=120)
         assert p.returncode == 2 and b"--arrival-rate" in p.stderr and b"Traceback" not in p.stderr
+
+
+def test_records_time_each_request_from_its_arrival():
+    """A request that arrived 0.5 s after the start: its TTFA, total and RTF count from then."""
+    from minicpm_cli.cli.bench_many import _records
+
+    t0, rate = 100.0, 24000
+    (rec,) = _records([{"text": "x", "seed": 1, "first": t0 + 0.6, "end": t0 + 1.0, "samples": rate,
+                        "error": None, "arrival": 0.5}], t0, rate)
+    assert rec["arrival_s"] == 0.5 and abs(rec["ttfa_ms"] - 100) < 1e-6 and abs(rec["total_s"] - 0.5) < 1e-9
+    assert abs(rec["rtf"] - 0.5) < 1e-9
