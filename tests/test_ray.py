@@ -153,16 +153,21 @@ def test_bulk_on_two_nodes_writes_what_say_lines_dir_writes_and_a_second_run_cha
 
     items, ref = lines
     out = tmp_path / "out"
-    with _tool("ray_cluster").two_nodes("", "", num_cpus=1, env={"PYTHONPATH": str(ROOT)}) as nodes:
+    marks = tmp_path / "trace.jsonl"  # (each actor marks its model ready, with its pid)
+    with _tool("ray_cluster").two_nodes("", "", num_cpus=1, env={"PYTHONPATH": str(ROOT),
+                                                                  "MINICPM_STARTUP_LOG": str(marks)}) as nodes:
         args = ["bulk", str(items), "--out", str(out), "--ray", nodes.address, "--replicas", "2", "--batch", "4",
                 "--greedy", *MODEL]
-        p = minicpm(*args, "-v", env=_env(**nodes.env))
+        # (Ray Data starts its actors asynchronously and dispatches to the first one ready: on a loaded
+        # machine the job could end before the other node's actor is up; here the pool waits for both)
+        p = minicpm(*args, "-v", env=_env(**nodes.env, RAY_DATA_DEFAULT_WAIT_FOR_MIN_ACTORS_S="300"))
     err = p.stderr.decode()
     assert p.returncode == 0, err
     assert {f.name: f.read_bytes() for f in out.iterdir() if f.suffix == ".wav"} == ref
     es = check_manifest(out, texts_by_id())
     assert all(e["seed"] is None and e["voice"] is None for e in es)
-    assert len(set(re.findall(r"pid=(\d+)\).*minicpm: backend eager", err))) == 2, err  # two models, one per actor
+    ready = [json.loads(line) for line in marks.read_text().splitlines()]
+    assert len({m["pid"] for m in ready if m.get("event") == "speaker_ready"}) == 2, ready  # two models, one per actor
     assert "minicpm: 40 items in" in err and "40 spoken" in err
     assert "Token authentication" not in err, err  # (Ray's notice: not ours to report)
 

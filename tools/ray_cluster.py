@@ -16,7 +16,8 @@ The cluster uses Ray's token authentication with a token drawn for it: the nodes
 RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (a client that names an address, as `--ray HOST:PORT` does,
 sends a token only when told to: Ray 2.60 enables it by itself only for a cluster it finds, `auto`).
 
-As a module (tools/scale_bench.py, tests/test_ray.py): `with two_nodes(...) as cluster:`, then
+As a module (tools/scale_bench.py, tests/test_ray.py): `with two_nodes(...) as cluster:` (or
+`nodes([gpus, ...])`, any number of nodes, one for a running cluster of one machine), then
 `cluster.address` and `cluster.env` (the variables a client adds to its environment).
 """
 
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 HOST = "127.0.0.1"
 
@@ -124,30 +125,35 @@ def wait_nodes(address: str, shared: dict, count: int, procs: list[subprocess.Po
 
 
 @contextlib.contextmanager
-def two_nodes(head_gpus: str | None = None, worker_gpus: str | None = None, num_cpus: int | None = None,
-              timeout: float = 120, env: dict | None = None):
-    """A head node and a worker node on this machine (`head_gpus`, `worker_gpus`: CUDA_VISIBLE_DEVICES
-    of each, "" for none; None: Ray's own count; `env`: more variables for both, e.g. a PYTHONPATH
-    their workers import the code from); yields a Cluster, stops both nodes at the end."""
+def nodes(gpus: Sequence[str | None], num_cpus: int | None = None, timeout: float = 120, env: dict | None = None):
+    """A cluster of `len(gpus)` nodes on this machine: a head node, then a worker node for each further
+    entry (each entry the CUDA_VISIBLE_DEVICES of its node, "" for none; None: Ray's own count; `env`:
+    more variables for every node, e.g. a PYTHONPATH their workers import the code from); yields a
+    Cluster once every node is up, stops them all at the end."""
     tmp = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))  # (short: Ray's socket paths must fit 107 bytes)
     port = free_port()
     address = f"{HOST}:{port}"
     shared = {**(env or {}), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    procs, logs = [], [tmp / "head.log", tmp / "worker.log"]
+    procs: list[subprocess.Popen] = []
+    logs = [tmp / ("head.log" if k == 0 else f"worker-{k}.log") for k in range(len(gpus))]
     try:
-        procs.append(_start(["--head", "--port", str(port), "--include-dashboard=false", "--temp-dir", str(tmp / "ray"),
-                             "--ray-client-server-port", str(free_port()), *node_args(head_gpus, num_cpus)],
-                            node_env(head_gpus, shared), logs[0]))
-        wait_nodes(address, shared, 1, procs, logs[:1], timeout)
-        procs.append(_start(["--address", address, *node_args(worker_gpus, num_cpus)], node_env(worker_gpus, shared),
-                            logs[1]))
-        wait_nodes(address, shared, 2, procs, logs, timeout)
+        for k, node_gpus in enumerate(gpus):
+            where = (["--head", "--port", str(port), "--include-dashboard=false", "--temp-dir", str(tmp / "ray"),
+                      "--ray-client-server-port", str(free_port())] if k == 0 else ["--address", address])
+            procs.append(_start([*where, *node_args(node_gpus, num_cpus)], node_env(node_gpus, shared), logs[k]))
+            wait_nodes(address, shared, k + 1, procs, logs[: k + 1], timeout)
         yield Cluster(address, {"RAY_ADDRESS": address, "RAY_AUTH_MODE": "token",
                                 "RAY_AUTH_TOKEN": shared["RAY_AUTH_TOKEN"]})
     finally:
         for proc in reversed(procs):
             _stop(proc)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def two_nodes(head_gpus: str | None = None, worker_gpus: str | None = None, num_cpus: int | None = None,
+              timeout: float = 120, env: dict | None = None):
+    """`nodes` of a head and one worker node."""
+    return nodes([head_gpus, worker_gpus], num_cpus, timeout, env)
 
 
 def main() -> None:

@@ -16,7 +16,8 @@ GPUs 2-3; the tables say which ran together). Each run has a time limit (--timeo
 
 bulk: `minicpm bulk` over --items items (--sentences of the bench's read sentences each, drawn with
 a fixed seed; `--seed 7`), in this process (1 GPU) and with `--ray auto --replicas N` for each N of
---replicas. Per run: the wall time from exec to exit; start-up, to the last replica loaded; the first
+--replicas (with --on-cluster, `--ray ADDRESS` of a one-node cluster started on the run's GPUs before
+it: a job on a running cluster, Ray's own start left out of its wall time). Per run: the wall time from exec to exit; start-up, to the last replica loaded; the first
 file; the steady throughput (audio seconds per second while every replica generates: from the marks
 each batch leaves in $MINICPM_STARTUP_LOG); the tail (the last replica's work after the first ran
 out); the driver's time writing files; and every file's SHA-256 against the in-process run's.
@@ -225,6 +226,24 @@ def bulk_marks(marks: list[dict], t0: float) -> dict:
     return out
 
 
+def bulk_job(spec: dict, work: Path) -> dict:
+    """A bulk run; with spec["on_cluster"], a Ray run joins a one-node cluster (`ray start`, on the
+    run's GPUs) started first and not timed, as a job on a running cluster does, instead of the local
+    Ray that `--ray auto` starts (whose start counts in the wall time)."""
+    if not (spec.get("on_cluster") and spec.get("replicas")):
+        return bulk_run(spec, work)
+    from ray_cluster import nodes
+
+    t0 = time.time()
+    with nodes([spec.get("gpus")], env={"MINICPM_STARTUP_LOG": str(work / "trace.jsonl")}) as cluster:
+        up = time.time() - t0
+        args = list(spec["args"])
+        args[args.index("--ray") + 1] = cluster.address
+        result = bulk_run({**spec, "args": args}, work, cluster.env)
+    result["cluster_start_s"] = up
+    return result
+
+
 def cluster_run(spec: dict, work: Path) -> dict:
     """`bulk --ray ADDRESS` over a head and a worker node started here (tools/ray_cluster.py)."""
     from ray_cluster import two_nodes
@@ -390,7 +409,7 @@ def kill_replica(port: int, pids: list[int], count: int, text: str, greedy: bool
 # -- one run, in a process of its own ----------------------------------------------------------------
 
 
-RUNNERS = {"bulk": bulk_run, "cluster": cluster_run, "serve": serve_run}
+RUNNERS = {"bulk": bulk_job, "cluster": cluster_run, "serve": serve_run}
 
 
 def child(spec_path: str) -> None:
@@ -484,7 +503,7 @@ def plan_runs(opts, slots: int, on_gpu: bool) -> list[dict]:
                      "replicas": 0, "reference": True})
         for n in replicas:
             runs.append({"part": "bulk", "kind": "bulk", "label": f"Ray Data, {n} replica{'s' * (n > 1)}", "slots": n,
-                         "replicas": n, "args": [*base, *on_ray(n)]})
+                         "replicas": n, "args": [*base, *on_ray(n)], "on_cluster": opts.on_cluster})
     if "serve" in parts:
         base = [*model, "--batch", str(opts.serve_batch)]
         runs.append({"part": "serve", "kind": "serve", "label": "minicpm serve (1 GPU)", "slots": 1, "args": base,
@@ -552,9 +571,11 @@ def tables(result: dict) -> str:
     if bulk_runs:
         o = result["options"]
         draw = "--greedy" if o.get("greedy") else f"--seed {SEED}"
-        out.append(f"Bulk, {o['items']} items ({o['sentences']} texts each), --batch {o['batch']}, {draw}; "
-                   f"steady = audio s/s while every replica generates; speed-ups against Ray with 1 replica "
-                   f"(in-process in brackets):\n")
+        ray = ("Ray runs join a running one-node cluster on their GPUs (`ray start`, before the run, not in its "
+               "wall time)" if o.get("on_cluster") else "Ray runs start their own local Ray (in their wall time)")
+        out.append(f"Bulk, {o['items']} items ({o['sentences']} texts each), --batch {o['batch']}, {draw}; {ray}; "
+                   f"steady = audio s/s while every replica generates; start-up's share of the wall time in "
+                   f"brackets; speed-ups against Ray with 1 replica (in-process in brackets):\n")
         out.append("| run | GPUs | wall (s) | start-up (s): Ray joined / dataset / all replicas loaded "
                    "| first file (s) | steady audio s/s | steady speed-up | wall speed-up | tail (s) "
                    "| driver writing (s) | files equal to in-process |")
@@ -578,6 +599,8 @@ def tables(result: dict) -> str:
             same = "-" if ref is None else \
                 f"{sum(ref['hashes'].get(k) == v for k, v in r['hashes'].items())}/{len(r['hashes'])}"
             start = f"{f(r.get('ray_connected_s'))} / {f(r.get('ray_dataset_s'))} / {f(r.get('ready_all_s'))}"
+            if r.get("ready_all_s") is not None and r.get("wall_s"):
+                start += f" ({100 * r['ready_all_s'] / r['wall_s']:.0f}%)"
             out.append(f"| {r['label']} | {r.get('gpus') or '-'} | {f(r['wall_s'])} | {start} | "
                        f"{f(r.get('first_file_s'))} | {f(r.get('steady_audio_per_s'))} | {sp[0]} | {sp[1]} | "
                        f"{f(r.get('tail_s'))} | {f(r.get('writing_s'))} | {same} |")
@@ -673,6 +696,9 @@ def main() -> None:
     ap.add_argument("--serve-batch", type=int, default=16, help="serve --batch: rows per replica")
     ap.add_argument("--subset", type=int, default=256, help="items of the cluster and bulk-kill runs (the shortest)")
     ap.add_argument("--parallel", action="store_true", help="run what fits on disjoint GPUs at the same time")
+    ap.add_argument("--on-cluster", action="store_true",
+                    help="each Ray bulk run joins a one-node cluster started on its GPUs before it (not timed), "
+                         "as a job on a running cluster does [default: its own local Ray, started in its time]")
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs to use [default: all nvidia-smi lists; 1 slot on a CPU]")
     ap.add_argument("--timeout", type=float, default=480, help="seconds a run may take")

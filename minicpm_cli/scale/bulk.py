@@ -329,6 +329,7 @@ class Speaker:
     frames_per_token: int | None = None  # lengths forced (random weights)
 
     def __init__(self, load: Callable[[], Any] | None = None, frames_per_token: int | None = None):
+        trace.mark("speaker_start")  # (on Ray: the actor's process is up, the model not yet loaded)
         self.synth = (load or self.loader)()
         self.voices: dict[str, Any] = {}
         if frames_per_token is not None:
