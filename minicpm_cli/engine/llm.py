@@ -25,6 +25,12 @@ from .text import ASSISTANT_TTS_PREFIX, Tokenizers
 # one the parity goldens pin down.
 GENERATE_PROMPT = "<|im_end|>\n" + ASSISTANT_TTS_PREFIX
 TOKENS_PER_PIECE = 3
+# what a forced reply (random weights) says, its tokens over and over. A random LLM's own tokens make
+# another text for every prompt, seed and voice, and with it another count of pieces before the TTS
+# holds the 10 text tokens it starts on (2 or 3 pieces, 19 ms apart on an H100), which timings then
+# mix up with what they compare. Each token of this text is a whole word or mark, in the bundled test
+# tokenizer as in Qwen2's, so the first audio waits for the 3 pieces a real reply of it waits for.
+FORCED_REPLY_TEXT = "I'm fine, thank you. I can help you today. What can I do for you?"
 
 
 def user_turn(text: str) -> str:
@@ -93,9 +99,10 @@ def next_tokens(logits: Tensor, windows: list[list[int]], s: LLMSampling, genera
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,
                  max_tokens: int, force_length: bool = False,
                  voice: Callable[[], object] | None = None) -> Iterator[Piece]:
-    """`force_length` (benchmarks with random weights): the end tokens are never sampled, so the
-    reply has exactly max_tokens tokens, and only ids the tokenizer can decode are (random weights
-    may come with a smaller test tokenizer). `voice`: starts `llm` on the reference's audio-assistant
+    """`force_length` (benchmarks with random weights): the reply has exactly max_tokens tokens, the
+    tokens of FORCED_REPLY_TEXT (repeated as needed); each is still chosen from the logits as usual
+    (the same work, the end tokens and ids the tokenizer cannot decode banned) and then replaced.
+    `voice`: starts `llm` on the reference's audio-assistant
     system turn (spec §4.4, §4.5; `Synthesizer.voice_context`); the user message then follows as a
     later message."""
     terminators = {tok.im_end_id, tok.endoftext_id}
@@ -103,6 +110,7 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
     pick = getattr(llm, "pick", None) or (lambda *args: int(next_token(*args)))
     banned = sorted(terminators | {tok.tts_eos_id}) if force_length else None
     vocab = len(tok.llm) if force_length else None
+    forced = tok.encode_llm(FORCED_REPLY_TEXT) if force_length else None
     if voice is None:
         llm.reset()
         llm.forward(tok.encode_llm(user_turn(user_text)))
@@ -122,6 +130,8 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
         ended = False
         for k in range(TOKENS_PER_PIECE):
             t = pick(logits, window, s, generator, banned, vocab)
+            if forced is not None:
+                t = forced[(produced + k) % len(forced)]
             new.append(t)
             window.append(t)
             if t in terminators:
