@@ -67,23 +67,30 @@ def test_random_weights_and_forced_lengths():
     assert not torch.isnan(torch.from_numpy(chunks[0].samples)).any()
 
 
-def test_forced_replies_say_one_text_whatever_the_prompt_seed_or_voice(voice_dir):
+def test_forced_replies_say_one_text_whatever_the_prompt_seed_voice_or_batch(voice_dir):
     """With forced lengths a reply's tokens are FORCED_REPLY_TEXT's (each still chosen, then replaced):
-    the same text, so the same pieces before the first audio, for every request a bench compares. A
-    random LLM's own tokens had a kept voice's replies wait for 3 pieces where the default voice's
-    waited for 2 (+19 ms on an H100, read as the voice's cost)."""
+    the same text, so the same pieces before the first audio, for every request a bench compares,
+    alone or as a batch's stream. A random LLM's own tokens had a kept voice's replies wait for 3
+    pieces where the default voice's waited for 2 (+19 ms on an H100, read as the voice's cost)."""
+    import functools
+
+    from minicpm_cli.engine.batching import in_order
     from minicpm_cli.engine.llm import FORCED_REPLY_TEXT
     from minicpm_cli.voices.reference import Voice
 
-    synth = Synthesizer.load(str(voice_dir), device="cpu", dtype="float32")
-    ids = synth.tokenizers.encode_llm(FORCED_REPLY_TEXT)
-    said = synth.tokenizers.llm.decode([ids[k % len(ids)] for k in range(24)])
+    synth = Synthesizer.load(str(voice_dir), device="cpu", dtype="float32", rows=2)
+    said = synth.tokenizers.llm.decode(synth.tokenizers.encode_llm(FORCED_REPLY_TEXT))
     voice = Voice.load(ROOT / "tests" / "fixtures" / "voice_ref_a.wav")
-    for prompt, seed, v in (("What's your name?", 1, None), ("Tell me a joke.", 2, None), ("What's your name?", 1, voice)):
-        chunks = list(synth.reply(prompt, Sampling(seed=seed), max_tokens=24, frames_per_token=10, voice=v))
+
+    def reply(prompt, seed, lane=None, v=None):
+        return synth.reply(prompt, Sampling(seed=seed), max_tokens=24, frames_per_token=10, voice=v, lane=lane)
+
+    for prompt, seed, v in (("What's your name?", 1, None), ("Tell me a joke.", 2, None),
+                            ("What's your name?", 1, voice)):
+        assert "".join(c.text for c in reply(prompt, seed, v=v)) == said
+    jobs = [functools.partial(reply, p, s) for p, s in (("What's your name?", 3), ("Tell me a joke.", 4))]
+    for chunks in in_order(synth.batch(2), jobs, batch=2):
         assert "".join(c.text for c in chunks) == said
-    chunks = list(synth.reply("What's your name?", Sampling(seed=1), max_tokens=24))  # (not forced: its own words)
-    assert "".join(c.text for c in chunks) != said
 
 
 def test_startup_times_fresh_processes_phase_by_phase(tiny_dir):

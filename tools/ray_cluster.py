@@ -130,6 +130,8 @@ def nodes(gpus: Sequence[str | None], num_cpus: int | None = None, timeout: floa
     entry (each entry the CUDA_VISIBLE_DEVICES of its node, "" for none; None: Ray's own count; `env`:
     more variables for every node, e.g. a PYTHONPATH their workers import the code from); yields a
     Cluster once every node is up, stops them all at the end."""
+    if not gpus:
+        raise ValueError("a cluster needs at least its head node")
     tmp = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))  # (short: Ray's socket paths must fit 107 bytes)
     port = free_port()
     address = f"{HOST}:{port}"

@@ -17,10 +17,11 @@ GPUs 2-3; the tables say which ran together). Each run has a time limit (--timeo
 bulk: `minicpm bulk` over --items items (--sentences of the bench's read sentences each, drawn with
 a fixed seed; `--seed 7`), in this process (1 GPU) and with `--ray auto --replicas N` for each N of
 --replicas (with --on-cluster, `--ray ADDRESS` of a one-node cluster started on the run's GPUs before
-it: a job on a running cluster, Ray's own start left out of its wall time). Per run: the wall time from exec to exit; start-up, to the last replica loaded; the first
-file; the steady throughput (audio seconds per second while every replica generates: from the marks
-each batch leaves in $MINICPM_STARTUP_LOG); the tail (the last replica's work after the first ran
-out); the driver's time writing files; and every file's SHA-256 against the in-process run's.
+it: a job on a running cluster, Ray's own start left out of its wall time). Per run: the wall time
+from exec to exit; start-up, to the last replica loaded; the first file; the steady throughput
+(audio seconds per second while every replica generates: from the marks each batch leaves in
+$MINICPM_STARTUP_LOG); the tail (the last replica's work after the first ran out); the driver's
+time writing files; and every file's SHA-256 against the in-process run's.
 serve: `minicpm serve` (1 GPU) and `serve --ray auto --replicas N`, --serve-batch rows each; for each
 --clients count C, C clients each sending --requests streamed reads (pcm, seeded) one after another:
 TTFA p50/p90 and the aggregate audio seconds per second. cluster: a head and a worker node

@@ -25,12 +25,13 @@ from .text import ASSISTANT_TTS_PREFIX, Tokenizers
 # one the parity goldens pin down.
 GENERATE_PROMPT = "<|im_end|>\n" + ASSISTANT_TTS_PREFIX
 TOKENS_PER_PIECE = 3
-# what a forced reply (random weights) says, its tokens over and over. A random LLM's own tokens make
-# another text for every prompt, seed and voice, and with it another count of pieces before the TTS
-# holds the 10 text tokens it starts on (2 or 3 pieces, 19 ms apart on an H100), which timings then
-# mix up with what they compare. Each token of this text is a whole word or mark, in the bundled test
-# tokenizer as in Qwen2's, so the first audio waits for the 3 pieces a real reply of it waits for.
-FORCED_REPLY_TEXT = "I'm fine, thank you. I can help you today. What can I do for you?"
+# what a forced reply (random weights) says: its 24 tokens (loading.FORCED_REPLY_TOKENS), over again
+# if more are asked for. A random LLM's own tokens make another text for every prompt, seed and
+# voice, and with it another count of pieces before the TTS holds the 10 text tokens it starts on (2
+# or 3 pieces, 19 ms apart on an H100), which timings then mix up with what they compare. Each token
+# of this text is a whole word or mark, in the bundled test tokenizer as in Qwen2's, so the first
+# audio waits for the 3 pieces a real reply of it waits for.
+FORCED_REPLY_TEXT = "I'm fine, thank you. I can help you today. What can I do for you? I can help."
 
 
 def user_turn(text: str) -> str:
@@ -99,7 +100,8 @@ def next_tokens(logits: Tensor, windows: list[list[int]], s: LLMSampling, genera
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,
                  max_tokens: int, force_length: bool = False,
                  voice: Callable[[], object] | None = None) -> Iterator[Piece]:
-    """`force_length` (benchmarks with random weights): the reply has exactly max_tokens tokens, the
+    """`force_length` (benchmarks with random weights): the reply has max_tokens tokens (whole pieces
+    of 3: rounded up), the
     tokens of FORCED_REPLY_TEXT (repeated as needed); each is still chosen from the logits as usual
     (the same work, the end tokens and ids the tokenizer cannot decode banned) and then replaced.
     `voice`: starts `llm` on the reference's audio-assistant
