@@ -169,12 +169,13 @@ def llm_eager_and_kernel_runs(tiny_dir, device, prompt: str, steps: int) -> list
     import torch
 
     from minicpm_cli.backends.compile import CompiledLLM
+    from minicpm_cli.engine.llm import user_turn
     from minicpm_cli.engine.pipeline import Synthesizer
 
     eager = Synthesizer.load(str(tiny_dir), backend="eager", device=device, dtype="float32")
     comp = Synthesizer.load(str(tiny_dir), backend="eager", device=device, dtype="float32")
     llm = CompiledLLM(comp.llm.model, max_len=512, use_triton=True)
-    ids = eager.tokenizers.encode_llm(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+    ids = eager.tokenizers.encode_llm(user_turn(prompt) + "<|im_start|>assistant\n")
     runs = []
     for stage in (eager.llm, llm):
         stage.reset()

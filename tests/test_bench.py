@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,7 +80,14 @@ def test_forced_replies_say_one_text_whatever_the_prompt_seed_voice_or_batch(voi
     from minicpm_cli.voices.reference import Voice
 
     synth = Synthesizer.load(str(voice_dir), device="cpu", dtype="float32", rows=2)
-    said = synth.tokenizers.llm.decode(synth.tokenizers.encode_llm(FORCED_REPLY_TEXT))
+    tok = synth.tokenizers
+    ids = tok.encode_llm(FORCED_REPLY_TEXT)
+    said = tok.llm.decode(ids)
+    # every token a whole word or mark, and the TTS's first text chunk (10 tokens) filled by the third
+    # piece of 3 tokens, not the second
+    assert [tok.llm.decode([i]).strip() for i in ids] == re.findall(r"'?\w+|[.,?!]", FORCED_REPLY_TEXT)
+    chunk = synth.tts.config.streaming_text_chunk_size
+    assert len(tok.encode_bert(tok.llm.decode(ids[:6]))) < chunk <= len(tok.encode_bert(tok.llm.decode(ids[:9])))
     voice = Voice.load(ROOT / "tests" / "fixtures" / "voice_ref_a.wav")
 
     def reply(prompt, seed, lane=None, v=None):

@@ -231,31 +231,29 @@ def bulk_job(spec: dict, work: Path) -> dict:
     """A bulk run; with spec["on_cluster"], a Ray run joins a one-node cluster (`ray start`, on the
     run's GPUs) started first and not timed, as a job on a running cluster does, instead of the local
     Ray that `--ray auto` starts (whose start counts in the wall time)."""
-    if not (spec.get("on_cluster") and spec.get("replicas")):
-        return bulk_run(spec, work)
-    from ray_cluster import nodes
-
-    t0 = time.time()
-    with nodes([spec.get("gpus")], env={"MINICPM_STARTUP_LOG": str(work / "trace.jsonl")}) as cluster:
-        up = time.time() - t0
-        args = list(spec["args"])
-        args[args.index("--ray") + 1] = cluster.address
-        result = bulk_run({**spec, "args": args}, work, cluster.env)
-    result["cluster_start_s"] = up
-    return result
+    if spec.get("on_cluster") and spec.get("replicas"):
+        return bulk_on_nodes(spec, work, [spec.get("gpus")])
+    return bulk_run(spec, work)
 
 
 def cluster_run(spec: dict, work: Path) -> dict:
-    """`bulk --ray ADDRESS` over a head and a worker node started here (tools/ray_cluster.py)."""
-    from ray_cluster import two_nodes
+    """`bulk --ray ADDRESS` over a head and a worker node started here."""
+    return bulk_on_nodes(spec, work, [spec["head_gpus"], spec["worker_gpus"]], spec.get("num_cpus"))
 
+
+def bulk_on_nodes(spec: dict, work: Path, gpus: list, num_cpus: int | None = None) -> dict:
+    """`bulk --ray ADDRESS` (in place of the spec's own --ray) over nodes started here for the run
+    (tools/ray_cluster.py, a node for each entry of `gpus`), their start not timed (cluster_start_s)."""
+    from ray_cluster import nodes
+
+    args = list(spec["args"])
+    if "--ray" in args:
+        del args[args.index("--ray") : args.index("--ray") + 2]
     t0 = time.time()
     # (the nodes' actors write their marks to the run's trace, as a one-node run's do)
-    with two_nodes(spec["head_gpus"], spec["worker_gpus"], spec.get("num_cpus"),
-                   env={"MINICPM_STARTUP_LOG": str(work / "trace.jsonl")}) as cluster:
+    with nodes(gpus, num_cpus, env={"MINICPM_STARTUP_LOG": str(work / "trace.jsonl")}) as cluster:
         up = time.time() - t0
-        spec = {**spec, "args": [*spec["args"], "--ray", cluster.address]}
-        result = bulk_run(spec, work, cluster.env)
+        result = bulk_run({**spec, "args": [*args, "--ray", cluster.address]}, work, cluster.env)
     result["cluster_start_s"] = up
     return result
 

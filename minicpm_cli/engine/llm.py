@@ -29,8 +29,9 @@ TOKENS_PER_PIECE = 3
 # if more are asked for. A random LLM's own tokens make another text for every prompt, seed and
 # voice, and with it another count of pieces before the TTS holds the 10 text tokens it starts on (2
 # or 3 pieces, 19 ms apart on an H100), which timings then mix up with what they compare. Each token
-# of this text is a whole word or mark, in the bundled test tokenizer as in Qwen2's, so the first
-# audio waits for the 3 pieces a real reply of it waits for.
+# of this text is a whole word or mark in the bundled test tokenizer (tests/test_bench.py), and its
+# first audio waits for 3 pieces; Qwen2's tokenizer (not bundled, so not checked) keeps such common
+# words whole too, so a real reply of this text would wait for as many.
 FORCED_REPLY_TEXT = "I'm fine, thank you. I can help you today. What can I do for you? I can help."
 
 
@@ -100,13 +101,11 @@ def next_tokens(logits: Tensor, windows: list[list[int]], s: LLMSampling, genera
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,
                  max_tokens: int, force_length: bool = False,
                  voice: Callable[[], object] | None = None) -> Iterator[Piece]:
-    """`force_length` (benchmarks with random weights): the reply has max_tokens tokens (whole pieces
-    of 3: rounded up), the
-    tokens of FORCED_REPLY_TEXT (repeated as needed); each is still chosen from the logits as usual
-    (the same work, the end tokens and ids the tokenizer cannot decode banned) and then replaced.
-    `voice`: starts `llm` on the reference's audio-assistant
-    system turn (spec §4.4, §4.5; `Synthesizer.voice_context`); the user message then follows as a
-    later message."""
+    """`force_length` (benchmarks with random weights): the reply has max_tokens tokens (rounded up to
+    whole pieces of 3), those of FORCED_REPLY_TEXT (repeated as needed); each is still chosen from the
+    logits as usual (the same work, the end tokens and ids the tokenizer cannot decode banned) and
+    then replaced. `voice`: starts `llm` on the reference's audio-assistant system turn (spec §4.4,
+    §4.5; `Synthesizer.voice_context`); the user message then follows as a later message."""
     terminators = {tok.im_end_id, tok.endoftext_id}
     # the chosen id, on the host (a batch's lane: chosen and fetched together with the other streams')
     pick = getattr(llm, "pick", None) or (lambda *args: int(next_token(*args)))
