@@ -49,6 +49,7 @@ TTS_BUCKET = 128
 # ~300 tokens: 384 instead of 512 saves a quarter of its prefill)
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 GRAPH_PROMPT_TOKENS = 1024  # a batch of prompts up to this many tokens replays a graph (CompiledLLM)
+PROMPT_WARM_LENGTHS = PREFILL_BUCKETS[:4]  # batched prompts captured at warm-up: 16-128 tokens (reads, replies)
 # `gemv` launch shapes of the LLM's lm_head (0.24 ms on an H200; cuBLAS: 0.34) and of the TTS's code
 # heads (one K-block); they fit every architecture of kernels/targets.py (tests/test_targets.py)
 LM_HEAD_GEMV = {"rows": 4, "block_k": 512, "warps": 4}
@@ -333,8 +334,9 @@ class CompiledLLM(Rows):
         """Capture the batched token's graphs of every row count up to `rows` (fresh rows' KV size), and
         row 0's single token (when it is the only stream choosing one), which a batch otherwise
         captures mid-run as streams end: 3.4 s on an H200 for the single token's first use, its Triton
-        kernels compiled, every stream waiting. Uses rows 0..rows-1 and resets their positions (the
-        slots written are the next ones each row writes itself)."""
+        kernels compiled, every stream waiting; and the batched prompts of PROMPT_WARM_LENGTHS. Uses
+        rows 0..rows-1 and resets their positions (the slots written are the next ones each row
+        writes itself, or those a stream's prompt writes first)."""
         if not self.graphs.cuda:
             return
         if self.invariant:
@@ -344,6 +346,18 @@ class CompiledLLM(Rows):
             if max(saved) < self.max_len:
                 self.decode_rows(list(range(nb)), [0] * nb)
             self.positions[:nb] = saved
+        # the prompts of requests that arrive together, prefilled as one batch: each row bucket, at
+        # the lengths of a read's or a reply's prompt, from a fresh stream's first slot (without them
+        # a burst's prompts stalled every stream 371-831 ms on an H100 while their graphs were captured)
+        for nb in batch_sizes(min(rows, self.rows), self.rows):
+            for t in PROMPT_WARM_LENGTHS:
+                shape = self._prompt_shape(nb, t, 0)
+                if shape is None or not shape[2]:  # (no graph: nothing to capture)
+                    continue
+                saved = self.positions[:nb]
+                self.positions[:nb] = [0] * nb
+                self.prefill_rows(list(range(nb)), [[0] * t] * nb)
+                self.positions[:nb] = saved
 
     @torch.inference_mode()
     def decode_rows(self, rows: list[int], ids: list[int]) -> tuple[Tensor, Tensor]:

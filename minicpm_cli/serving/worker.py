@@ -5,8 +5,9 @@ state (current stream, graphs captured at warm-up) and torch's thread-local mode
 `Job` is one request's generation, handing each item (an audio chunk) to the asyncio loop as soon as
 it exists; the loop reads them with `await job.next()`. Without an engine the worker runs each job
 whole, in arrival order; with one (`Worker.engine`, a `batching.Engine`), jobs become streams of a
-batch: the worker runs the engine's rounds while any stream is running and picks up new jobs between
-two rounds, so a request joins the running batch at the next step. When every stream of the engine
+batch: the worker runs the engine's rounds while any stream is running and picks up every new job
+between two rounds, so a request joins the running batch at the next step, and requests that came
+together join in the same round. When every stream of the engine
 is parked (waiting for text that has not come: `batching.Engine.stalled`) the worker sleeps until a
 job comes or `wake()` is called (from any thread: text came for a parked stream, or it was
 cancelled). `cancel()`, from the loop, stops a job after the item being generated (the generator is
@@ -152,12 +153,19 @@ class Worker:
                 fn = self._queue.get_nowait() if busy else self._queue.get()
             except queue.Empty:
                 fn = _EMPTY
+            # ... all of it: requests that came together start in one round (their prompts prefilled
+            # together), not one a round (16 reads sent at once: the last admitted 15 rounds late)
+            while fn is not None:
+                if fn is _NOTHING:
+                    self._woken = False  # (before the round looks: a later wake() queues another)
+                elif fn is not _EMPTY:
+                    fn()
+                try:
+                    fn = self._queue.get_nowait()
+                except queue.Empty:
+                    break
             if fn is None:
                 break
-            if fn is _NOTHING:
-                self._woken = False  # (before the round looks: a later wake() queues another)
-            elif fn is not _EMPTY:
-                fn()
             if self.engine is not None and not self.engine.idle:
                 self.engine.round()
         if self.engine is not None:  # (stopping: the requests in flight have ended by now; a stream
