@@ -26,6 +26,7 @@ warm-ups, which share their buckets and static buffers (the kernels themselves l
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 
 import torch
@@ -211,6 +212,9 @@ class CompiledLLM(Rows):
         self.fns = block_fns() if self.triton is None and not self.invariant else None
         self.batch_fns = self.fns if self.triton is None else None  # (block_fns(True) once a batch runs)
         self.compile_batches = not self.invariant  # int4: its Triton products are not traced by torch.compile
+        # invariant: a batched token's layer in nine launches (the eager layer's bits), where it fits
+        inv = _invariant() if self.invariant else None
+        self.tokens = inv.FusedTokens(model) if inv and inv.FusedTokens.fits(model) else None
         if self.invariant:
             self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
                             "(batch-invariant products + CUDA graphs)")
@@ -374,8 +378,9 @@ class CompiledLLM(Rows):
         self.batch_upload((tok, pos), self.batch_in[:, :nb])
         if self.batch_fns is None and self.compile_batches:
             self.batch_fns = block_fns(dynamic=True)
-        logits, hidden = self.graphs.run(("batch", nb, kv), lambda: decode_batch(
-            self.model, self.batch_in[0, :nb], self.batch_in[1, :nb], kv, self.slots, self.batch_fns))
+        step = self.tokens or functools.partial(decode_batch, self.model, block_fns=self.batch_fns)
+        logits, hidden = self.graphs.run(("batch", nb, kv), lambda: step(
+            self.batch_in[0, :nb], self.batch_in[1, :nb], kv, self.slots))
         for r in rows:
             self.positions[r] += 1
         if rows[-1] == len(rows) - 1:  # rows 0..n-1

@@ -10,9 +10,11 @@ compile and int4 backends now run one kind of arithmetic at every batch size (do
   `invariant_mm` (kernels/gemm.py): all of K summed in order by one program, never split, whatever
   the number of tokens; every RMSNorm a program a row (`make_invariant` swaps the modules' classes
   in place, weights untouched);
-- an LLM token, alone or batched, is the same eager layer (in a CUDA graph per row count) with its
+- an LLM token, alone or batched, is the same layer (in a CUDA graph per row count) with its
   attention on `rows_attend` (kernels/attention.py), which reads each row's position on the device
-  and splits the cache slots the same way at every row count (`RowsAttention`);
+  and splits the cache slots the same way at every row count (`RowsAttention`); `FusedTokens` runs
+  it in nine launches a layer (the eager layer's bits, kernels/token.py), the eager layer stays
+  its twin;
 - an LLM prompt (alone or padded into a batch, after a kept voice context or not) attends on
   `prompt_attend` (kernels/attention.py; `PromptAttention`): each query over its row's slots in
   blocks counted from slot 0, so the padding, the other rows and the KV length change no bit. SDPA's
@@ -44,7 +46,8 @@ from .kernels.attention import prompt_attend, rows_attend
 from .kernels.gemm import invariant_mm, warm
 from .kernels import targets
 from .kernels.fallback import Fallback
-from .kernels.norm import rms_norm
+from .kernels.norm import add_rms_norm, rms_norm
+from .kernels.token import rope_write, silu_mul
 
 CODEC_BATCH = 8  # rows of every codec decode in the invariant mode
 BLOCK_S, MAX_SPLITS = 64, 16  # rows_attend's slots a block and programs a head (TritonDecode's)
@@ -52,6 +55,7 @@ BLOCK_S, MAX_SPLITS = 64, 16  # rows_attend's slots a block and programs a head 
 
 # each kind of kernel here falls back to its eager twin on a GPU where it cannot run (kernels/fallback.py)
 PRODUCTS = Fallback("the batch-invariant products")
+TOKENS = Fallback("the batch-invariant token layer")
 NORMS = Fallback("the batch-invariant norms")
 ATTENTION = Fallback("the batch-invariant attention")
 
@@ -137,6 +141,49 @@ class RowsAttention:
             H=self.h, SPLITS=self.splits, GROUP=self.group, D=self.d, HAS_VIS=False, BLOCK_S=BLOCK_S,
             NB=triton.cdiv(self.max_len, BLOCK_S), num_warps=4)
         return y[:, None]  # (B, 1, H*D)
+
+
+class FusedTokens:
+    """One token for each of cache rows 0..B-1 of `lm` (a Qwen2LM made invariant, its projections
+    fused, `invariant_tokens` done) in nine launches a layer: the residual's addition with the next
+    RMSNorm (`add_rms_norm`), q/k/v, the rotary embedding with the cache writes (`rope_write`),
+    `rows_attend`, o, gate/up, SiLU * up (`silu_mul`), down. Each output is bit for bit what the eager
+    layer (`eager.decode_batch`) gives, which stays its twin where a kernel cannot run."""
+
+    def __init__(self, lm):
+        self.lm, self.m = lm, lm.model
+        first = self.m.layers[0].self_attn
+        self.h, self.d = first.n_heads, first.head_dim
+
+    @staticmethod
+    def fits(lm) -> bool:
+        """Whether `lm`'s layers are the ones this runs (q/k/v and gate/up fused, the invariant
+        attention set up)."""
+        return all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+                   and isinstance(layer.self_attn.one_query, RowsAttention) for layer in lm.model.layers)
+
+    def __call__(self, ids: Tensor, pos: Tensor, kv: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """ids, positions (B,) -> (float32 logits (B, vocab), hidden (B, dim)), as `eager.decode_batch`."""
+        from .eager import decode_batch
+
+        return TOKENS.guard(lambda: self._kernels(ids, pos),
+                            lambda: decode_batch(self.lm, ids, pos, kv, slots), ids.device)
+
+    def _kernels(self, ids: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        m, b = self.m, len(ids)
+        x = F.embedding(ids, m.embed_tokens.weight)  # (B, dim): the residual stream, added to in place
+        xn = torch.empty_like(x)
+        rms_norm(x, m.layers[0].input_layernorm, xn)
+        q = torch.empty(b, self.h * self.d, dtype=x.dtype, device=x.device)
+        for i, layer in enumerate(m.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            rope_write(attn.qkv_proj(xn), m.rope_cos, m.rope_sin, pos, q, attn.kv_cache, self.h)
+            y = attn.one_query._kernel(attn.kv_cache, q, pos)[:, 0]
+            add_rms_norm(x, attn.o_proj(y), layer.post_attention_layernorm, xn)
+            gu = mlp.gate_up_proj(xn)
+            a = silu_mul(gu, torch.empty(b, gu.shape[1] // 2, dtype=x.dtype, device=x.device))
+            add_rms_norm(x, mlp.down_proj(a), m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm, xn)
+        return self.lm.lm_head(xn).float(), xn
 
 
 class PromptAttention:

@@ -121,6 +121,42 @@ def test_llm_prompt_and_tokens_alone_equal_batched(tiny_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_tokens_are_the_eager_layer_to_the_bit(tiny_dir, dtype):
+    """`FusedTokens` (nine launches a layer) against the eager layer it replaces (`decode_batch` on
+    the invariant modules), from the same caches: logits, hidden states and the K/V it writes, equal
+    on a GPU (in the interpreter, up to torch's CPU SiLU)."""
+    from minicpm_cli.backends.eager import decode_batch
+    from minicpm_cli.backends.invariant import FusedTokens
+
+    s, llm = _llm(tiny_dir, dtype)
+    assert isinstance(llm.tokens, FusedTokens)
+    tok = s.tokenizers.encode_llm
+    llm.prefill_rows([0, 1, 2], [tok(PROMPT), tok("<|im_start|>user\nHi<|im_end|>\n"), tok(PROMPT + "Sure")])
+    caches = [layer.self_attn.kv_cache for layer in llm.model.model.layers]
+    pos = torch.tensor([llm.positions[r] for r in range(3)], device=llm.device)
+    for t in ((5, 17, 3), (9, 2, 40)):
+        ids = torch.tensor(t, device=llm.device)
+        before = [(c.k.clone(), c.v.clone()) for c in caches]
+        fused = llm.tokens(ids, pos, llm.max_len, llm.slots)
+        fused_kv = [(c.k.clone(), c.v.clone()) for c in caches]
+        for c, (k, v) in zip(caches, before):
+            c.k.copy_(k)
+            c.v.copy_(v)
+        eager = decode_batch(llm.model, ids, pos, llm.max_len, llm.slots)
+        if DEVICE == "cuda":
+            assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])
+            for c, (k, v) in zip(caches, fused_kv):
+                assert torch.equal(c.k, k) and torch.equal(c.v, v)
+        elif dtype == "float32":  # torch's CPU SiLU takes another exp than CUDA's (and the kernel's):
+            # the first layer's K/V (before any SiLU) to the bit, the rest within its rounding
+            assert torch.equal(caches[0].k, fused_kv[0][0]) and torch.equal(caches[0].v, fused_kv[0][1])
+            torch.testing.assert_close(fused[0], eager[0], rtol=1e-4, atol=1e-4)
+        else:  # (the interpreter rounds to bfloat16 by truncation)
+            assert torch.nn.functional.cosine_similarity(fused[0], eager[0], dim=-1).min() > 0.99
+        pos = pos + 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_llm_prompt_after_a_context_alone_equal_batched(tiny_dir, dtype):
     """A prompt after a kept context (a voice's turn: 100 tokens over several blocks of slots),
     alone at row 0 and at row 2 of a batched prefill beside a fresh prompt and another context's:
