@@ -271,3 +271,29 @@ def test_records_time_each_request_from_its_arrival():
                         "error": None, "arrival": 0.5}], t0, rate)
     assert rec["arrival_s"] == 0.5 and abs(rec["ttfa_ms"] - 100) < 1e-6 and abs(rec["total_s"] - 0.5) < 1e-9
     assert abs(rec["rtf"] - 0.5) < 1e-9
+
+
+def test_stage_timers_put_back_what_each_stage_had():
+    """The timers wrap a stage's method and unwrap it after a workload: a codec whose `decode` a backend
+    replaced (the CUDA-graph codec's) gets that replacement back, not the class's eager method (the
+    second workload of a bench process ran the eager codec: 4.7 ms a chunk against 2.0, H100)."""
+    from minicpm_cli.cli.bench import Clock, StageTimers
+
+    class Stage:
+        def forward(self, ids):
+            return "class"
+
+        generate = decode = forward
+
+    llm, tts, codec = Stage(), Stage(), Stage()
+    graphs = lambda codes: "graphs"  # noqa: E731
+    codec.decode = graphs
+    synth = type("Synth", (), {"llm": llm, "tts": tts, "codec": codec})()
+    timers = StageTimers(synth, Clock(torch.device("cpu")))
+    with timers:
+        assert codec.decode([1]) == "graphs" and llm.forward([1]) == "class"
+    assert codec.decode is graphs and "forward" not in vars(llm) and "generate" not in vars(tts)
+    assert len(timers.codec) == 1 and len(timers.decode) == 1
+    with timers:  # a second workload times the same stages again
+        codec.decode([1])
+    assert codec.decode is graphs and len(timers.codec) == 2

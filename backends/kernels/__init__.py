@@ -12,7 +12,9 @@ they compute:
 - `matvec`: matrix-vector products with dense or 4-bit weights: the K loop that the decode kernels
   share, and `gemv` (o_proj and down_proj into the residual stream, the LLM's lm_head);
 - `q4`: 4-bit prefill products: `q4_mm` on the tensor cores, dequantization for cuBLAS, `q4_linear`;
-- `norm`: a one-row RMSNorm (the final norm of a step);
+- `norm`: a one-row RMSNorm (the final norm of a step), and with a residual's addition before it;
+- `token`: the batch-invariant token layer's element-wise kernels (rotary embedding with the K/V
+  writes, SiLU * up), bit for bit the eager layer's;
 - `sampling`: the TTS step's choice of codes;
 - `common`: what they share: the `Weight` they take, programmatic dependent launch, split-K
   counting and merging, rounding to the model dtype.

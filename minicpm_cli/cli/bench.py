@@ -114,7 +114,10 @@ class StageTimers:
         self.codec: list[float] = []  # ms per decode call
 
     def _wrap(self, obj, name: str, record):
+        """obj.name timed; -> what puts back what obj had: its own attribute where it had one (a
+        backend's replacement, e.g. the CUDA-graph codec's `decode`), else the class's method."""
         original = getattr(obj, name)
+        own = vars(obj).get(name)
 
         def timed(*args, **kwargs):
             self.clock.sync()
@@ -125,7 +128,7 @@ class StageTimers:
             return out
 
         setattr(obj, name, timed)
-        return lambda: delattr(obj, name) if name in vars(obj) else None
+        return lambda: setattr(obj, name, own) if own is not None else vars(obj).pop(name, None)
 
     def __enter__(self):
         s = self.synth
