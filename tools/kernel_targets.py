@@ -240,6 +240,9 @@ def _sites(dtype):
             attn.one_query(attn.kv_cache, empty(nb, c.n_heads, 1, c.head_dim), empty(nb, 1, dt=torch.long))
         for t in (1, 17, 300, 1024):
             attn.many_queries(attn.kv_cache, empty(2, c.n_heads, t, c.head_dim), empty(2, t, dt=torch.long), slice(0, 2))
+        tokens = invariant.FusedTokens(m)  # (the token layer's element-wise kernels; its products are above)
+        for nb in ROWS:
+            tokens._kernels(empty(nb, dt=torch.long), empty(nb, dt=torch.long))
 
     def invariant_tts():
         m = tts()
