@@ -13,8 +13,8 @@ compile and int4 backends now run one kind of arithmetic at every batch size (do
 - an LLM token, alone or batched, is the same layer (in a CUDA graph per row count) with its
   attention on `rows_attend` (kernels/attention.py), which reads each row's position on the device
   and splits the cache slots the same way at every row count (`RowsAttention`); `FusedTokens` runs
-  it in nine launches a layer (the eager layer's bits, kernels/token.py), the eager layer stays
-  its twin;
+  it in nine launches a layer, int4's counter fills aside (the eager layer's bits,
+  kernels/token.py), the eager layer stays its twin;
 - an LLM prompt (alone or padded into a batch, after a kept voice context or not) attends on
   `prompt_attend` (kernels/attention.py; `PromptAttention`): each query over its row's slots in
   blocks counted from slot 0, so the padding, the other rows and the KV length change no bit. SDPA's
@@ -147,8 +147,10 @@ class FusedTokens:
     """One token for each of cache rows 0..B-1 of `lm` (a Qwen2LM made invariant, its projections
     fused, `invariant_tokens` done) in nine launches a layer: the residual's addition with the next
     RMSNorm (`add_rms_norm`), q/k/v, the rotary embedding with the cache writes (`rope_write`),
-    `rows_attend`, o, gate/up, SiLU * up (`silu_mul`), down. Each output is bit for bit what the eager
-    layer (`eager.decode_batch`) gives, which stays its twin where a kernel cannot run."""
+    `rows_attend`, o, gate/up, SiLU * up (`silu_mul`), down (int4's split products add their
+    counters' fills). Each output is bit for bit what the eager layer (`eager.decode_batch`) gives
+    (subnormal products aside: libdevice flushes them to zero under Triton, torch keeps them; none
+    arise at the model's scales), which stays its twin where a kernel cannot run."""
 
     def __init__(self, lm):
         self.lm, self.m = lm, lm.model
@@ -159,8 +161,10 @@ class FusedTokens:
     def fits(lm) -> bool:
         """Whether `lm`'s layers are the ones this runs (q/k/v and gate/up fused, the invariant
         attention set up)."""
-        return all(layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
-                   and isinstance(layer.self_attn.one_query, RowsAttention) for layer in lm.model.layers)
+        d = lm.model.layers[0].self_attn.head_dim
+        return d & (d - 1) == 0 and all(  # (rope_write takes a head's halves as power-of-two ranges)
+            layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+            and isinstance(layer.self_attn.one_query, RowsAttention) for layer in lm.model.layers)
 
     def __call__(self, ids: Tensor, pos: Tensor, kv: int, slots: Tensor) -> tuple[Tensor, Tensor]:
         """ids, positions (B,) -> (float32 logits (B, vocab), hidden (B, dim)), as `eager.decode_batch`."""

@@ -122,9 +122,11 @@ def test_llm_prompt_and_tokens_alone_equal_batched(tiny_dir, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_tokens_are_the_eager_layer_to_the_bit(tiny_dir, dtype):
-    """`FusedTokens` (nine launches a layer) against the eager layer it replaces (`decode_batch` on
-    the invariant modules), from the same caches: logits, hidden states and the K/V it writes, equal
-    on a GPU (in the interpreter, up to torch's CPU SiLU)."""
+    """`FusedTokens`' kernels (nine launches a layer) against the eager layer they replace
+    (`decode_batch` on the invariant modules), from the same caches: logits, hidden states and the
+    K/V they write, equal on a GPU; three prefilled rows for two tokens, then one row at the last
+    slot. In the interpreter float32 is equal up to torch's CPU SiLU (another exp), bfloat16 only
+    close (the interpreter rounds to bfloat16 by truncation)."""
     from minicpm_cli.backends.eager import decode_batch
     from minicpm_cli.backends.invariant import FusedTokens
 
@@ -133,27 +135,27 @@ def test_fused_tokens_are_the_eager_layer_to_the_bit(tiny_dir, dtype):
     tok = s.tokenizers.encode_llm
     llm.prefill_rows([0, 1, 2], [tok(PROMPT), tok("<|im_start|>user\nHi<|im_end|>\n"), tok(PROMPT + "Sure")])
     caches = [layer.self_attn.kv_cache for layer in llm.model.model.layers]
-    pos = torch.tensor([llm.positions[r] for r in range(3)], device=llm.device)
-    for t in ((5, 17, 3), (9, 2, 40)):
-        ids = torch.tensor(t, device=llm.device)
+    pos = [llm.positions[r] for r in range(3)]
+    for t, p in (((5, 17, 3), pos), ((9, 2, 40), [x + 1 for x in pos]), ((7,), [llm.max_len - 1])):
+        ids, p = torch.tensor(t, device=llm.device), torch.tensor(p, device=llm.device)
         before = [(c.k.clone(), c.v.clone()) for c in caches]
-        fused = llm.tokens(ids, pos, llm.max_len, llm.slots)
+        fused = [out.clone() for out in llm.tokens._kernels(ids, p)]  # (the kernels: no fallback between)
         fused_kv = [(c.k.clone(), c.v.clone()) for c in caches]
         for c, (k, v) in zip(caches, before):
             c.k.copy_(k)
             c.v.copy_(v)
-        eager = decode_batch(llm.model, ids, pos, llm.max_len, llm.slots)
+        eager = decode_batch(llm.model, ids, p, llm.max_len, llm.slots)
+        assert not torch.equal(fused_kv[0][0], before[0][0])  # (the token wrote its K)
         if DEVICE == "cuda":
             assert torch.equal(fused[0], eager[0]) and torch.equal(fused[1], eager[1])
             for c, (k, v) in zip(caches, fused_kv):
                 assert torch.equal(c.k, k) and torch.equal(c.v, v)
-        elif dtype == "float32":  # torch's CPU SiLU takes another exp than CUDA's (and the kernel's):
-            # the first layer's K/V (before any SiLU) to the bit, the rest within its rounding
+        elif dtype == "float32":  # the first layer's K/V (before any SiLU) to the bit, the rest close
             assert torch.equal(caches[0].k, fused_kv[0][0]) and torch.equal(caches[0].v, fused_kv[0][1])
             torch.testing.assert_close(fused[0], eager[0], rtol=1e-4, atol=1e-4)
-        else:  # (the interpreter rounds to bfloat16 by truncation)
+            torch.testing.assert_close(fused[1], eager[1], rtol=1e-4, atol=1e-4)
+        else:
             assert torch.nn.functional.cosine_similarity(fused[0], eager[0], dim=-1).min() > 0.99
-        pos = pos + 1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -117,7 +117,8 @@ class StageTimers:
         """obj.name timed; -> what puts back what obj had: its own attribute where it had one (a
         backend's replacement, e.g. the CUDA-graph codec's `decode`), else the class's method."""
         original = getattr(obj, name)
-        own = vars(obj).get(name)
+        attrs = getattr(obj, "__dict__", {})
+        had, own = name in attrs, attrs.get(name)
 
         def timed(*args, **kwargs):
             self.clock.sync()
@@ -128,7 +129,7 @@ class StageTimers:
             return out
 
         setattr(obj, name, timed)
-        return lambda: setattr(obj, name, own) if own is not None else vars(obj).pop(name, None)
+        return lambda: setattr(obj, name, own) if had else delattr(obj, name)
 
     def __enter__(self):
         s = self.synth
