@@ -129,7 +129,14 @@ class StageTimers:
             return out
 
         setattr(obj, name, timed)
-        return lambda: setattr(obj, name, own) if had else delattr(obj, name)
+
+        def undo() -> None:
+            if had:
+                setattr(obj, name, own)
+            elif name in getattr(obj, "__dict__", {}):
+                delattr(obj, name)
+
+        return undo
 
     def __enter__(self):
         s = self.synth
