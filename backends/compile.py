@@ -26,7 +26,6 @@ warm-ups, which share their buckets and static buffers (the kernels themselves l
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 
 import torch
@@ -363,6 +362,10 @@ class CompiledLLM(Rows):
                 self.prefill_rows(list(range(nb)), [[0] * t] * nb)
                 self.positions[:nb] = saved
 
+    def _eager_tokens(self, ids: Tensor, pos: Tensor, kv: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """A batched token on the eager layer (its halves compiled where `batch_fns` are set)."""
+        return decode_batch(self.model, ids, pos, kv, slots, self.batch_fns)
+
     @torch.inference_mode()
     def decode_rows(self, rows: list[int], ids: list[int]) -> tuple[Tensor, Tensor]:
         """One token for each of `rows` (distinct) in one forward over rows 0..nb-1 (cuBLAS products in
@@ -378,8 +381,7 @@ class CompiledLLM(Rows):
         self.batch_upload((tok, pos), self.batch_in[:, :nb])
         if self.batch_fns is None and self.compile_batches:
             self.batch_fns = block_fns(dynamic=True)
-        step = self.tokens or functools.partial(decode_batch, self.model, block_fns=self.batch_fns)
-        logits, hidden = self.graphs.run(("batch", nb, kv), lambda: step(
+        logits, hidden = self.graphs.run(("batch", nb, kv), lambda: (self.tokens or self._eager_tokens)(
             self.batch_in[0, :nb], self.batch_in[1, :nb], kv, self.slots))
         for r in rows:
             self.positions[r] += 1

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from minicpm_cli.models.transformer import RMSNorm
 
+from .eager import decode_batch
 from .kernels.attention import prompt_attend, rows_attend
 from .kernels.gemm import invariant_mm, warm
 from .kernels import targets
@@ -168,8 +169,6 @@ class FusedTokens:
 
     def __call__(self, ids: Tensor, pos: Tensor, kv: int, slots: Tensor) -> tuple[Tensor, Tensor]:
         """ids, positions (B,) -> (float32 logits (B, vocab), hidden (B, dim)), as `eager.decode_batch`."""
-        from .eager import decode_batch
-
         return TOKENS.guard(lambda: self._kernels(ids, pos),
                             lambda: decode_batch(self.lm, ids, pos, kv, slots), ids.device)
 

@@ -10,6 +10,8 @@ Tested through the kernels that use them (tests/test_kernels.py, tests/test_int4
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +19,10 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import targets
+
+
+# Triton's interpreter runs the kernels (the CPU tests; read when a kernel module is imported)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

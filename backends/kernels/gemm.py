@@ -21,17 +21,13 @@ multiplies 16-bit tiles wrongly and sums in an order that depends on the tile.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from . import targets
-from .common import dot_acc
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+from .common import INTERPRETED, dot_acc
 
 
 @triton.jit(do_not_specialize=["M"])  # (one compilation for every token count: none mid-batch)
@@ -121,14 +117,14 @@ def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Ten
         out = torch.empty(m, nout, dtype=x.dtype, device=x.device)
     if m:
         bn, bt, bk, warps, stages = cfg or mm_config(m, nout, k, targets.capability(x.device), x.dtype)
-        if _INTERPRETED:  # (its sums: 16 products at a time, in order, as a dot's chain on a GPU)
+        if INTERPRETED:  # (its sums: 16 products at a time, in order, as a dot's chain on a GPU)
             bk = 16
         elif x.dtype == torch.float32:  # (float32 products: sums whose order follows the K-block, measured)
             bk = 64
         grid = (triton.cdiv(nout, bn), triton.cdiv(m, bt))
         _invariant_mm[grid](x2, weight, bias if bias is not None else weight, out, m, nout, k,
                             HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, STAGES=stages,
-                            DOT=2 if _INTERPRETED else 1 if x.dtype == torch.float32 else 0, num_warps=warps)
+                            DOT=2 if INTERPRETED else 1 if x.dtype == torch.float32 else 0, num_warps=warps)
     return out.reshape(*shape[:-1], nout)
 
 

@@ -12,14 +12,12 @@ groups; on a GPU `test_prefill_product_full_size_on_gpu` at Qwen2-7B's shapes).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import Weight, arrive_last, sm_count, sum_parts, split_k
+from .common import INTERPRETED, Weight, arrive_last, sm_count, sum_parts, split_k
 from .fallback import Fallback
 from .matvec import gemv
 
@@ -202,7 +200,6 @@ def q4_mm_split(m: int, w: Weight, bn: int, bt: int, bk: int, programs: int) -> 
     return max(1, min(triton.cdiv(programs, tiles), triton.cdiv(w.k, bk) // 4))
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _MAGIC = {torch.bfloat16: (0x4300, 128.0, 0x3F80, "fma.rn.bf16x2"),  # `_q4_mm`: 2^m as a 16-bit pattern, 2^m,
           torch.float16: (0x6400, 1024.0, 0x3C00, "fma.rn.f16x2")}    # 1.0's pattern, the paired FMA
 MM_MAX_M = 512  # prefills up to this many tokens take `q4_mm` (the range swept); above, dequantize + cuBLAS
@@ -225,7 +222,7 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
     _q4_mm[grid](x, *w.args(), bias if bias is not None else y, y, part, count, m, N=w.n, K=w.k,
                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, SPLIT=split, KS=ks, STAGES=stages,
                  **dict(zip(("MAGIC", "BASE", "ONE", "FMA"), _MAGIC.get(x.dtype, (0, 0.0, 0, "")))),
-                 INTERPRETED=_INTERPRETED, num_warps=warps)
+                 INTERPRETED=INTERPRETED, num_warps=warps)
     return y
 
 

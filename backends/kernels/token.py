@@ -16,18 +16,16 @@ Tests: tests/test_invariant.py (the fused layer against the eager one, to the bi
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from .common import round_to
+from .common import INTERPRETED, round_to
 
-# (the interpreter's libdevice has no exp and no explicitly rounded products: numpy's, which neither
-# contracts nor approximates, through the plain operators)
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# EXACT (a GPU): libdevice's correctly rounded product and accurate exp. The interpreter's libdevice
+# has neither; there numpy's plain operators, which neither contract nor approximate.
+EXACT = not INTERPRETED
 
 
 @triton.jit
@@ -90,12 +88,12 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, q: Tensor, kv
     rows, hkv, max_len, d = kv_cache.k.shape
     _rope_write[(n_heads + 2 * hkv, qkv.shape[0])](
         qkv, cos, sin, pos, q, kv_cache.k, kv_cache.v, max_len, hkv * max_len * d, HQ=n_heads, HKV=hkv, D=d,
-        EXACT=not _INTERPRETED, num_warps=1)
+        EXACT=EXACT, num_warps=1)
     return q
 
 
 @triton.jit
-def _silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr, ACCURATE: tl.constexpr):
+def _silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr):
     """Program (j, b): out[b, j*BLOCK..] = rnd(rnd(silu(gate)) * up) for gate, up = the halves of row
     b of gu (b, 2 I)."""
     j = tl.program_id(0)
@@ -105,7 +103,7 @@ def _silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr, ACCURATE: t
     m = i < I
     g = tl.load(gu_ptr + b * 2 * I + i, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + b * 2 * I + I + i, mask=m, other=0.0).to(tl.float32)
-    if ACCURATE:  # (tl.exp is the fast approximation on a GPU; torch's is the accurate one)
+    if EXACT:  # (tl.exp is the fast approximation on a GPU; torch's is the accurate one)
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
@@ -116,6 +114,5 @@ def _silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr, ACCURATE: t
 def silu_mul(gu: Tensor, out: Tensor, block: int = 1024) -> Tensor:
     """gu (B, 2 I) -> out (B, I) = SiLU(gate) * up, rounded as the eager `F.silu(gate) * up`."""
     n = out.shape[-1]
-    _silu_mul[(triton.cdiv(n, block), gu.shape[0])](gu, out, I=n, BLOCK=block, ACCURATE=not _INTERPRETED,
-                                                       num_warps=4)
+    _silu_mul[(triton.cdiv(n, block), gu.shape[0])](gu, out, I=n, BLOCK=block, EXACT=EXACT, num_warps=4)
     return out
