@@ -291,6 +291,36 @@ def test_auto_backend_choice(tmp_path):
     assert choose(str(tmp_path), "cuda", triton=True, gguf="x.gguf") == "gguf"
 
 
+def test_a_ctrl_c_that_python_drops_is_raised_again(tmp_path):
+    """A KeyboardInterrupt raised where CPython can only report it (here a weakref callback, as
+    importlib's module locks have) is not lost: it is raised again in ordinary code, with no
+    traceback and no second "interrupted" line; a later press is still ignored."""
+    script = tmp_path / "drop.py"
+    script.write_text(
+        "import os, signal, sys, time, weakref\n"
+        "from minicpm_cli.cli.signals import interrupt\n"
+        "signal.signal(signal.SIGINT, interrupt)\n"
+        "class Thing: pass\n"
+        "def cb(ref):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"  # (the handler runs inside the callback)
+        "    time.sleep(0.05)\n"
+        "t = Thing(); r = weakref.ref(t, cb)\n"
+        "try:\n"
+        "    del t\n"
+        "    deadline = time.monotonic() + 10\n"
+        "    while time.monotonic() < deadline:\n"
+        "        time.sleep(0.01)\n"
+        "    print('ran on')\n"
+        "except KeyboardInterrupt:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"  # (a second press: ignored)
+        "    time.sleep(0.2)\n"
+        "    print('raised again')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.strip() == "raised again", (proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == "minicpm: interrupted", proc.stderr
+
+
 def test_ctrl_c_at_any_moment_exits_130_without_traceback(tiny_dir, tmp_path):
     """SIGINT to the whole process group (what a terminal's Ctrl-C sends) during imports, loading and
     generation: exit 130 (or 0 if it had finished), never a traceback, never a partial file. Delays
