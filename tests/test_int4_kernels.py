@@ -58,6 +58,24 @@ def test_prefill_product_matches_dequantized(cfg, dtype):
     torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol)
 
 
+def test_split_products_leave_their_kept_counters_zeroed():
+    """`q4_mm` split over K counts its programs in one kept buffer (no fill a call): every call
+    leaves it zeroed, so the next call, larger or smaller, sums the same as the first."""
+    from minicpm_cli.backends.kernels import q4
+
+    torch.manual_seed(4)
+    t = quantize(torch.randn(72, 320) * 0.05, -1, sym=False)
+    lin = Q4Linear(**t, bias=None, dtype=torch.float32, device=DEVICE)
+    x = torch.randn(37, 320).to(DEVICE)
+    first = q4.q4_mm(x, lin.kernel_weight(), None, (16, 16, 32, 4, 2, 4))
+    kept = q4._COUNTERS[x.device]
+    assert kept and not kept[-1].any()
+    q4.q4_mm(x[:5], lin.kernel_weight(), None, (16, 16, 32, 4, 2, 4))
+    assert not kept[-1].any()
+    assert torch.equal(q4.q4_mm(x, lin.kernel_weight(), None, (16, 16, 32, 4, 2, 4)), first)
+    assert len(kept) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 def test_prefill_product_full_size_on_gpu(n, k):

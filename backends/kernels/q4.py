@@ -216,7 +216,7 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
     y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     if split > 1:
         part = torch.empty(grid[0] * grid[1] * split * bn * bt, dtype=torch.float32, device=x.device)
-        count = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
+        count = _counters(x.device, grid[0] * grid[1])
     else:
         part = count = y
     _q4_mm[grid](x, *w.args(), bias if bias is not None else y, y, part, count, m, N=w.n, K=w.k,
@@ -224,6 +224,25 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
                  **dict(zip(("MAGIC", "BASE", "ONE", "FMA"), _MAGIC.get(x.dtype, (0, 0.0, 0, "")))),
                  INTERPRETED=INTERPRETED, num_warps=warps)
     return y
+
+
+_COUNTERS: dict[torch.device, list[Tensor]] = {}
+
+
+def _counters(device: torch.device, n: int) -> Tensor:
+    """n zeroed split-K counters for `q4_mm`: a kept buffer a device, which each call leaves zeroed
+    (the last program of a tile resets its count), so that a call costs no fill kernel (three a
+    layer of the int4 token step). Calls share it in stream order: every q4_mm of a process runs on
+    one stream at a time (the graph warm-up's stream is joined to the current one both ways). A
+    buffer outgrown is kept, never freed: captured graphs still point at it. One too small while a
+    CUDA graph is being captured is not grown there (a new buffer would only be zeroed when the graph
+    replays): that call takes its own, zeroed in the graph, as every call did before."""
+    kept = _COUNTERS.setdefault(device, [])
+    if not kept or kept[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        kept.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return kept[-1][:n]
 
 
 def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
