@@ -3,6 +3,8 @@ it gives equal safetensors' own reader bit for bit, whatever the chunking, on th
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -91,3 +93,49 @@ def test_prefetch_equals_safetensors_on_the_gpu(which, tiny_dir, sharded, monkey
     for k, v in ref.items():
         t = ckpt.tensor(k)
         assert t.device.type == "cuda" and _same(t.cpu(), v), k
+
+
+
+@pytest.mark.parametrize("backend,device,node,started", [
+    ("compile", "auto", True, ["minicpm-cuda", "minicpm-triton-key"]),
+    ("int4", "cuda:1", True, ["minicpm-cuda", "minicpm-triton-key"]),
+    ("compile", "cpu", True, []), ("eager", "cuda", True, []), ("gguf", "cuda", True, []),
+    ("compile", "auto", False, [])])
+def test_the_warm_start_runs_only_for_triton_on_a_gpu(backend, device, node, started, monkeypatch):
+    """engine/warmstart.py starts its threads (CUDA context, Triton's key) for a Triton backend on a
+    GPU only; the context is asked of the device named."""
+    from minicpm_cli.engine import warmstart
+
+    seen = []
+
+    class Recorder:
+        def __init__(self, target, args, daemon, name):
+            seen.append((name, args))
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(warmstart.threading, "Thread", Recorder)
+    exists = os.path.exists
+    monkeypatch.setattr(warmstart.os.path, "exists", lambda p: node if p == "/dev/nvidiactl" else exists(p))
+    warmstart.begin(backend, device)
+    assert [name for name, _ in seen] == started
+    if started:
+        assert seen[0][1][1] == (1 if device == "cuda:1" else 0)
+
+
+def test_the_triton_key_thread_imports_nothing():
+    """What the key's thread runs imports no module (Triton and the packages it walks are imported
+    before the thread starts), so it cannot meet torch's import in a module lock; a second call is
+    Triton's cached value."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from minicpm_cli.engine import warmstart\n"
+            "key = warmstart._import_triton()\n"
+            "before = set(sys.modules)\n"
+            "k = key()\n"
+            "print(sorted(set(sys.modules) - before), 'torch' in sys.modules, key() is k)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[] False True", (out.stdout, out.stderr)

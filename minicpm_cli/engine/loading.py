@@ -66,6 +66,9 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
     at once (0 or None: as many as the GPU's free memory holds, engine/memory.py; rows that do not
     fit: a one-line error naming what does). With `random_weights` the full-size model is drawn on
     the device (`model` unused); `batch_invariant`: see `Synthesizer.load`."""
+    from . import warmstart
+
+    warmstart.begin(backend, device)  # (threads started before `pick` imports torch)
     name, model_id = pick(model, backend, device, gguf)
     from . import memory
     from .pipeline import Synthesizer, resolve_device

@@ -1,0 +1,78 @@
+"""Work that loading a model on a GPU can start before torch is imported, on daemon threads that hold
+the GIL little: importing torch takes 1-3 s of one core, and both of these would otherwise wait for it
+on the main thread.
+
+- The CUDA driver and the device's primary context (`cuInit`, `cuDevicePrimaryCtxRetain`, through
+  ctypes): torch uses that same context, so its own initialisation then finds it made.
+- Triton's own cache key (`triton_key`: a SHA-256 of its ~500 MB library and sources, cached for the
+  process; 0.43 s on the H100 machine, 1.4 s on the 2-core CPU one), which the first kernel launch
+  computes, otherwise inside the first request. Triton and the packages the key walks are imported
+  first, on the calling thread (the loader imports Triton anyway; the walk adds about 2 ms), so that
+  the thread itself only reads and hashes: no import of its could meet the main thread's (torch's,
+  ours) in a module lock.
+
+Taken only where a CUDA device node exists, the device asked for is not the CPU and the backend runs
+Triton kernels (compile, int4, auto). Nothing here changes what is loaded or computed: a failure is
+ignored (the main thread then does the same work itself, as before).
+
+Measured (one-shot `say`, compile, H100, warm caches, exec -> first audio byte): docs/benchmarks.md.
+Tried and dropped: asking the page cache for the checkpoint's tensors (`posix_fadvise(WILLNEED)`)
+while torch imports; from a cold disk the imports read torch's own libraries from the same disk, and
+the first audio came no sooner (18.3-19.4 s against 18.9-20.3).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+TRITON_BACKENDS = ("auto", "compile", "int4")
+
+
+def begin(backend: str, device: str) -> None:
+    """Start the threads before loading `backend` on `device` ("auto", "cuda", "cuda:N", "cpu")."""
+    if backend not in TRITON_BACKENDS or device == "cpu" or not os.path.exists("/dev/nvidiactl"):
+        return
+    ordinal = int(device.split(":", 1)[1]) if device.startswith("cuda:") and device[5:].isdigit() else 0
+    threading.Thread(target=_quietly, args=(cuda_context, ordinal), daemon=True, name="minicpm-cuda").start()
+    try:
+        key = _import_triton()
+    except Exception:
+        return
+    threading.Thread(target=_quietly, args=(key,), daemon=True, name="minicpm-triton-key").start()
+
+
+def _quietly(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # (only a head start: the main thread meets any real problem itself)
+        pass
+
+
+def cuda_context(ordinal: int) -> bool:
+    """Initialise the driver and retain device `ordinal`'s primary context (the one torch uses; kept
+    for the process, as torch keeps it) -> whether it was made."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    if lib.cuInit(0) != 0:
+        return False
+    dev = ctypes.c_int()
+    if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+        return False
+    ctx = ctypes.c_void_p()
+    return lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+
+
+def _import_triton():
+    """Triton's key function, with every package it will walk (`pkgutil.walk_packages` imports
+    packages) imported here, on the calling thread."""
+    import pkgutil
+
+    import triton
+    from triton.runtime.cache import triton_key
+
+    base = os.path.dirname(triton.__file__)
+    for sub in ("compiler", "backends", "language"):
+        for _ in pkgutil.walk_packages([os.path.join(base, sub)], prefix=f"triton.{sub}."):
+            pass
+    return triton_key
