@@ -67,6 +67,7 @@ class Backend:
     extra: str | None = None  # the pip extra that installs them
     default_model: str = "openbmb/MiniCPM-o-2_6"
     prefixes: tuple[str, ...] = ("llm.", "tts.")  # checkpoint tensors it needs (what is downloaded)
+    triton: bool = False  # runs Triton kernels on a GPU (engine/warmstart.py computes Triton's key ahead)
 
     @property
     def summary(self) -> str:
@@ -116,8 +117,8 @@ REGISTRY: dict[str, Backend] = {
     b.name: b
     for b in (
         Backend("eager", "minicpm_cli.backends.eager"),
-        Backend("compile", "minicpm_cli.backends.compile"),
-        Backend("int4", "minicpm_cli.backends.int4", default_model="openbmb/MiniCPM-o-2_6-int4"),
+        Backend("compile", "minicpm_cli.backends.compile", triton=True),
+        Backend("int4", "minicpm_cli.backends.int4", default_model="openbmb/MiniCPM-o-2_6-int4", triton=True),
         Backend("gguf", "minicpm_cli.backends.gguf", requires=("llama_cpp",), extra="gguf", prefixes=("tts.",)),
     )
 }

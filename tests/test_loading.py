@@ -95,16 +95,21 @@ def test_prefetch_equals_safetensors_on_the_gpu(which, tiny_dir, sharded, monkey
         assert t.device.type == "cuda" and _same(t.cpu(), v), k
 
 
+@pytest.mark.parametrize("backend,gguf,device,node,started", [
+    ("compile", None, "auto", True, ["minicpm-cuda", "minicpm-triton-key"]),
+    ("int4", None, "cuda:1", True, ["minicpm-cuda", "minicpm-triton-key"]),
+    ("auto", None, "cuda", True, ["minicpm-cuda", "minicpm-triton-key"]),
+    ("auto", "x.gguf", "cuda", True, ["minicpm-cuda"]), ("eager", None, "cuda", True, ["minicpm-cuda"]),
+    ("compile", None, "cpu", True, []), ("compile", None, "cpu:0", True, []), ("compile", None, "mps", True, []),
+    ("compile", None, "auto", False, [])])
+def test_the_warm_start_runs_only_for_a_gpu(backend, gguf, device, node, started, monkeypatch):
+    """engine/warmstart.py, as `loading.load` starts it: the CUDA context for a GPU (of the ordinal
+    named), Triton's key for a backend that runs Triton kernels or may (auto without a GGUF file);
+    nothing once torch is imported."""
+    pytest.importorskip("triton")
+    import sys
 
-@pytest.mark.parametrize("backend,device,node,started", [
-    ("compile", "auto", True, ["minicpm-cuda", "minicpm-triton-key"]),
-    ("int4", "cuda:1", True, ["minicpm-cuda", "minicpm-triton-key"]),
-    ("compile", "cpu", True, []), ("eager", "cuda", True, []), ("gguf", "cuda", True, []),
-    ("compile", "auto", False, [])])
-def test_the_warm_start_runs_only_for_triton_on_a_gpu(backend, device, node, started, monkeypatch):
-    """engine/warmstart.py starts its threads (CUDA context, Triton's key) for a Triton backend on a
-    GPU only; the context is asked of the device named."""
-    from minicpm_cli.engine import warmstart
+    from minicpm_cli.engine import loading, warmstart
 
     seen = []
 
@@ -115,19 +120,34 @@ def test_the_warm_start_runs_only_for_triton_on_a_gpu(backend, device, node, sta
         def start(self):
             pass
 
+    class Stop(Exception):
+        pass
+
+    def pick(*a):
+        raise Stop
+
     monkeypatch.setattr(warmstart.threading, "Thread", Recorder)
     exists = os.path.exists
     monkeypatch.setattr(warmstart.os.path, "exists", lambda p: node if p == "/dev/nvidiactl" else exists(p))
-    warmstart.begin(backend, device)
+    monkeypatch.setattr(loading, "pick", pick)
+    torch_module = sys.modules["torch"]
+    monkeypatch.delitem(sys.modules, "torch")
+    with pytest.raises(Stop):
+        loading.load(None, backend, device, "auto", gguf)
     assert [name for name, _ in seen] == started
     if started:
         assert seen[0][1][1] == (1 if device == "cuda:1" else 0)
+    seen.clear()
+    monkeypatch.setitem(sys.modules, "torch", torch_module)
+    warmstart.begin(True, "cuda")
+    assert seen == []
 
 
 def test_the_triton_key_thread_imports_nothing():
     """What the key's thread runs imports no module (Triton and the packages it walks are imported
     before the thread starts), so it cannot meet torch's import in a module lock; a second call is
     Triton's cached value."""
+    pytest.importorskip("triton")
     import subprocess
     import sys
 

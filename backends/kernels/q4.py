@@ -7,7 +7,10 @@ unpack `_mac`'s 4-bit layout (matvec.py) two values at a time, one in each 16-bi
 
 Tests: tests/test_int4_kernels.py (`test_prefill_product_matches_dequantized` in float32, bfloat16
 and float16 and several launch shapes, `test_q4_linear_matches_dequantized` with and without
-groups; on a GPU `test_prefill_product_full_size_on_gpu` at Qwen2-7B's shapes).
+groups, `test_split_products_leave_their_kept_counters_zeroed`; on a GPU
+`test_prefill_product_full_size_on_gpu` at Qwen2-7B's shapes). The kept counters (`_counters`)
+assume one stream at a time, as the engine runs; under the interpreter a kernel that fails midway
+leaves its counts behind for the process (tests only).
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
     the device (`model` unused); `batch_invariant`: see `Synthesizer.load`."""
     from . import warmstart
 
-    warmstart.begin(backend, device)  # (threads started before `pick` imports torch)
+    be = registry.REGISTRY.get(backend)  # (None: auto, or a name that `pick` refuses)
+    warmstart.begin(be.triton if be else backend == registry.AUTO and gguf is None, device)  # (before torch)
     name, model_id = pick(model, backend, device, gguf)
     from . import memory
     from .pipeline import Synthesizer, resolve_device

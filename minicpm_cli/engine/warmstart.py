@@ -11,8 +11,9 @@ on the main thread.
   the thread itself only reads and hashes: no import of its could meet the main thread's (torch's,
   ours) in a module lock.
 
-Taken only where a CUDA device node exists, the device asked for is not the CPU and the backend runs
-Triton kernels (compile, int4, auto). Nothing here changes what is loaded or computed: a failure is
+Taken only where a CUDA device node exists, the device asked for is `auto` or CUDA and torch is not
+imported yet; the key only for a backend that runs Triton kernels (compile, int4) or may (`auto`
+without --gguf). Nothing here changes what is loaded or computed: a failure is
 ignored (the main thread then does the same work itself, as before).
 
 Measured (one-shot `say`, compile, H100, warm caches, exec -> first audio byte): docs/benchmarks.md.
@@ -25,17 +26,24 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import sys
+import sysconfig
 import threading
 
-TRITON_BACKENDS = ("auto", "compile", "int4")
+_GPU = re.compile(r"^(auto|cuda(:\d+)?)$")
 
 
-def begin(backend: str, device: str) -> None:
-    """Start the threads before loading `backend` on `device` ("auto", "cuda", "cuda:N", "cpu")."""
-    if backend not in TRITON_BACKENDS or device == "cpu" or not os.path.exists("/dev/nvidiactl"):
+def begin(triton: bool, device: str) -> None:
+    """Start the threads before loading on `device` (as the user gave it: "auto", "cuda", "cuda:N";
+    anything else starts nothing); `triton`: the backend runs Triton kernels (or may: `auto`). Not
+    where torch is already imported (nothing left to overlap: a server's second load, tests)."""
+    if "torch" in sys.modules or not _GPU.match(device) or not os.path.exists("/dev/nvidiactl"):
         return
-    ordinal = int(device.split(":", 1)[1]) if device.startswith("cuda:") and device[5:].isdigit() else 0
+    ordinal = int(device[5:]) if device.startswith("cuda:") else 0
     threading.Thread(target=_quietly, args=(cuda_context, ordinal), daemon=True, name="minicpm-cuda").start()
+    if not triton:
+        return
     try:
         key = _import_triton()
     except Exception:
@@ -52,7 +60,9 @@ def _quietly(fn, *args) -> None:
 
 def cuda_context(ordinal: int) -> bool:
     """Initialise the driver and retain device `ordinal`'s primary context (the one torch uses; kept
-    for the process, as torch keeps it) -> whether it was made."""
+    for the process, as torch keeps it) -> whether it was made. Modules load lazily, as torch asks
+    of the driver before its own first call."""
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     lib = ctypes.CDLL("libcuda.so.1")
     if lib.cuInit(0) != 0:
         return False
@@ -71,6 +81,7 @@ def _import_triton():
     import triton
     from triton.runtime.cache import triton_key
 
+    sysconfig.get_config_var("EXT_SUFFIX")  # (the key reads it; its first call imports a module)
     base = os.path.dirname(triton.__file__)
     for sub in ("compiler", "backends", "language"):
         for _ in pkgutil.walk_packages([os.path.join(base, sub)], prefix=f"triton.{sub}."):
