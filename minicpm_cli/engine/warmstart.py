@@ -16,10 +16,10 @@ imported yet; the key only for a backend that runs Triton kernels (compile, int4
 without --gguf). Nothing here changes what is loaded or computed: a failure is
 ignored (the main thread then does the same work itself, as before).
 
-Measured (one-shot `say`, compile, H100, warm caches, exec -> first audio byte): docs/benchmarks.md.
-Tried and dropped: asking the page cache for the checkpoint's tensors (`posix_fadvise(WILLNEED)`)
-while torch imports; from a cold disk the imports read torch's own libraries from the same disk, and
-the first audio came no sooner (18.3-19.4 s against 18.9-20.3).
+Measured (one-shot `say`, compile, H100, warm caches, exec -> first audio byte): median 5.28 -> 4.61
+s (docs/benchmarks.md). Tried and dropped: asking the page cache for the checkpoint's tensors
+(`posix_fadvise(WILLNEED)`) while torch imports; from a dropped page cache the first audio came no
+sooner (15.4-15.6 s against 14.4-15.6), the tensors taking 8.2-8.8 s either way.
 """
 
 from __future__ import annotations
