@@ -77,6 +77,37 @@ def test_split_products_leave_their_kept_counters_zeroed():
 
 
 @pytest.mark.gpu
+def test_split_products_in_a_cuda_graph_keep_no_buffer_made_during_capture(monkeypatch):
+    """Captured with no kept counters yet, a split `q4_mm` takes a buffer zeroed inside the graph and
+    keeps none (a kept one would only be zeroed when the graph replays); every replay gives the
+    eager product, bit for bit; the next eager call keeps a buffer, left zeroed."""
+    from minicpm_cli.backends.gptq import kernel_words
+    from minicpm_cli.backends.kernels import q4
+    from minicpm_cli.backends.kernels.common import Weight
+
+    torch.manual_seed(6)
+    n, k = 4608, 3584
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
+    w = Weight(kernel_words(q), torch.rand(n, 1, device="cuda") * 0.01 + 0.001,
+               torch.randint(1, 16, (n, 1), device="cuda").float(), k)
+    x = torch.randn(16, k, device="cuda").to(torch.bfloat16)
+    cfg = (64, 16, 64, 4, 3, 4)  # (split over K in four)
+    eager = q4.q4_mm(x, w, None, cfg)  # (compiles the kernel outside the capture)
+    monkeypatch.setattr(q4, "_COUNTERS", {})
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = q4.q4_mm(x, w, None, cfg)
+    assert q4._COUNTERS.get(x.device, []) == []
+    for _ in range(3):
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager)
+    assert torch.equal(q4.q4_mm(x, w, None, cfg), eager)  # (eager again: a kept buffer now, zeroed)
+    assert len(q4._COUNTERS[x.device]) == 1 and not q4._COUNTERS[x.device][0].any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
 def test_prefill_product_full_size_on_gpu(n, k):
     """`q4_mm` at its own launch shapes on Qwen2-7B's projection shapes, for every token tile size
