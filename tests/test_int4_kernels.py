@@ -60,7 +60,8 @@ def test_prefill_product_matches_dequantized(cfg, dtype):
 
 def test_split_products_leave_their_kept_counters_zeroed():
     """`q4_mm` split over K counts its programs in one kept buffer (no fill a call): every call
-    leaves it zeroed, so the next call, larger or smaller, sums the same as the first."""
+    leaves it zeroed, so the next call, larger or smaller, sums the same as the first; a buffer
+    outgrown stays alive beside the new one."""
     from minicpm_cli.backends.kernels import q4
 
     torch.manual_seed(4)
@@ -74,6 +75,9 @@ def test_split_products_leave_their_kept_counters_zeroed():
     assert not kept[-1].any()
     assert torch.equal(q4.q4_mm(x, lin.kernel_weight(), None, (16, 16, 32, 4, 2, 4)), first)
     assert len(kept) == 1
+    small = kept[0]
+    assert q4._counters(x.device, small.numel() + 1).numel() == small.numel() + 1
+    assert len(kept) == 2 and kept[0] is small  # (outgrown, kept: a captured graph may point at it)
 
 
 @pytest.mark.gpu
