@@ -11,7 +11,7 @@ compile and int4 backends now run one kind of arithmetic at every batch size (do
   the number of tokens; every RMSNorm a program a row (`make_invariant` swaps the modules' classes
   in place, weights untouched);
 - an LLM token, alone or batched, is the same layer (in a CUDA graph per row count) with its
-  attention on `rows_attend` (kernels/attention.py), which reads each row's position on the device
+  attention on `attend_rows` (kernels/attention.py), which reads each row's position on the device
   and splits the cache slots the same way at every row count (`RowsAttention`); `FusedTokens` runs
   it in nine launches a layer, int4's counter fills aside (the eager layer's bits,
   kernels/token.py), the eager layer stays its twin;
@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from minicpm_cli.models.transformer import RMSNorm
 
 from .eager import decode_batch
-from .kernels.attention import prompt_attend, rows_attend
+from .kernels.attention import attend_rows, prompt_attend
 from .kernels.gemm import invariant_mm, warm
 from .kernels import targets
 from .kernels.fallback import Fallback
@@ -115,13 +115,12 @@ def warm_products(module: nn.Module) -> None:
 
 class RowsAttention:
     """The one-query attention of an LLM layer's batched token (`Attention.one_query`): query b of
-    (B, H, 1, D) against cache row b up to its position, on `rows_attend`. Rows 0..B-1 only (the
+    (B, H, 1, D) against cache row b up to its position, on `attend_rows`. Rows 0..B-1 only (the
     batched token runs over those)."""
 
     def __init__(self, kv_cache, n_heads: int):
         rows, hkv, self.max_len, d = kv_cache.k.shape
-        self.h, self.group, self.d = n_heads, n_heads // hkv, d
-        self.kv_row = hkv * self.max_len * d
+        self.h, self.d = n_heads, d
         self.splits = min(triton.cdiv(self.max_len, BLOCK_S), MAX_SPLITS)
         dev = kv_cache.k.device
         self.part = torch.zeros(rows * n_heads * self.splits * (d + 2), dtype=torch.float32, device=dev)
@@ -137,10 +136,8 @@ class RowsAttention:
         q = q.reshape(b, self.h * self.d).contiguous()
         pos = input_pos.reshape(b).contiguous()
         y = torch.empty_like(q)
-        rows_attend[(self.h, self.splits, b)](
-            q, kv_cache.k, kv_cache.v, pos, pos, y, self.part, self.count, self.d**-0.5, self.max_len, self.kv_row, 1,
-            H=self.h, SPLITS=self.splits, GROUP=self.group, D=self.d, HAS_VIS=False, BLOCK_S=BLOCK_S,
-            NB=triton.cdiv(self.max_len, BLOCK_S), num_warps=4)
+        attend_rows(q, kv_cache.k, kv_cache.v, None, pos, y, self.part, self.count, nb=b, heads=self.h,
+                    splits=self.splits, block_s=BLOCK_S)
         return y[:, None]  # (B, 1, H*D)
 
 
@@ -148,7 +145,7 @@ class FusedTokens:
     """One token for each of cache rows 0..B-1 of `lm` (a Qwen2LM made invariant, its projections
     fused, `invariant_tokens` done) in nine launches a layer: the residual's addition with the next
     RMSNorm (`add_rms_norm`), q/k/v, the rotary embedding with the cache writes (`rope_write`),
-    `rows_attend`, o, gate/up, SiLU * up (`silu_mul`), down (int4's split products add their
+    `attend_rows`, o, gate/up, SiLU * up (`silu_mul`), down (int4's split products add their
     counters' fills). Each output is bit for bit what the eager layer (`eager.decode_batch`) gives
     (subnormal products aside: libdevice flushes them to zero under Triton, torch keeps them; none
     arise at the model's scales), which stays its twin where a kernel cannot run."""

@@ -287,3 +287,42 @@ def test_mma_rows_do_not_depend_on_batch(dtype):
             one = mma_rows(w, y[b : b + 1], torch.zeros(1, 40, device=DEVICE), **cfg)
             three = mma_rows(w, torch.stack([other[0], y[b], other[1]]), torch.zeros(3, 40, device=DEVICE), **cfg)
             assert torch.equal(out[b], one[0]) and torch.equal(out[b], three[1])
+
+
+@pytest.mark.parametrize("dtype,heads,hkv,masked", [
+    (torch.float32, 6, 2, True),
+    (torch.bfloat16, 4, 4, False),
+])
+def test_attention_modes_give_the_same_bits(dtype, heads, hkv, masked):
+    """`rows_attend_whole` (a program a KV head of a row, its splits and query heads in turn) gives
+    bit for bit what `rows_attend` (a program a head and split) gives:
+    rows at positions in their first block, across several splits, and past SPLITS blocks (a split's
+    later blocks), masked by "visible from" rows or causally; the same whatever the number of rows;
+    and the split counters left at zero."""
+    from minicpm_cli.backends.kernels.attention import attend_rows
+
+    torch.manual_seed(0)
+    rows, slots, d, block_s, splits = 6, 80, 16, 8, 4  # 10 blocks: splits 0 and 1 take a later block
+    k = torch.randn(rows, hkv, slots, d, device=DEVICE).to(dtype)
+    v = torch.randn(rows, hkv, slots, d, device=DEVICE).to(dtype)
+    q = torch.randn(rows, heads * d, device=DEVICE).to(dtype)
+    pos = torch.tensor([3, 79, 20, 40, 8, 71], device=DEVICE)
+    vis = None
+    if masked:  # some older slots hidden; a row's own slot seen, as in a step
+        vis = torch.randint(0, 60, (rows, slots), device=DEVICE)
+        vis[torch.arange(rows), pos] = 0
+    part = torch.zeros(rows * heads * splits * (d + 2), device=DEVICE)
+    count = torch.zeros(rows * heads, dtype=torch.int32, device=DEVICE)
+
+    def attend(nb: int, mode: str) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        attend_rows(q, k, v, vis, pos, out, part, count, nb=nb, heads=heads, splits=splits, block_s=block_s,
+                    mode=mode)
+        return out[:nb]
+
+    head = attend(rows, "head")
+    assert torch.equal(attend(rows, "whole"), head)
+    assert torch.equal(attend(2, "whole"), head[:2])
+    assert not torch.equal(head[0], head[1]) and bool((count == 0).all())
+    with pytest.raises(ValueError, match="mode"):
+        attend(rows, "rows")

@@ -1,12 +1,15 @@
 """Single-query attention for one-token steps (`attention_kernel`, launched by `TritonDecode`, decode.py):
 a query head against the KV cache's slots up to the position, which is read on the device (one
 CUDA graph serves every position), masked causally or by per-slot "visible from" positions (the
-TTS chunk mask); the slots are split over programs and merged by the last one to finish. And
-`prompt_attend`, the batch-invariant mode's attention for prompts (backends/invariant.py).
+TTS chunk mask); the slots are split over programs and merged by the last one to finish. For many
+rows at once, `attend_rows`: `rows_attend`, each row's programs as `attention_kernel`'s, or
+`rows_attend_whole`, a program a KV head of a row that runs its splits and the query heads sharing
+it in turn, with the same bits. And `prompt_attend`, the batch-invariant mode's attention for prompts (backends/invariant.py).
 
 Tests: tests/test_kernels.py (`test_decode_step_matches_eager_float32`: grouped and plain heads,
-causal and masked, cache blocks of 64 and 16 slots; the TTS and LLM runners); tests/test_invariant.py
-(`prompt_attend` against SDPA, and its rows alone and batched).
+causal and masked, cache blocks of 64 and 16 slots; the TTS and LLM runners); tests/test_batch_kernels.py
+(`test_attention_modes_give_the_same_bits`: `rows_attend_whole` against `rows_attend`, bit for bit);
+tests/test_invariant.py (`prompt_attend` against SDPA, and its rows alone and batched).
 """
 
 from __future__ import annotations
@@ -68,6 +71,39 @@ def rows_attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_
                  tl.program_id(0), tl.program_id(1), SPLITS, GROUP, D, HAS_VIS, BLOCK_S, NB, PDL)
 
 
+def attend_mode(nb: int, group: int) -> str:
+    """`attend_rows`'s kernel for nb rows of query heads that share a KV head `group` at a time:
+    "head", `rows_attend` (a program a head and split), or "whole", `rows_attend_whole` (a program
+    a KV head of a row); the same bits either way. On an H100 (tools/attend_sweep.py, us a layer at
+    64 / 128 rows, positions 100-350, the LLM's 28 heads on 4): "whole" 76-156 / 156-301 against
+    84-159 / 171-314; at 600 the same; fewer rows and the TTS's heads (a KV head each): "head"."""
+    return "whole" if group > 1 and nb >= WHOLE_FROM else "head"
+
+
+WHOLE_FROM = 64  # rows from which `attend_mode` takes "whole" for grouped heads
+
+
+def attend_rows(q, k_cache, v_cache, vis, pos, out, part, count, *, nb: int, heads: int, splits: int, block_s: int,
+                warps: int = 4, pdl: bool = False, mode: str | None = None) -> None:
+    """One query a row for rows 0..nb-1: q, out (rows, heads * D); caches (rows, Hkv, max_len, D); pos
+    (rows,); vis (rows, max_len) "visible from" positions or None (causal). `mode`: `attend_mode`'s
+    (its choice by default), the same bits whichever. part, count: the partials (rows * heads * splits
+    * (D + 2) float32) and the splits' counters (rows * heads, int32, zero)."""
+    _, hkv, max_len, d = k_cache.shape
+    group = heads // hkv
+    mode = mode or attend_mode(nb, group)
+    args = (q, k_cache, v_cache, vis if vis is not None else pos, pos, out, part, count, d**-0.5, max_len,
+            k_cache.stride(0), vis.stride(0) if vis is not None else 1)
+    shape = dict(H=heads, SPLITS=splits, GROUP=group, D=d, HAS_VIS=vis is not None, BLOCK_S=block_s,
+                 NB=triton.cdiv(max_len, block_s), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    if mode == "head":
+        rows_attend[(heads, splits, nb)](*args, **shape)
+    elif mode == "whole":
+        rows_attend_whole[(hkv, nb)](*args, **shape)
+    else:
+        raise ValueError(f"attention mode must be 'head' or 'whole', got {mode!r}")
+
+
 @triton.jit
 def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, h, j,
                  SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr,
@@ -76,46 +112,108 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
     pos = tl.load(pos_ptr)
     n_blocks = pos // BLOCK_S + 1
     n_used = tl.minimum(n_blocks, SPLITS)
-    hk = h // GROUP
+    seen, k, v = _first_block(kc_ptr, vc_ptr, vis_ptr, pos, h // GROUP, j, n_used, max_len, D, HAS_VIS, BLOCK_S)
+    wait_previous(PDL)
+    if j < n_used:
+        _split(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos, part_ptr, scale, max_len, h, j, n_blocks, seen, k, v, SPLITS,
+               GROUP, D, HAS_VIS, BLOCK_S, NB)
+        let_next(PDL)
+        if arrive_last(cnt_ptr + h, n_used):
+            _merge(part_ptr, out_ptr, h, n_used, SPLITS, D)
+            tl.store(cnt_ptr + h, 0)
+
+
+@triton.jit
+def rows_attend_whole(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, kv_row,
+                      vis_row, H: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                      HAS_VIS: tl.constexpr, BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):
+    """`rows_attend` a KV head of a row at a time: program (hk, b) takes the splits of row b's KV head
+    hk in turn, loads each split's first block once and runs the GROUP query heads that share it,
+    each as `rows_attend`'s program (h, j, b) does (a later block, past SPLITS blocks, is loaded per
+    head), then merges each head's splits in the same fixed order: every output is bit for bit
+    `rows_attend`'s, without its counters (cnt_ptr unused)."""
+    hk, b = tl.program_id(0), tl.program_id(1)
+    q_ptr += b * H * D
+    kc_ptr += b * kv_row
+    vc_ptr += b * kv_row
+    vis_ptr += b * vis_row
+    out_ptr += b * H * D
+    part_ptr += b * H * SPLITS * (D + 2)
+    pos = tl.load(pos_ptr + b)
+    n_blocks = pos // BLOCK_S + 1
+    n_used = tl.minimum(n_blocks, SPLITS)
+    wait_previous(PDL)
+    for j in range(0, SPLITS):
+        if j < n_used:
+            seen, k, v = _first_block(kc_ptr, vc_ptr, vis_ptr, pos, hk, j, n_used, max_len, D, HAS_VIS, BLOCK_S)
+            for g in tl.static_range(GROUP):
+                _split(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos, part_ptr, scale, max_len, hk * GROUP + g, j, n_blocks,
+                       seen, k, v, SPLITS, GROUP, D, HAS_VIS, BLOCK_S, NB)
+    let_next(PDL)
+    tl.debug_barrier()  # every thread's partials are written before any is read
+    for g in tl.static_range(GROUP):
+        _merge(part_ptr, out_ptr, hk * GROUP + g, n_used, SPLITS, D)
+
+
+@triton.jit
+def _first_block(kc_ptr, vc_ptr, vis_ptr, pos, hk, j, n_used, max_len, D: tl.constexpr, HAS_VIS: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    """Split j's first block of slots: (seen, k, v), K/V of the older slots seen (the current slot's
+    come from the previous kernel: `_split` puts them in); nothing seen if the split has none."""
     dd = tl.arange(0, D)
     s = j * BLOCK_S + tl.arange(0, BLOCK_S)
-    seen = _seen(s <= tl.where(j < n_used, pos, -1), s, pos, vis_ptr, HAS_VIS)  # (none if the split has none)
-    older = seen & (s != pos)  # the current slot's K/V come from the previous kernel, below
+    seen = _seen(s <= tl.where(j < n_used, pos, -1), s, pos, vis_ptr, HAS_VIS)
+    older = seen & (s != pos)
     off = (hk * max_len + s)[:, None] * D + dd[None, :]
     k = tl.load(kc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
     v = tl.load(vc_ptr + off, mask=older[:, None], other=0.0).to(tl.float32)
-    wait_previous(PDL)
-    if j < n_used:
-        q = tl.load(q_ptr + h * D + dd).to(tl.float32)
-        now = (s == pos)[:, None]
-        k = tl.where(now, tl.load(kc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], k)
-        v = tl.where(now, tl.load(vc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], v)
-        m, acc, total = _attend_block(q, k, v, seen, -1e30, tl.zeros([D], dtype=tl.float32), 0.0,
-                                      scale)  # m: finite even when no slot of the split is seen
-        for blk0 in range(SPLITS, NB, SPLITS):  # every SPLITS-th block from j, up to the position's
-            if blk0 + j < n_blocks:
-                s = (blk0 + j) * BLOCK_S + tl.arange(0, BLOCK_S)
-                off = (hk * max_len + s)[:, None] * D + dd[None, :]
-                seen = _seen(s <= pos, s, pos, vis_ptr, HAS_VIS)
-                k = tl.load(kc_ptr + off, mask=seen[:, None], other=0.0).to(tl.float32)
-                v = tl.load(vc_ptr + off, mask=seen[:, None], other=0.0).to(tl.float32)
-                m, acc, total = _attend_block(q, k, v, seen, m, acc, total, scale)
-        let_next(PDL)
-        base = part_ptr + (h * SPLITS + j) * (D + 2)
-        tl.store(base + dd, acc)
-        tl.store(base + D, m)
-        tl.store(base + D + 1, total)
-        if arrive_last(cnt_ptr + h, n_used):
-            js = tl.arange(0, triton.next_power_of_2(SPLITS))
-            jm = js < n_used
-            rows = part_ptr + (h * SPLITS + js) * (D + 2)
-            ms = tl.load(rows + D, mask=jm, other=float("-inf"), cache_modifier=".cg")
-            w = tl.exp(ms - tl.max(ms, 0))
-            ls = tl.load(rows + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
-            accs = tl.load(rows[:, None] + dd[None, :], mask=jm[:, None], other=0.0, cache_modifier=".cg")
-            y = tl.sum(w[:, None] * accs, 0) / tl.sum(w * ls, 0)
-            tl.store(out_ptr + h * D + dd, y.to(q_ptr.dtype.element_ty))
-            tl.store(cnt_ptr + h, 0)
+    return seen, k, v
+
+
+@triton.jit
+def _split(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos, part_ptr, scale, max_len, h, j, n_blocks, seen, k, v,
+           SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, HAS_VIS: tl.constexpr, BLOCK_S: tl.constexpr,
+           NB: tl.constexpr):
+    """Split j of head h: online softmax over its first block (`_first_block`'s, the current slot's
+    K/V put in here) and every SPLITS-th block after it up to the position's; (unnormalised output,
+    max, sum) stored at the split's place in `part`."""
+    hk = h // GROUP
+    dd = tl.arange(0, D)
+    s = j * BLOCK_S + tl.arange(0, BLOCK_S)
+    q = tl.load(q_ptr + h * D + dd).to(tl.float32)
+    now = (s == pos)[:, None]
+    k = tl.where(now, tl.load(kc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], k)
+    v = tl.where(now, tl.load(vc_ptr + (hk * max_len + pos) * D + dd).to(tl.float32)[None, :], v)
+    m, acc, total = _attend_block(q, k, v, seen, -1e30, tl.zeros([D], dtype=tl.float32), 0.0,
+                                  scale)  # m: finite even when no slot of the split is seen
+    for blk0 in range(SPLITS, NB, SPLITS):  # every SPLITS-th block from j, up to the position's
+        if blk0 + j < n_blocks:
+            s = (blk0 + j) * BLOCK_S + tl.arange(0, BLOCK_S)
+            off = (hk * max_len + s)[:, None] * D + dd[None, :]
+            seen = _seen(s <= pos, s, pos, vis_ptr, HAS_VIS)
+            k = tl.load(kc_ptr + off, mask=seen[:, None], other=0.0).to(tl.float32)
+            v = tl.load(vc_ptr + off, mask=seen[:, None], other=0.0).to(tl.float32)
+            m, acc, total = _attend_block(q, k, v, seen, m, acc, total, scale)
+    base = part_ptr + (h * SPLITS + j) * (D + 2)
+    tl.store(base + dd, acc)
+    tl.store(base + D, m)
+    tl.store(base + D + 1, total)
+
+
+@triton.jit
+def _merge(part_ptr, out_ptr, h, n_used, SPLITS: tl.constexpr, D: tl.constexpr):
+    """Head h's output from its n_used splits' partials in `part`, merged in a fixed order (read past
+    L1: other programs may have written them)."""
+    dd = tl.arange(0, D)
+    js = tl.arange(0, triton.next_power_of_2(SPLITS))
+    jm = js < n_used
+    rows = part_ptr + (h * SPLITS + js) * (D + 2)
+    ms = tl.load(rows + D, mask=jm, other=float("-inf"), cache_modifier=".cg")
+    w = tl.exp(ms - tl.max(ms, 0))
+    ls = tl.load(rows + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
+    accs = tl.load(rows[:, None] + dd[None, :], mask=jm[:, None], other=0.0, cache_modifier=".cg")
+    y = tl.sum(w[:, None] * accs, 0) / tl.sum(w * ls, 0)
+    tl.store(out_ptr + h * D + dd, y.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["row_ptr", "start_ptr", "T", "sq_b", "sq_h", "sq_t", "sc_r", "sc_h", "sc_s", "so_b",

@@ -7,7 +7,7 @@ applies it to its step rows one after another (`tl.static_range`; one row a prog
 which measured fastest: the tiles the other rows' programs read again come from L2) with exactly the arithmetic of the
 single-stream kernel: the same K-blocks and products (`dense_mac`), the same sums, split-K merge
 and roundings, the same epilogues (`qkv_out`, `gate_up_out`, `gemv_out`). Attention runs
-`attention_kernel`'s programs for each row (`rows_attend`). So a row's results are bit for bit those
+`attention_kernel`'s programs for each row (`attend_rows`). So a row's results are bit for bit those
 `TritonDecode` gives it alone, whatever else is in the batch, as long as the two share their K
 blocking (`BatchDecode` takes it from the single step's `cfg`): in bfloat16 a batched stream speaks
 exactly as it does alone.
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention import rows_attend
+from .attention import attend_rows
 from .common import SplitScratch, Weight, arrive_last, let_next, round_to, sum_parts, wait_previous, split_k
 from .decode import TritonDecode, gate_up_out, launch_shape, load_qkv_bias, qkv_out, qkv_store
 from .matvec import dense_mac, gemv_out, dense_tile, row_totals, vec
@@ -260,11 +260,8 @@ class BatchDecode:
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, s.weights):
             a = layer.self_attn
             self._qkv(layer, wqkv, pos, nb, kv_row)
-            rows_attend[(H, splits, nb)](
-                self.q, a.kv_cache.k, a.kv_cache.v, vis if vis is not None else pos, pos, self.y, self.part,
-                self.count, D**-0.5, s.max_len, kv_row, vis.stride(0) if vis is not None else 1, H=H, SPLITS=splits,
-                GROUP=H // Hkv, D=D, HAS_VIS=vis is not None, BLOCK_S=s.block_s,
-                NB=triton.cdiv(s.max_len, s.block_s), PDL=pdl, num_warps=s.attn_warps, launch_pdl=pdl)
+            attend_rows(self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count, nb=nb, heads=H,
+                        splits=splits, block_s=s.block_s, warps=s.attn_warps, pdl=pdl)
             self._residual("o", wo, self.y[:nb])
             self._gate_up(layer, wgu, nb)
             self._residual("down", wdown, self.h[:nb])
