@@ -201,12 +201,15 @@ def rows_of(d: Decoder, rows: list[int]) -> Decoder:
     return one
 
 
-def mma_step(d: Decoder, x, pos, vis) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One MMADecode step of d's rows -> (residual streams (nb, dim), the K and V caches)."""
+def mma_step(d: Decoder, x, pos, vis, many: dict | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One MMADecode step of d's rows -> (residual streams (nb, dim), the K and V caches); with
+    `many`, its tiles for every row count."""
     single = TritonDecode(d, None)
     single.block_s = 32  # attention over two cache blocks and splits
     m = MMADecode(single)
     m.cfg = MMA_CFG
+    if many is not None:
+        m.many, m.many_from = many, 1
     with torch.inference_mode():
         out = m(x, pos, vis).clone()
     assert not m.scratch.count.any()  # split counters back to zero
@@ -239,6 +242,29 @@ def test_mma_step_rows_do_not_depend_on_batch(dtype):
         assert torch.equal(out[b], o1[0]) and torch.equal(out[b], o3[1]), f"row {b}"
         for c, one, three in zip(caches, c1, c3):
             assert torch.equal(c[b], one[0]) and torch.equal(c[b], three[1]), f"cache row {b}"
+
+
+# rows and columns a program past MMA_CFG's
+MANY = {name: (32, 32, 4) for name in ("qkv", "o", "gate_up", "down")}
+
+
+def test_mma_many_tiles_rows_do_not_depend_on_batch():
+    """`MMADecode.many`'s tiles (32 rows and columns a program): a row's outputs and cache writes
+    are the same bits in a 17-row step and in a 3-row one with other rows, and the same as with the
+    default tiles."""
+    dtype, nb = torch.float32, 17
+    d = mma_decoder(dtype, nb)
+    x, pos, vis = mma_inputs(nb, dtype, 1)
+    out, caches = mma_step(rows_of(d, list(range(nb))), x, pos, vis, MANY)
+    ox, opos, ovis = mma_inputs(2, dtype, 2)
+    b, rows = 6, [9, 6, 11]
+    o3, c3 = mma_step(rows_of(d, rows), torch.stack([ox[0], x[b], ox[1]]), torch.stack([opos[0], pos[b], opos[1]]),
+                      torch.stack([ovis[0], vis[b], ovis[1]]), MANY)
+    assert torch.equal(out[b], o3[1])
+    for c, three in zip(caches, c3):
+        assert torch.equal(c[b], three[1])
+    default, _ = mma_step(rows_of(d, list(range(nb))), x, pos, vis)
+    assert torch.equal(out, default)
 
 
 def test_mma_step_close_to_eager():

@@ -2,8 +2,8 @@
 full-size random TTS weights (the ChatTTS head only: no LLM, no codec).
 
     python tools/batch_step.py [--nb 1 2 4 8 16] [--path kernels mma compiled] [--pos 600] [--sampled]
-                               [--cfg '{"down": [4, 4, 16]}'] [--mma-cfg '{"down": [16, 256, 4, 4]}' ...]
-                               [--check] [--json]
+                               [--cfg '{"down": [4, 4, 16]}'] [--mma-cfg '{"down": [16, 256, 4, 4]}' '{"block_m": 64}' ...]
+                               [--check] [--check-tiles] [--json]
 
 nb = 1 is the single-stream step (the Triton kernels) on the `kernels` and `compiled` paths; larger
 nb run the batched Triton kernels (`kernels`, backends/kernels/batch.py), the tensor-core ones
@@ -28,8 +28,12 @@ import torch
 
 from minicpm_cli.backends.compile import GraphTTSRunner
 from minicpm_cli.backends.kernels.batch import BatchDecode
+from minicpm_cli.backends.kernels.mma import BLOCK_M
 from minicpm_cli.engine.pipeline import build_tts
 from minicpm_cli.engine.synthetic import RandomCheckpoint, SyntheticSpec
+
+
+ATTRS = ("block_m", "many", "many_from")  # --mma-cfg keys that set an MMADecode attribute, not a cfg entry
 
 
 def stepper(runner: GraphTTSRunner, nb: int, sampled: bool, mma: bool):
@@ -74,6 +78,8 @@ def setup_rows(runner: GraphTTSRunner, nb: int, pos: int) -> None:
         runner.positions[b] = pos + b
     runner.ctl[:, :nb] = torch.tensor([[pos + b for b in range(nb)], [0] * nb, [1] * nb, [0] * nb])
     runner.noise_b.fill_(1.0)
+    runner.last_b[:nb].zero_()  # (earlier steps left their codes: the same inputs each time)
+    runner.bos_b[:nb].fill_(False)
 
 
 def main() -> None:
@@ -90,6 +96,8 @@ def main() -> None:
     ap.add_argument("--mma-cfg", nargs="+", default=["{}"], help="JSON: MMADecode.cfg entries, one variant each")
     ap.add_argument("--group", type=int, default=None, help="step rows a program at most, every kernel")
     ap.add_argument("--check", action="store_true", help="compare each row's codes with the single step's")
+    ap.add_argument("--check-tiles", action="store_true", help="mma: compare each variant's step outputs (final norm, "
+                    "logits, codes) with the first variant's at the same rows, bit for bit")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
@@ -103,36 +111,55 @@ def main() -> None:
         kernels.cfg = {k: (r, w, args.group) for k, (r, w, _) in kernels.cfg.items()}
     if args.cfg:
         kernels.cfg.update({k: tuple(v) for k, v in json.loads(args.cfg).items()})
-    mma_cfg = dict(mma.cfg)
+    mma_cfg, many, many_from = dict(mma.cfg), dict(mma.many), mma.many_from
     runs = [(p, {}) for p in args.path if p != "mma"]
     runs += [("mma", json.loads(v)) for v in args.mma_cfg] if "mma" in args.path else []
-    results = []
+    results, tiles_ref = [], {}
     single_done = False
     for path, cfg in runs:
         runner.graphs.graphs.clear()  # graphs are keyed by nb only
         runner.batch = {"kernels": kernels, "mma": mma}.get(path)
         runner.batch_kernels = "mma" if path == "mma" else "rows"
-        mma.cfg = {**mma_cfg, **{k: tuple(v) for k, v in cfg.items()}}
+        mma.cfg = {**mma_cfg, **{k: tuple(v) for k, v in cfg.items() if k not in ATTRS}}
+        mma.block_m = cfg.get("block_m", BLOCK_M)
+        mma.many = {k: tuple(v) for k, v in cfg.get("many", many).items()}
+        mma.many_from = cfg.get("many_from", many_from)
         for nb in args.nb:
             if nb == 1 and path != "mma" and single_done:
                 continue
             setup_rows(runner, nb, args.pos)
+            if args.check_tiles and path == "mma":
+                out = step_outputs(runner, nb, args.sampled)
+                first = tiles_ref.setdefault(nb, out)
+                tiles_equal = all(torch.equal(a, b) for a, b in zip(first, out))
             r = time_step(runner, nb, args.sampled, path == "mma", args.steps, args.rounds, args.warmup)
             r["path"] = path if nb > 1 or path == "mma" else "single"
             single_done |= r["path"] == "single"
             if cfg:
                 r["cfg"] = cfg
+            if args.check_tiles and path == "mma":
+                r["equal_first_variant"] = tiles_equal
             if args.check and (nb > 1 or path == "mma"):
                 r["rows_equal_alone"] = check_rows(runner, nb, args.pos, args.sampled, path == "mma")
             results.append(r)
             if not args.json:
                 extra = f"  rows equal alone: {r['rows_equal_alone']}" if "rows_equal_alone" in r else ""
+                extra += f"  equal to the first variant: {r['equal_first_variant']}" if "equal_first_variant" in r else ""
                 extra += f"  cfg {json.dumps(cfg)}" if cfg else ""
                 print(f"{r['path']:8s} nb {nb:3d}: {r['ms']:.3f} ms a step ({r['ms_per_row']:.3f} a row, spread "
                       f"{r['spread']:.3f}; first {r['first_s']:.1f} s){extra}", flush=True)
     if args.json:
         print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
                           "pos": args.pos, "results": results}))
+
+
+@torch.inference_mode()
+def step_outputs(runner: GraphTTSRunner, nb: int, sampled: bool) -> tuple:
+    """One batched step of rows 0..nb-1 run eagerly from the rows as set (positions not advanced):
+    final norm, raw logits and codes."""
+    runner.batch_step(nb, runner.max_len, sampled)
+    torch.cuda.synchronize()
+    return runner.normed_b[:nb].clone(), runner.raw_b[:nb].clone(), runner.code_b[:nb].clone()
 
 
 def check_rows(runner: GraphTTSRunner, nb: int, pos: int, sampled: bool, mma: bool) -> bool:

@@ -2,22 +2,23 @@
 its four projections as matrix products, the step rows the M dimension of `tl.dot`, and
 `mma_rows`, one such product (o_proj and down_proj into the residual streams, the TTS code heads).
 
-A program takes BLOCK_M = 16 step rows (rows past nb masked) and BLOCK_N output columns, loads its
-weight tile, every K-block of it, before `wait_previous` (as the single-stream kernels do), then
-multiplies its rows' K-blocks in order, float32 accumulation. Fused as decode.py's kernels:
+A program takes BLOCK_M = 16 step rows (rows past nb masked; from `MMADecode.many_from` rows,
+`many`'s tiles of 64 rows and columns) and BLOCK_N output columns, loads its weight tile, every
+K-block of it, before `wait_previous` (as the single-stream kernels do), then multiplies its rows'
+K-blocks in order, float32 accumulation. Fused as decode.py's kernels:
 
 1. `_mma_qkv_rope`: RMSNorm + q/k/v (+ bias) + rotary (the program takes columns d and d + D/2 of
    a head, which the rotation pairs) + k/v into each row's cache row at its own position;
-2. attention: `rows_attend` (attention.py), as `BatchDecode`;
+2. attention: `attend_rows` (attention.py), as `BatchDecode`;
 3. `_mma_rows`: o_proj + residual, split over K where asked (partials merged in a fixed order by a
    row block's last program, as `_gemv`);
 4. `_mma_gate_up`: RMSNorm + gate/up + SiLU(gate) * up;
 5. `_mma_rows`: down_proj + residual.
 
 Batch invariance: a row's results are bit for bit the same whatever nb is and whatever the other
-rows hold. A tensor-core product computes each output from its own row of A, BLOCK_M is 16 at every
-nb, and the K blocking and split are chosen from N and K only (`cfg`), so nb changes only the number
-of row blocks. Unlike `BatchDecode`, a row's results are not those of the single-stream step
+rows hold. A tensor-core product computes each output from its own row of A and column of B, and
+the K blocking and split are chosen from N and K only (`cfg`), so nb changes only the number and
+size of the row and column blocks, which change no bit (measured on an H100: `mma_many`). Unlike `BatchDecode`, a row's results are not those of the single-stream step
 (`TritonDecode`): the RMSNorm's output is rounded to the model dtype before the product, as the
 eager layer rounds it (a tensor-core operand is in that dtype), and the sums run in another order.
 
@@ -25,7 +26,8 @@ Dense weights only (bfloat16 on the tensor cores; float32 as float32 products). 
 interpreter the products are summed explicitly (`dot_acc`, common.py).
 
 Tests: tests/test_batch_kernels.py (rows of 17- and 5-row steps against the same rows in 1- and
-3-row steps, bit for bit, with their cache writes; against the eager decoder; `mma_rows` likewise).
+3-row steps, bit for bit, with their cache writes, on the default tiles and on 32-row ones; against
+the eager decoder; `mma_rows` likewise).
 """
 
 from __future__ import annotations
@@ -204,25 +206,26 @@ def _dot_mode(y: Tensor) -> int:
 
 def mma_rows(w: Weight, y: Tensor, out: Tensor, residual: Tensor | None = None, *, block_n: int = 16,
              block_k: int = 256, split: int = 1, warps: int = 4, scratch: SplitScratch | None = None,
-             pdl: bool = False) -> Tensor:
+             pdl: bool = False, block_m: int = BLOCK_M) -> Tensor:
     """out[b] = W @ y[b] (+ residual[b]) for the rows of y (nb, K) on the tensor cores, rounded to
     y's dtype; out may be residual. A row's outputs do not depend on nb or on the other rows
-    (`block_n`, `block_k` and `split` fixed). `scratch` for split-K, grown to fit."""
+    (`block_k` and `split` fixed; `block_m` and `block_n` change no bit: `MMADecode.many`).
+    `scratch` for split-K, grown to fit."""
     if w.q4:
         raise ValueError("mma_rows takes dense weights only")
     nb = y.shape[0]
     bk = w.block_k(block_k)
     split, ks = split_k(w.k, bk, split)
-    tiles, blocks = triton.cdiv(nb, BLOCK_M), triton.cdiv(w.n, block_n)
+    tiles, blocks = triton.cdiv(nb, block_m), triton.cdiv(w.n, block_n)
     if split > 1:
         if scratch is None:
             scratch = SplitScratch(y.device)
-        scratch.reserve(tiles * blocks * split * BLOCK_M * block_n, tiles * blocks)
+        scratch.reserve(tiles * blocks * split * block_m * block_n, tiles * blocks)
         part, count = scratch.part, scratch.count
     else:
         part = count = out
     _mma_rows[(tiles, blocks, split)](y, w.w, residual if residual is not None else out, out, part, count, nb, N=w.n,
-                                      K=w.k, RESIDUAL=residual is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                                      K=w.k, RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
                                       BLOCK_K=bk, SPLIT=split, KS=ks, DOT=_dot_mode(y), PDL=pdl, num_warps=warps,
                                       launch_pdl=pdl)
     return out
@@ -237,6 +240,20 @@ def mma_config(cc: tuple[int, int] | None) -> dict:
     small = cc is not None and targets.limits(cc).smem_block < 160 * targets.KB
     return {"qkv": (16, 256, 4), "o": (32, 256, 2, 4), "gate_up": (16 if small else 32, 256, 4),
             "down": (32, 256, 4, 4), "heads": (32, 256, 1, 4)}
+
+
+def mma_many(cc: tuple[int, int] | None) -> tuple[dict, int | None]:
+    """`MMADecode.many` and `many_from` on compute capability cc: from `many_from` rows a kernel
+    takes (step rows, output columns, warps) a program. A tensor-core product's outputs are the same
+    bits whatever its tile's rows and columns (its K-blocks the same: measured on an H100 with
+    tools/batch_step.py --check-tiles), so a row's codes do not depend on which is taken. On an H100
+    (ms a step at 96 / 128 rows, position 350): 16 rows, `mma_config`'s columns and warps 2.19 /
+    2.68; 64 rows 2.13 / 2.53; 64 rows and columns, 8 warps 1.87 / 2.25; at 32 and 64 rows no
+    variant won by more than 4%. Only where a block has the shared memory of sm_90 and sm_100: a
+    program of gate/up keeps its two 64-column weight tiles whole (192 KB)."""
+    if cc is None or targets.limits(cc).smem_block < 200 * targets.KB:
+        return {}, None
+    return {name: (64, 64, 8) for name in ("qkv", "o", "gate_up", "down", "heads")}, 96
 
 
 def mma_fits(dtype: torch.dtype, cc: tuple[int, int] | None) -> bool:
@@ -260,40 +277,52 @@ class MMADecode(BatchDecode):
     def __init__(self, single: TritonDecode):
         super().__init__(single)
         self.cfg = mma_config(targets.capability(self.x.device))
-        tiles = triton.cdiv(self.rows, BLOCK_M)  # (the split-K scratch: BatchDecode's, grown to fit)
+        self.block_m = BLOCK_M
+        self.many, self.many_from = mma_many(targets.capability(self.x.device))
+        rows = triton.cdiv(self.rows, 128) * 128  # (the split-K scratch: BatchDecode's, grown to fit any tiles)
         for name, w in (("o", single.weights[0][1]), ("down", single.weights[0][3])):
-            bn, bk, sp, _ = self.cfg[name]
-            sp = split_k(w.k, w.block_k(bk), sp)[0]
+            sp = split_k(w.k, w.block_k(self.cfg[name][1]), self.cfg[name][2])[0]
             if sp > 1:
-                self.scratch.reserve(tiles * triton.cdiv(w.n, bn) * sp * BLOCK_M * bn, tiles * triton.cdiv(w.n, bn))
+                self.scratch.reserve(rows * triton.cdiv(w.n, 128) * 128 * sp, triton.cdiv(rows, 16) * triton.cdiv(w.n, 16))
+
+    def tiles(self, name: str, nb: int) -> tuple[int, int, int]:
+        """Kernel `name`'s (step rows, output columns, warps) a program for nb rows: `many`'s from
+        `many_from` rows, else `block_m` rows and `cfg`'s."""
+        if self.many_from is not None and nb >= self.many_from and name in self.many:
+            return self.many[name]
+        return self.block_m, self.cfg[name][0], self.cfg[name][-1]
 
     def _qkv(self, layer, w: Weight, pos: Tensor, nb: int, kv_row: int) -> None:
         s, c, a = self.single, self.c, layer.self_attn
         D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
         bias = a.qkv_proj.bias
-        bn, bk, warps = self.cfg["qkv"]
+        bk = self.cfg["qkv"][1]
+        bm, bn, warps = self.tiles("qkv", nb)
         bn = min(bn, D // 2)
-        _mma_qkv_rope[(triton.cdiv(nb, BLOCK_M), H + 2 * Hkv, D // 2 // bn)](
+        _mma_qkv_rope[(triton.cdiv(nb, bm), H + 2 * Hkv, D // 2 // bn)](
             self.x, layer.input_layernorm.weight, w.w, bias if bias is not None else self.x, s.decoder.rope_cos,
             s.decoder.rope_sin, pos, self.q, a.kv_cache.k, a.kv_cache.v, layer.input_layernorm.eps, s.max_len, kv_row,
-            nb, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=bn,
+            nb, DIM=c.dim, HQ=H, HKV=Hkv, D=D, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=w.block_k(bk), DOT=_dot_mode(self.x), PDL=s.pdl, num_warps=warps, launch_pdl=s.pdl)
 
     def _gate_up(self, layer, w: Weight, nb: int) -> None:
         c, norm, pdl = self.c, layer.post_attention_layernorm, self.single.pdl
-        bn, bk, warps = self.cfg["gate_up"]
-        _mma_gate_up[(triton.cdiv(nb, BLOCK_M), triton.cdiv(c.intermediate, bn))](
-            self.x, norm.weight, w.w, self.h, norm.eps, nb, DIM=c.dim, INTER=c.intermediate, BLOCK_M=BLOCK_M,
+        bk = self.cfg["gate_up"][1]
+        bm, bn, warps = self.tiles("gate_up", nb)
+        _mma_gate_up[(triton.cdiv(nb, bm), triton.cdiv(c.intermediate, bn))](
+            self.x, norm.weight, w.w, self.h, norm.eps, nb, DIM=c.dim, INTER=c.intermediate, BLOCK_M=bm,
             BLOCK_N=bn, BLOCK_K=w.block_k(bk), DOT=_dot_mode(self.x), PDL=pdl, num_warps=warps, launch_pdl=pdl)
 
     def _residual(self, name: str, w: Weight, y: Tensor) -> None:
-        bn, bk, sp, warps = self.cfg[name]
         x = self.x[: y.shape[0]]
-        mma_rows(w, y, x, x, block_n=bn, block_k=bk, split=sp, warps=warps, scratch=self.scratch,
-                 pdl=self.single.pdl)
+        self._rows(name, w, y, x, x)
+
+    def _rows(self, name: str, w: Weight, y: Tensor, out: Tensor, residual: Tensor | None) -> Tensor:
+        bk, sp = self.cfg[name][1:3]
+        bm, bn, warps = self.tiles(name, y.shape[0])
+        return mma_rows(w, y, out, residual, block_n=bn, block_k=bk, split=sp, warps=warps, scratch=self.scratch,
+                        pdl=self.single.pdl, block_m=bm)
 
     def heads(self, w: Weight, y: Tensor, out: Tensor) -> Tensor:
         """The code heads (`cfg["heads"]`) of rows y (nb, dim) -> out (nb, N), float32."""
-        bn, bk, sp, warps = self.cfg["heads"]
-        return mma_rows(w, y, out, block_n=bn, block_k=bk, split=sp, warps=warps, scratch=self.scratch,
-                        pdl=self.single.pdl)
+        return self._rows("heads", w, y, out, None)
