@@ -62,7 +62,9 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     narrow tiles of rows and long K-blocks for a few tokens (enough programs, and loads
     long enough, to stream the weights at full bandwidth), wide tiles for a prefill (each weight tile
     read by fewer programs). From sweeps at the 7B's shapes in CUDA graphs on an H100
-    (docs/journal.md). None of these changes a token's sums (tests/test_invariant.py checks every
+    (docs/journal.md); for 65-128 tokens against the 7B's gate/up (37888 x 3584), 128 x 128 tiles
+    read the weights once: 123 us against 200 with 64 x 64 (qkv, o and down stay: 64 x 64 is as
+    fast or faster there). None of these changes a token's sums (tests/test_invariant.py checks every
     one at the 7B's shapes on a GPU): the K-blocks are summed in order, each `tl.dot` a chain of
     16-wide products in order, so K-blocks of 64 or 256 add the same products in the same order.
 
@@ -72,8 +74,8 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     program; tools/kernel_targets.py compiles what comes out for each architecture."""
     if m <= 16:  # (a long K, down_proj's: narrower tiles, deeper pipelining)
         cfg = (32, 16, 256, 4, 6) if k >= 4 * n else (64, 16, 256, 4, 4)
-    elif m <= 128:
-        cfg = 64, 64, 128, 4, 4
+    elif m <= 128:  # (65+ rows of a long product, the 7B's gate/up and lm_head: each weight tile read once)
+        cfg = (128, 128, 128, 8, 3) if m > 64 and n >= 4 * k and k >= 2048 else (64, 64, 128, 4, 4)
     elif m <= 512:
         cfg = 128, 128, 64, 8, 3
     else:
