@@ -2,22 +2,24 @@
 a query head against the KV cache's slots up to the position, which is read on the device (one
 CUDA graph serves every position), masked causally or by per-slot "visible from" positions (the
 TTS chunk mask); the slots are split over programs and merged by the last one to finish. For many
-rows at once, `attend_rows`: `rows_attend`, each row's programs as `attention_kernel`'s, or
-`rows_attend_whole`, a program a KV head of a row that runs its splits and the query heads sharing
-it in turn, with the same bits. And `prompt_attend`, the batch-invariant mode's attention for prompts (backends/invariant.py).
+rows at once, `attend_rows`: `rows_attend`, each row's programs as `attention_kernel`'s, or for
+query heads that share a KV head (the LLM's) `rows_attend_dot`, the group on the tensor cores, its
+own bits. And `prompt_attend`, the batch-invariant mode's attention for prompts (backends/invariant.py).
 
 Tests: tests/test_kernels.py (`test_decode_step_matches_eager_float32`: grouped and plain heads,
 causal and masked, cache blocks of 64 and 16 slots; the TTS and LLM runners); tests/test_batch_kernels.py
-(`test_attention_modes_give_the_same_bits`: `rows_attend_whole` against `rows_attend`, bit for bit);
-tests/test_invariant.py (`prompt_attend` against SDPA, and its rows alone and batched).
+(`test_grouped_attention_on_the_tensor_cores`: `rows_attend_dot` against `rows_attend`, and its rows
+at every row count); tests/test_invariant.py (`prompt_attend` against SDPA, and its rows alone and
+batched; the LLM's tokens alone and batched).
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from .common import arrive_last, let_next, wait_previous
+from .common import INTERPRETED, arrive_last, dot_acc, let_next, wait_previous
 
 
 @triton.jit
@@ -71,37 +73,36 @@ def rows_attend(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_
                  tl.program_id(0), tl.program_id(1), SPLITS, GROUP, D, HAS_VIS, BLOCK_S, NB, PDL)
 
 
-def attend_mode(nb: int, group: int) -> str:
-    """`attend_rows`'s kernel for nb rows of query heads that share a KV head `group` at a time:
-    "head", `rows_attend` (a program a head and split), or "whole", `rows_attend_whole` (a program
-    a KV head of a row); the same bits either way. On an H100 (tools/attend_sweep.py, us a layer at
-    64 / 128 rows, positions 100-350, the LLM's 28 heads on 4): "whole" 76-156 / 156-301 against
-    84-159 / 171-314; at 600 the same; fewer rows and the TTS's heads (a KV head each): "head"."""
-    return "whole" if group > 1 and nb >= WHOLE_FROM else "head"
-
-
-WHOLE_FROM = 64  # rows from which `attend_mode` takes "whole" for grouped heads
+def attend_mode(group: int) -> str:
+    """`attend_rows`'s kernel for query heads that share a KV head `group` at a time, the same at
+    every row count (a row's bits must not depend on it): "head", `rows_attend`, a program a head
+    and split (the TTS's heads, a KV head each); "dot", `rows_attend_dot`, the group on the tensor
+    cores. On an H100 (tools/attend_sweep.py, the LLM's 28 heads on 4, us a layer at positions
+    100 / 350 / 600): 128 rows 52.7 / 81.6 / 116.3 against 170.9 / 312.0 / 438.5; 16 rows 20.2 /
+    23.0 / 28.4 against 21.7 / 38.2 / 56.2; one row 10.8 / 11.5 / 12.1 against 5.2 / 6.3 / 7.2."""
+    return "dot" if group > 1 else "head"
 
 
 def attend_rows(q, k_cache, v_cache, vis, pos, out, part, count, *, nb: int, heads: int, splits: int, block_s: int,
                 warps: int = 4, pdl: bool = False, mode: str | None = None) -> None:
     """One query a row for rows 0..nb-1: q, out (rows, heads * D); caches (rows, Hkv, max_len, D); pos
-    (rows,); vis (rows, max_len) "visible from" positions or None (causal). `mode`: `attend_mode`'s
-    (its choice by default), the same bits whichever. part, count: the partials (rows * heads * splits
-    * (D + 2) float32) and the splits' counters (rows * heads, int32, zero)."""
+    (rows,); vis (rows, max_len) "visible from" positions or None (causal). `mode`: "head" or "dot",
+    `attend_mode`'s by default (tests and sweeps choose). part, count: the partials (rows * heads *
+    splits * (D + 2) float32) and the splits' counters (rows * heads, int32, zero)."""
     _, hkv, max_len, d = k_cache.shape
     group = heads // hkv
-    mode = mode or attend_mode(nb, group)
+    mode = mode or attend_mode(group)
     args = (q, k_cache, v_cache, vis if vis is not None else pos, pos, out, part, count, d**-0.5, max_len,
             k_cache.stride(0), vis.stride(0) if vis is not None else 1)
     shape = dict(H=heads, SPLITS=splits, GROUP=group, D=d, HAS_VIS=vis is not None, BLOCK_S=block_s,
                  NB=triton.cdiv(max_len, block_s), PDL=pdl, num_warps=warps, launch_pdl=pdl)
     if mode == "head":
         rows_attend[(heads, splits, nb)](*args, **shape)
-    elif mode == "whole":
-        rows_attend_whole[(hkv, nb)](*args, **shape)
+    elif mode == "dot":
+        dot = 2 if INTERPRETED else int(q.dtype == torch.float32)
+        rows_attend_dot[(hkv, splits, nb)](*args, GP=max(16, triton.next_power_of_2(group)), DOT=dot, **shape)
     else:
-        raise ValueError(f"attention mode must be 'head' or 'whole', got {mode!r}")
+        raise ValueError(f"attention mode must be 'head' or 'dot', got {mode!r}")
 
 
 @triton.jit
@@ -124,35 +125,60 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
 
 
 @triton.jit
-def rows_attend_whole(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, kv_row,
-                      vis_row, H: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                      HAS_VIS: tl.constexpr, BLOCK_S: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr = False):
-    """`rows_attend` a KV head of a row at a time: program (hk, b) takes the splits of row b's KV head
-    hk in turn, loads each split's first block once and runs the GROUP query heads that share it,
-    each as `rows_attend`'s program (h, j, b) does (a later block, past SPLITS blocks, is loaded per
-    head), then merges each head's splits in the same fixed order: every output is bit for bit
-    `rows_attend`'s, without its counters (cnt_ptr unused)."""
-    hk, b = tl.program_id(0), tl.program_id(1)
+def rows_attend_dot(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, kv_row, vis_row,
+                    H: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                    HAS_VIS: tl.constexpr, BLOCK_S: tl.constexpr, NB: tl.constexpr, GP: tl.constexpr,
+                    DOT: tl.constexpr, PDL: tl.constexpr = False):
+    """The GROUP query heads that share KV head hk as the M side of tensor-core products (padded to
+    GP rows): program (hk, j, b) takes row b's blocks j, j + SPLITS, ... up to its position, scores
+    Q K^T and P V on the tensor cores (P rounded to the cache's dtype), online softmax in float32,
+    and leaves each head's (unnormalised output, max, sum) in `part` as `rows_attend` does; the
+    last split to finish merges the group's heads (`_merge`). Not `rows_attend`'s bits: its own,
+    the same whatever the rows beside (a row's products take only its own K/V and queries)."""
+    hk, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_ptr += b * H * D
     kc_ptr += b * kv_row
     vc_ptr += b * kv_row
     vis_ptr += b * vis_row
     out_ptr += b * H * D
     part_ptr += b * H * SPLITS * (D + 2)
+    cnt_ptr += b * H
     pos = tl.load(pos_ptr + b)
     n_blocks = pos // BLOCK_S + 1
     n_used = tl.minimum(n_blocks, SPLITS)
     wait_previous(PDL)
-    for j in range(0, SPLITS):
-        if j < n_used:
-            seen, k, v = _first_block(kc_ptr, vc_ptr, vis_ptr, pos, hk, j, n_used, max_len, D, HAS_VIS, BLOCK_S)
-            for g in tl.static_range(GROUP):
-                _split(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos, part_ptr, scale, max_len, hk * GROUP + g, j, n_blocks,
-                       seen, k, v, SPLITS, GROUP, D, HAS_VIS, BLOCK_S, NB)
-    let_next(PDL)
-    tl.debug_barrier()  # every thread's partials are written before any is read
-    for g in tl.static_range(GROUP):
-        _merge(part_ptr, out_ptr, hk * GROUP + g, n_used, SPLITS, D)
+    if j < n_used:
+        g = tl.arange(0, GP)
+        gm = g < GROUP
+        dd = tl.arange(0, D)
+        q = tl.load(q_ptr + (hk * GROUP + g)[:, None] * D + dd[None, :], mask=gm[:, None], other=0.0)
+        m = tl.full([GP], -1e30, dtype=tl.float32)  # (finite: a split whose slots are all hidden)
+        acc = tl.zeros([GP, D], dtype=tl.float32)
+        total = tl.zeros([GP], dtype=tl.float32)
+        for blk in range(j, n_blocks, SPLITS):
+            s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
+            seen = _seen(s <= pos, s, pos, vis_ptr, HAS_VIS)
+            off = (hk * max_len + s)[:, None] * D + dd[None, :]
+            k = tl.load(kc_ptr + off, mask=seen[:, None], other=0.0)
+            v = tl.load(vc_ptr + off, mask=seen[:, None], other=0.0)
+            sc = dot_acc(q, tl.trans(k), tl.zeros([GP, BLOCK_S], dtype=tl.float32), DOT) * scale
+            sc = tl.where(seen[None, :], sc, float("-inf"))
+            m_new = tl.maximum(tl.max(sc, 1), m)
+            p = tl.exp(sc - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            pv = dot_acc(p.to(v.dtype), v, tl.zeros([GP, D], dtype=tl.float32), DOT)
+            acc = acc * alpha[:, None] + pv
+            total = total * alpha + tl.sum(p, 1)
+            m = m_new
+        let_next(PDL)
+        base = part_ptr + ((hk * GROUP + g) * SPLITS + j) * (D + 2)
+        tl.store(base[:, None] + dd[None, :], acc, mask=gm[:, None])
+        tl.store(base + D, m, mask=gm)
+        tl.store(base + D + 1, total, mask=gm)
+        if arrive_last(cnt_ptr + hk * GROUP, n_used):
+            for i in tl.static_range(GROUP):
+                _merge(part_ptr, out_ptr, hk * GROUP + i, n_used, SPLITS, D)
+            tl.store(cnt_ptr + hk * GROUP, 0)
 
 
 @triton.jit

@@ -261,7 +261,8 @@ class BatchDecode:
             a = layer.self_attn
             self._qkv(layer, wqkv, pos, nb, kv_row)
             attend_rows(self.q, a.kv_cache.k, a.kv_cache.v, vis, pos, self.y, self.part, self.count, nb=nb, heads=H,
-                        splits=splits, block_s=s.block_s, warps=s.attn_warps, pdl=pdl)
+                        splits=splits, block_s=s.block_s, warps=s.attn_warps, pdl=pdl,
+                        mode="head")  # (each row's attention as `TritonDecode`'s, grouped heads too)
             self._residual("o", wo, self.y[:nb])
             self._gate_up(layer, wgu, nb)
             self._residual("down", wdown, self.h[:nb])
