@@ -51,7 +51,7 @@ from .kernels.norm import add_rms_norm, rms_norm
 from .kernels.token import rope_write, silu_mul
 
 CODEC_BATCH = 8  # rows of every codec decode in the invariant mode
-BLOCK_S, MAX_SPLITS = 64, 16  # rows_attend's slots a block and programs a head (TritonDecode's)
+BLOCK_S, MAX_SPLITS = 64, 16  # attention's slots a block and splits a head (TritonDecode's)
 
 
 # each kind of kernel here falls back to its eager twin on a GPU where it cannot run (kernels/fallback.py)

@@ -244,22 +244,24 @@ def test_mma_step_rows_do_not_depend_on_batch(dtype):
             assert torch.equal(c[b], one[0]) and torch.equal(c[b], three[1]), f"cache row {b}"
 
 
-# rows and columns a program past MMA_CFG's
-MANY = {name: (32, 32, 4) for name in ("qkv", "o", "gate_up", "down")}
+# rows and columns a program past MMA_CFG's: `mma_many`'s, and one between
+MANY = [{name: tiles for name in ("qkv", "o", "gate_up", "down")} for tiles in ((64, 64, 8), (32, 32, 4))]
 
 
-def test_mma_many_tiles_rows_do_not_depend_on_batch():
-    """`MMADecode.many`'s tiles (32 rows and columns a program): a row's outputs and cache writes
-    are the same bits in a 17-row step and in a 3-row one with other rows, and the same as with the
-    default tiles."""
-    dtype, nb = torch.float32, 17
+@pytest.mark.parametrize("dtype,many", [(torch.bfloat16, MANY[0]), (torch.float32, MANY[1])])
+def test_mma_many_tiles_rows_do_not_depend_on_batch(dtype, many):
+    """`MMADecode.many`'s tiles (64 or 32 rows and columns a program): a row's outputs and cache
+    writes are the same bits in a 17-row step and in a 3-row one with other rows, and the same as
+    with the default tiles (on a GPU: the tensor cores' sums in bfloat16, float32 products in
+    float32)."""
+    nb = 17
     d = mma_decoder(dtype, nb)
     x, pos, vis = mma_inputs(nb, dtype, 1)
-    out, caches = mma_step(rows_of(d, list(range(nb))), x, pos, vis, MANY)
+    out, caches = mma_step(rows_of(d, list(range(nb))), x, pos, vis, many)
     ox, opos, ovis = mma_inputs(2, dtype, 2)
     b, rows = 6, [9, 6, 11]
     o3, c3 = mma_step(rows_of(d, rows), torch.stack([ox[0], x[b], ox[1]]), torch.stack([opos[0], pos[b], opos[1]]),
-                      torch.stack([ovis[0], vis[b], ovis[1]]), MANY)
+                      torch.stack([ovis[0], vis[b], ovis[1]]), many)
     assert torch.equal(out[b], o3[1])
     for c, three in zip(caches, c3):
         assert torch.equal(c[b], three[1])
@@ -354,3 +356,15 @@ def test_grouped_attention_on_the_tensor_cores(dtype, heads, hkv, masked):
     assert attend_mode(heads // hkv) == "dot" and attend_mode(1) == "head"
     with pytest.raises(ValueError, match="mode"):
         attend(rows, "whole")
+
+
+def test_mma_many_tiles_only_where_measured():
+    """The 64-row tiles are taken on sm_90 in bfloat16 only: float32's tiles would pass a block's
+    shared memory, and other GPUs' figures and bits were not measured."""
+    from minicpm_cli.backends.kernels.mma import mma_many
+
+    tiles, start = mma_many((9, 0))
+    assert start == 96 and tiles["gate_up"] == (64, 64, 8)
+    for cc, dtype in (((9, 0), torch.float32), ((8, 0), torch.bfloat16), ((10, 0), torch.bfloat16),
+                      (None, torch.bfloat16)):
+        assert mma_many(cc, dtype) == ({}, None), (cc, dtype)

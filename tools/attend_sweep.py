@@ -103,13 +103,11 @@ def main() -> None:
     print(f"bits: {'dot the same at every row count' if not differ else f'{differ} cases differ'}; dot against "
           f"head: largest difference {worst:.2e} of the largest output")
     for w in args.warps:
-        same = 0
         for shape in args.shape:
             c = case(shape, rows, 350, shape == "tts")
             ref, out = torch.zeros_like(c["q"]), torch.zeros_like(c["q"])
             attend(c, rows, "head", ref)
             attend(c, rows, "head", out, w)
-            same += torch.equal(out, ref)
             print(f"bits: {shape}, {w} warps {'equal to' if torch.equal(out, ref) else 'differ from'} 4 warps'")
     print("shape   pos   nb  " + "  ".join(f"{m:>7s} us" for m in MODES)
           + "".join(f"  head/{w}w us" for w in args.warps) + "  chosen")

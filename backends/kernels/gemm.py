@@ -134,5 +134,5 @@ def warm(weight: Tensor) -> None:
     """Compile every `mm_config` configuration for weights like `weight` (N, K) now (a first use
     compiles, about a second each, which a batch would otherwise wait for mid-run)."""
     n, k = weight.shape
-    for m in sorted({1, 17, 129, 513}):
+    for m in sorted({1, 17, 65, 129, 513}):
         invariant_mm(torch.zeros(m, k, dtype=weight.dtype, device=weight.device), weight)

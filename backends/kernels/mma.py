@@ -242,16 +242,17 @@ def mma_config(cc: tuple[int, int] | None) -> dict:
             "down": (32, 256, 4, 4), "heads": (32, 256, 1, 4)}
 
 
-def mma_many(cc: tuple[int, int] | None) -> tuple[dict, int | None]:
-    """`MMADecode.many` and `many_from` on compute capability cc: from `many_from` rows a kernel
-    takes (step rows, output columns, warps) a program. A tensor-core product's outputs are the same
-    bits whatever its tile's rows and columns (its K-blocks the same: measured on an H100 with
-    tools/batch_step.py --check-tiles), so a row's codes do not depend on which is taken. On an H100
-    (ms a step at 96 / 128 rows, position 350): 16 rows, `mma_config`'s columns and warps 2.19 /
-    2.68; 64 rows 2.13 / 2.53; 64 rows and columns, 8 warps 1.87 / 2.25; at 32 and 64 rows no
-    variant won by more than 4%. Only where a block has the shared memory of sm_90 and sm_100: a
-    program of gate/up keeps its two 64-column weight tiles whole (192 KB)."""
-    if cc is None or targets.limits(cc).smem_block < 200 * targets.KB:
+def mma_many(cc: tuple[int, int] | None, dtype: torch.dtype = torch.bfloat16) -> tuple[dict, int | None]:
+    """`MMADecode.many` and `many_from` on compute capability cc for weights in `dtype`: from
+    `many_from` rows a kernel takes (step rows, output columns, warps) a program. A tensor-core
+    product's outputs are the same bits whatever its tile's rows and columns (its K-blocks the same:
+    measured on an H100 with tools/batch_step.py --check-tiles), so a row's codes do not depend on
+    which is taken. On an H100 (ms a step at 96 / 128 rows, position 350): 16 rows, `mma_config`'s
+    columns and warps 2.19 / 2.68; 64 rows 2.13 / 2.53; 64 rows and columns, 8 warps 1.87 / 2.25;
+    at 32 and 64 rows no variant won by more than 4%. Only where that was measured, sm_90 (H100,
+    H200), and in bfloat16: a program of gate/up keeps its two 64-column weight tiles whole (192 KB
+    of the 227 KB a block may take; twice that in float32)."""
+    if cc is None or cc[0] != 9 or dtype != torch.bfloat16:
         return {}, None
     return {name: (64, 64, 8) for name in ("qkv", "o", "gate_up", "down", "heads")}, 96
 
@@ -278,8 +279,10 @@ class MMADecode(BatchDecode):
         super().__init__(single)
         self.cfg = mma_config(targets.capability(self.x.device))
         self.block_m = BLOCK_M
-        self.many, self.many_from = mma_many(targets.capability(self.x.device))
-        rows = triton.cdiv(self.rows, 128) * 128  # (the split-K scratch: BatchDecode's, grown to fit any tiles)
+        self.many, self.many_from = mma_many(targets.capability(self.x.device), self.x.dtype)
+        # the split-K scratch (BatchDecode's) for any tiles of 16-128 rows and columns that divide 128
+        # (`cfg`'s, `many`'s); others grow it in a graph's warm-up runs, never in its capture
+        rows = triton.cdiv(self.rows, 128) * 128
         for name, w in (("o", single.weights[0][1]), ("down", single.weights[0][3])):
             sp = split_k(w.k, w.block_k(self.cfg[name][1]), self.cfg[name][2])[0]
             if sp > 1:
