@@ -2,7 +2,7 @@
 full-size random TTS weights (the ChatTTS head only: no LLM, no codec).
 
     python tools/batch_step.py [--nb 1 2 4 8 16] [--path kernels mma compiled] [--pos 600] [--sampled]
-                               [--cfg '{"down": [4, 4, 16]}'] [--mma-cfg '{"down": [16, 256, 4, 4]}' '{"block_m": 64}' ...]
+                               [--cfg '{"down": [4, 4, 16]}'] [--mma-cfg '{"down": [16, 256, 4, 4]}' ...]
                                [--check] [--check-tiles] [--json]
 
 nb = 1 is the single-stream step (the Triton kernels) on the `kernels` and `compiled` paths; larger
@@ -28,12 +28,12 @@ import torch
 
 from minicpm_cli.backends.compile import GraphTTSRunner
 from minicpm_cli.backends.kernels.batch import BatchDecode
-from minicpm_cli.backends.kernels.mma import BLOCK_M
 from minicpm_cli.engine.pipeline import build_tts
 from minicpm_cli.engine.synthetic import RandomCheckpoint, SyntheticSpec
 
 
-ATTRS = ("block_m", "many", "many_from")  # --mma-cfg keys that set an MMADecode attribute, not a cfg entry
+# --mma-cfg keys that set an MMADecode attribute, not a cfg entry: '{"many": {"gate_up": [64, 64, 8]}, "many_from": 1}'
+ATTRS = ("many", "many_from")
 
 
 def stepper(runner: GraphTTSRunner, nb: int, sampled: bool, mma: bool):
@@ -121,7 +121,6 @@ def main() -> None:
         runner.batch = {"kernels": kernels, "mma": mma}.get(path)
         runner.batch_kernels = "mma" if path == "mma" else "rows"
         mma.cfg = {**mma_cfg, **{k: tuple(v) for k, v in cfg.items() if k not in ATTRS}}
-        mma.block_m = cfg.get("block_m", BLOCK_M)
         mma.many = {k: tuple(v) for k, v in cfg.get("many", many).items()}
         mma.many_from = cfg.get("many_from", many_from)
         for nb in args.nb:
@@ -144,7 +143,8 @@ def main() -> None:
             results.append(r)
             if not args.json:
                 extra = f"  rows equal alone: {r['rows_equal_alone']}" if "rows_equal_alone" in r else ""
-                extra += f"  equal to the first variant: {r['equal_first_variant']}" if "equal_first_variant" in r else ""
+                if "equal_first_variant" in r:
+                    extra += f"  equal to the first variant: {r['equal_first_variant']}"
                 extra += f"  cfg {json.dumps(cfg)}" if cfg else ""
                 print(f"{r['path']:8s} nb {nb:3d}: {r['ms']:.3f} ms a step ({r['ms_per_row']:.3f} a row, spread "
                       f"{r['spread']:.3f}; first {r['first_s']:.1f} s){extra}", flush=True)

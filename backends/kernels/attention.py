@@ -94,10 +94,10 @@ def attend_rows(q, k_cache, v_cache, vis, pos, out, part, count, *, nb: int, hea
     mode = mode or attend_mode(group)
     args = (q, k_cache, v_cache, vis if vis is not None else pos, pos, out, part, count, d**-0.5, max_len,
             k_cache.stride(0), vis.stride(0) if vis is not None else 1)
-    shape = dict(H=heads, SPLITS=splits, GROUP=group, D=d, HAS_VIS=vis is not None, BLOCK_S=block_s,
-                 NB=triton.cdiv(max_len, block_s), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    shape = dict(H=heads, SPLITS=splits, GROUP=group, D=d, HAS_VIS=vis is not None, BLOCK_S=block_s, PDL=pdl,
+                 num_warps=warps, launch_pdl=pdl)
     if mode == "head":
-        rows_attend[(heads, splits, nb)](*args, **shape)
+        rows_attend[(heads, splits, nb)](*args, NB=triton.cdiv(max_len, block_s), **shape)
     elif mode == "dot":
         dot = 2 if INTERPRETED else int(q.dtype == torch.float32)
         rows_attend_dot[(hkv, splits, nb)](*args, GP=max(16, triton.next_power_of_2(group)), DOT=dot, **shape)
@@ -125,17 +125,16 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
 
 
 @triton.jit
-def rows_attend_dot(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, kv_row, vis_row,
-                    H: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-                    HAS_VIS: tl.constexpr, BLOCK_S: tl.constexpr, NB: tl.constexpr, GP: tl.constexpr,
-                    DOT: tl.constexpr, PDL: tl.constexpr = False):
+def rows_attend_dot(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt_ptr, scale, max_len, kv_row,
+                    vis_row, H: tl.constexpr, SPLITS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+                    HAS_VIS: tl.constexpr, BLOCK_S: tl.constexpr, GP: tl.constexpr, DOT: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """The GROUP query heads that share KV head hk as the M side of tensor-core products (padded to
     GP rows): program (hk, j, b) takes row b's blocks j, j + SPLITS, ... up to its position, scores
     Q K^T and P V on the tensor cores (P rounded to the cache's dtype), online softmax in float32,
     and leaves each head's (unnormalised output, max, sum) in `part` as `rows_attend` does; the
     last split to finish merges the group's heads (`_merge`). Not `rows_attend`'s bits: its own,
-    the same whatever the rows beside (a row's products take only its own K/V and queries). NB:
-    unused (the launch shares `rows_attend`'s constants)."""
+    the same whatever the rows beside (a row's products take only its own K/V and queries)."""
     hk, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_ptr += b * H * D
     kc_ptr += b * kv_row

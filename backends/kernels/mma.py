@@ -18,16 +18,17 @@ K-blocks in order, float32 accumulation. Fused as decode.py's kernels:
 Batch invariance: a row's results are bit for bit the same whatever nb is and whatever the other
 rows hold. A tensor-core product computes each output from its own row of A and column of B, and
 the K blocking and split are chosen from N and K only (`cfg`), so nb changes only the number and
-size of the row and column blocks, which change no bit (measured on an H100: `mma_many`). Unlike `BatchDecode`, a row's results are not those of the single-stream step
-(`TritonDecode`): the RMSNorm's output is rounded to the model dtype before the product, as the
-eager layer rounds it (a tensor-core operand is in that dtype), and the sums run in another order.
+size of the row and column blocks, which change no bit (measured on an H100: `mma_many`). Unlike
+`BatchDecode`, a row's results are not those of the single-stream step (`TritonDecode`): the
+RMSNorm's output is rounded to the model dtype before the product, as the eager layer rounds it (a
+tensor-core operand is in that dtype), and the sums run in another order.
 
 Dense weights only (bfloat16 on the tensor cores; float32 as float32 products). In Triton's
 interpreter the products are summed explicitly (`dot_acc`, common.py).
 
 Tests: tests/test_batch_kernels.py (rows of 17- and 5-row steps against the same rows in 1- and
-3-row steps, bit for bit, with their cache writes, on the default tiles and on 32-row ones; against
-the eager decoder; `mma_rows` likewise).
+3-row steps, bit for bit, with their cache writes, on the default tiles and on 32- and 64-row ones;
+against the eager decoder; `mma_rows` likewise).
 """
 
 from __future__ import annotations
@@ -278,7 +279,6 @@ class MMADecode(BatchDecode):
     def __init__(self, single: TritonDecode):
         super().__init__(single)
         self.cfg = mma_config(targets.capability(self.x.device))
-        self.block_m = BLOCK_M
         self.many, self.many_from = mma_many(targets.capability(self.x.device), self.x.dtype)
         # the split-K scratch (BatchDecode's) for any tiles of 16-128 rows and columns that divide 128
         # (`cfg`'s, `many`'s); others grow it in a graph's warm-up runs, never in its capture
@@ -286,14 +286,15 @@ class MMADecode(BatchDecode):
         for name, w in (("o", single.weights[0][1]), ("down", single.weights[0][3])):
             sp = split_k(w.k, w.block_k(self.cfg[name][1]), self.cfg[name][2])[0]
             if sp > 1:
-                self.scratch.reserve(rows * triton.cdiv(w.n, 128) * 128 * sp, triton.cdiv(rows, 16) * triton.cdiv(w.n, 16))
+                self.scratch.reserve(rows * triton.cdiv(w.n, 128) * 128 * sp,
+                                     triton.cdiv(rows, 16) * triton.cdiv(w.n, 16))
 
     def tiles(self, name: str, nb: int) -> tuple[int, int, int]:
         """Kernel `name`'s (step rows, output columns, warps) a program for nb rows: `many`'s from
-        `many_from` rows, else `block_m` rows and `cfg`'s."""
+        `many_from` rows, else BLOCK_M rows and `cfg`'s."""
         if self.many_from is not None and nb >= self.many_from and name in self.many:
             return self.many[name]
-        return self.block_m, self.cfg[name][0], self.cfg[name][-1]
+        return BLOCK_M, self.cfg[name][0], self.cfg[name][-1]
 
     def _qkv(self, layer, w: Weight, pos: Tensor, nb: int, kv_row: int) -> None:
         s, c, a = self.single, self.c, layer.self_attn
