@@ -50,7 +50,7 @@ def _probe(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, IN
     dtype = x_ptr.dtype.element_ty
     pre = matvec.load_words(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, True, True)
     if MODE == 1:  # loads only
-        common.wait_previous(PDL)
+        common.wait_previous(PDL, False)
         acc = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.int32)
         for i in tl.range(0, DIM, BLOCK_K, num_stages=STAGES):
             nxt = matvec.load_words(w_ptr, row0, row0 + INTER, INTER, i + BLOCK_K, DIM, BLOCK_R, BLOCK_K, True, True)
@@ -62,7 +62,7 @@ def _probe(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexpr, IN
     else:
         sc_g, z_g = matvec.row_params(s_ptr, z_ptr, rows, rm, DIM, True, GS)
         sc_u, z_u = matvec.row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, True, GS)
-        common.wait_previous(PDL)
+        common.wait_previous(PDL, False)
         acc_g, acc_u, ss, vz = matvec.k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0,
                                               DIM, DIM, BLOCK_R, BLOCK_K, VW, True, GS, True, True, STAGES, PDL, False)
         inv = 1.0 / tl.sqrt(tl.sum(ss, 0) / DIM + eps)
@@ -129,7 +129,7 @@ def _probe_lean(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, u_ptr, eps, DIM: tl.c
     if PREF:  # the program's weights into L2 before the wait (a slice of each half a thread)
         _l2_prefetch(w_ptr, row0 // 4 * (DIM // 2), BLOCK_R * DIM // 2)
         _l2_prefetch(w_ptr, (row0 + INTER) // 4 * (DIM // 2), BLOCK_R * DIM // 2)
-    common.wait_previous(PDL)
+    common.wait_previous(PDL, False)
     acc = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_K // 8, BLOCK_R // 4, 4], dtype=tl.float32)
     ss = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
@@ -178,7 +178,7 @@ def _probe_gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N
     rm = rows < N
     k_lo = tl.program_id(1) * KS
     scale, zero = matvec.row_params(s_ptr, z_ptr, rows, rm, K, True, K)
-    common.wait_previous(PDL)
+    common.wait_previous(PDL, False)
     res = tl.load(x_ptr + rows).to(tl.float32)
     quad = tl.arange(0, BLOCK_R // 4)[None, :, None]
     lane = tl.arange(0, 4)[None, None, :]

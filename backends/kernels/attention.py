@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRETED, arrive_last, dot_acc, let_next, wait_previous
+from .common import INTERPRETED, arrive_last, dot_acc, wait_previous
 
 
 @triton.jit
@@ -118,7 +118,6 @@ def _attend_head(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, cnt
     if j < n_used:
         _split(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos, part_ptr, scale, max_len, h, j, n_blocks, seen, k, v, SPLITS,
                GROUP, D, HAS_VIS, BLOCK_S, NB)
-        let_next(PDL)
         if arrive_last(cnt_ptr + h, n_used):
             _merge(part_ptr, out_ptr, h, n_used, SPLITS, D)
             tl.store(cnt_ptr + h, 0)
@@ -170,7 +169,6 @@ def rows_attend_dot(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, 
             acc = acc * alpha[:, None] + pv
             total = total * alpha + tl.sum(p, 1)
             m = m_new
-        let_next(PDL)
         base = part_ptr + ((hk * GROUP + g) * SPLITS + j) * (D + 2)
         tl.store(base[:, None] + dd[None, :], acc, mask=gm[:, None])
         tl.store(base + D, m, mask=gm)

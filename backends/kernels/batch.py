@@ -84,7 +84,7 @@ def _rows_qkv_rope(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr
     r1 = row0 + tl.arange(0, BLOCK_R)
     ws, ws2 = _tiles(w_ptr, row0, row0 + D // 2, (HQ + 2 * HKV) * D, 0, DIM, BLOCK_R, BLOCK_K, KB, True)
     b1, b2 = load_qkv_bias(b_ptr, r1, r1 + D // 2, HAS_BIAS)
-    wait_previous(PDL)
+    wait_previous(PDL, False)
     for i in tl.static_range(RB):
         b = b0 + i
         pos = tl.load(pos_ptr + b)
@@ -110,7 +110,7 @@ def _rows_gate_up(x_ptr, nw_ptr, w_ptr, h_ptr, eps, DIM: tl.constexpr, INTER: tl
     dtype = x_ptr.dtype.element_ty
     KB: tl.constexpr = (DIM + BLOCK_K - 1) // BLOCK_K
     ws, ws2 = _tiles(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, KB, True)
-    wait_previous(PDL)
+    wait_previous(PDL, False)
     for i in tl.static_range(RB):
         b = b0 + i
         acc_g, acc_u, ss = _row_k(ws, ws2, x_ptr + b * DIM, nw_ptr, 0, DIM, BLOCK_R, BLOCK_K, KB, True, True)
@@ -140,7 +140,7 @@ def _rows_gemv(y_ptr, w_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.constexpr,
     k_lo = sp * KS
     KB: tl.constexpr = KS // BLOCK_K
     ws, _ = _tiles(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, KB, False)
-    wait_previous(PDL)
+    wait_previous(PDL, False)
     for i in tl.static_range(RB):
         b = b0 + i
         res = 0.0

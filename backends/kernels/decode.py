@@ -72,7 +72,7 @@ def _rms_qkv_rope(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, b_ptr, cos_ptr, sin_ptr, p
     pos = tl.load(pos_ptr)
     c = round_to(tl.load(cos_ptr + pos * D + d), dtype)
     s = round_to(tl.load(sin_ptr + pos * D + d), dtype)
-    wait_previous(PDL)
+    wait_previous(PDL, False)  # (`k_loop` lets the next kernel in after the loop)
     acc1, acc2, ss, vz = k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + D // 2, lim, x_ptr, nw_ptr, 0, DIM, DIM,
                                  BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL, PIPE)
     o1, o2 = qkv_out(acc1, acc2, ss, vz, sc1, z1, sc2, z2, b1, b2, c, s, head, eps, DIM, HQ, HKV, BLOCK_R,
@@ -145,7 +145,7 @@ def rms_gate_up(x_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, h_ptr, eps, DIM: tl.constexp
     pre = first_block(w_ptr, row0, row0 + INTER, INTER, 0, DIM, BLOCK_R, BLOCK_K, Q4, True, PIPE)
     sc_g, z_g = row_params(s_ptr, z_ptr, rows, rm, DIM, Q4, GS)
     sc_u, z_u = row_params(s_ptr, z_ptr, rows + INTER, rm, DIM, Q4, GS)
-    wait_previous(PDL)
+    wait_previous(PDL, False)  # (`k_loop` lets the next kernel in after the loop)
     acc_g, acc_u, ss, vz = k_loop(pre, w_ptr, s_ptr, z_ptr, row0, row0 + INTER, INTER, x_ptr, nw_ptr, 0, DIM, DIM,
                                    BLOCK_R, BLOCK_K, VW, Q4, GS, True, True, STAGES, PDL, PIPE)
     h = gate_up_out(acc_g, acc_u, ss, vz, sc_g, z_g, sc_u, z_u, eps, DIM, BLOCK_R, Q4, GS, dtype)

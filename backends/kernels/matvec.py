@@ -297,7 +297,7 @@ def _gemv(y_ptr, w_ptr, s_ptr, z_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, N: tl.c
     k_lo = tl.program_id(1) * KS  # (0 without a split)
     scale, zero = row_params(s_ptr, z_ptr, rows, rm, K, Q4, GS)
     pre = first_block(w_ptr, row0, row0, N, k_lo, K, BLOCK_R, BLOCK_K, Q4, False, PIPE)
-    wait_previous(PDL)
+    wait_previous(PDL, False)  # (`k_loop` lets the next kernel in after the loop)
     res = 0.0
     if RESIDUAL:  # read now, not at the end of the program
         res = tl.load(x_ptr + rows, mask=rm, other=0.0).to(tl.float32)

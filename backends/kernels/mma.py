@@ -40,7 +40,7 @@ from torch import Tensor
 
 from . import targets
 from .batch import BatchDecode
-from .common import SplitScratch, Weight, arrive_last, dot_acc, let_next, round_to, sum_parts, wait_previous, split_k
+from .common import SplitScratch, Weight, arrive_last, dot_acc, round_to, sum_parts, wait_previous, split_k
 from .decode import TritonDecode, load_qkv_bias, rotate_pair, silu_mul
 
 BLOCK_M = 16  # step rows a program, at every nb (batch invariance)
@@ -116,7 +116,6 @@ def _mma_qkv_rope(x_ptr, nw_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, acc2 = _dots(acc, acc2, x_ptr, nw_ptr, inv, m, mm, ws, ws2, 0, DIM, BLOCK_K, KB, True, True, DOT)
-    let_next(PDL)
     c = round_to(tl.load(cos_ptr + pos[:, None] * D + d[None, :]), dtype)
     s = round_to(tl.load(sin_ptr + pos[:, None] * D + d[None, :]), dtype)
     if HAS_BIAS:
@@ -152,7 +151,6 @@ def _mma_gate_up(x_ptr, nw_ptr, w_ptr, h_ptr, eps, nb, DIM: tl.constexpr, INTER:
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, acc2 = _dots(acc, acc2, x_ptr, nw_ptr, inv, m, mm, ws, ws2, 0, DIM, BLOCK_K, KB, True, True, DOT)
-    let_next(PDL)
     h = silu_mul(round_to(acc, dtype), round_to(acc2, dtype), dtype)
     tl.store(h_ptr + m[:, None] * INTER + n[None, :], h.to(dtype), mask=mm[:, None] & (n < INTER)[None, :])
 
@@ -177,7 +175,6 @@ def _mma_rows(y_ptr, w_ptr, x_ptr, out_ptr, part_ptr, cnt_ptr, nb, N: tl.constex
     mm = m < nb
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc, _ = _dots(acc, acc, y_ptr, y_ptr, 0.0, m, mm, ws, ws, sp * KS, K, BLOCK_K, KB, False, False, DOT)
-    let_next(PDL)
     if SPLIT == 1:
         _rows_out(acc, y_ptr, x_ptr, out_ptr, m, mm, n, N, RESIDUAL)
     else:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .common import let_next, round_to, wait_previous
+from .common import round_to, wait_previous
 
 
 @triton.jit
@@ -20,7 +20,6 @@ def _rms_norm(x_ptr, w_ptr, out_ptr, eps, r_ptr, N: tl.constexpr, BLOCK: tl.cons
     """out = w * rnd(x / rms(x)) for row x (N,) of program i, rounded where `RMSNorm` rounds. With
     HAS_RES, x = rnd(x + r) first, written back to x (the residual stream's `x + r` in its dtype)."""
     wait_previous(PDL)
-    let_next(PDL)
     i = tl.arange(0, BLOCK)
     m = i < N
     row = tl.program_id(0) * N
