@@ -444,6 +444,8 @@ class GraphTTSRunner(TTSRunner):
             # `gemv_rows` with the same blocking: a row's logits do not depend on its batch (cuBLAS's would)
             self.heads = _kernels("common").Weight(model.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
             self.heads_cfg = dict(HEADS_GEMV)  # (its own: tests and sweeps change a runner's)
+            # the codebooks' embeddings as one table (Q, V, hidden) for the step's input (kernels/embed.py)
+            self.code_tables = torch.stack([e.weight.detach() for e in model.emb_code])
             if (rows > 1 or self.invariant) and batch_kernels == "mma":
                 self.batch = _kernels("mma").MMADecode(self.triton)
             elif rows > 1 or self.invariant:
@@ -473,6 +475,18 @@ class GraphTTSRunner(TTSRunner):
         return self.fallback.guard(lambda: _kernels("norm").rms_norm(
             self.triton(x, self.pos_t), self.model.model.norm, self.normed, pdl=self.triton.pdl),
             lambda: eager(x, kv_len), self.device)
+
+    def _step_input(self) -> Tensor:
+        eager = super()._step_input
+        if self.triton is None:
+            return eager()
+
+        def kernel():  # (into the single step's input buffer, which it then reads in place)
+            _kernels("embed").embed_codes(self.last_b[:1], self.code_tables, self.bos_b[:1], self.bos_embed,
+                                          self.triton.x.view(1, -1), pdl=self.triton.pdl)
+            return self.triton.x
+
+        return self.fallback.guard(kernel, eager, self.device)
 
     def _logits(self, h: Tensor) -> Tensor:
         eager = super()._logits
@@ -512,9 +526,8 @@ class GraphTTSRunner(TTSRunner):
 
     def _single_batched(self, sampled: bool) -> tuple[Tensor, Tensor]:
         """Row 0's step from the single-stream inputs (`*_t`, row 0 of the `*_b` tensors) on the
-        batched step's kernels, its input embedding made as a batch's is."""
-        x = torch.where(self.bos_b[:1], self.bos_embed, self.model.embed_codes(self.last_b[:1]))
-        self._mma_step(1, x, self.pos_b[:1], self.bos_b[:1], self.block_b[:1], sampled)
+        batched step's kernels, its input embedding made as a batch's is (`_mma_step`)."""
+        self._mma_step(1, self.last_b[:1], self.pos_b[:1], self.bos_b[:1], self.block_b[:1], sampled)
         return self.raw, self.probs
 
     def run_batch(self, nb: int, kv: int, sampled: bool) -> None:
@@ -557,24 +570,27 @@ class GraphTTSRunner(TTSRunner):
     def batch_step(self, nb: int, kv: int, sampled: bool) -> None:
         if self.batch is None:
             return super().batch_step(nb, kv, sampled)
-        self._mma_step(nb, *self._batch_inputs(nb), sampled)
+        self._mma_step(nb, *self._row_state(nb), sampled)
 
-    def _mma_step(self, nb: int, x: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
-        """A batched step of rows 0..nb-1 on `batch`'s kernels (the eager layers once one of them
-        failed, kernels/fallback.py): codes to code_b, logits and probabilities to raw_b, probs_b."""
-        self.batch_fallback.guard(lambda: self._batch_kernels(nb, x, pos, bos, block, sampled),
-                                  lambda: self._batch_eager(nb, x, pos, bos, block, sampled), self.device)
+    def _mma_step(self, nb: int, last: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
+        """A batched step of rows 0..nb-1 (`_row_state`'s inputs) on `batch`'s kernels (the eager
+        layers once one of them failed, kernels/fallback.py): codes to code_b, logits and
+        probabilities to raw_b, probs_b."""
+        self.batch_fallback.guard(lambda: self._batch_kernels(nb, last, pos, bos, block, sampled),
+                                  lambda: self._batch_eager(nb, last, pos, bos, block, sampled), self.device)
 
-    def _batch_eager(self, nb: int, x: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
+    def _batch_eager(self, nb: int, last: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
         m = self.model
         mask = (self.vis_b[:nb] <= pos[:, None])[:, None, None]  # (nb, 1, 1, max_len)
+        x = self._embed(bos, last)
         h = m.model(x[:, None], pos[:, None], mask, self.max_len, None, rows=slice(0, nb))[:, -1]  # (nb, hidden)
         self.raw_b[:nb].copy_(m.logits(h))
         self.probs_b[:nb].copy_(self._probs(self.raw_b[:nb], bos, block))
         self.code_b[:nb].copy_(choose(self.probs_b[:nb], self.noise_b[:nb] if sampled else None))
 
-    def _batch_kernels(self, nb: int, x: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
+    def _batch_kernels(self, nb: int, last: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
         c, pdl = self.config, self.triton.pdl
+        x = _kernels("embed").embed_codes(last, self.code_tables, bos, self.bos_embed, self.batch.x[:nb], pdl=pdl)
         h = _kernels("norm").rms_norm(self.batch(x, pos, self.vis_b), self.model.model.norm, self.normed_b[:nb],
                                       pdl=pdl)
         raw = self.raw_b[:nb].view(nb, -1)

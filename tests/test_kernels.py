@@ -108,6 +108,34 @@ def test_llm_decode_on_kernels_matches_eager(tiny_dir):
     assert (ht - he).abs().max() <= 1e-4 * he.abs().max()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_embed_codes_kernel_matches_torch(tiny_dir, dtype):
+    """A step's input embeddings in one launch: BOS rows the BOS embedding, the others the sum of
+    their codes' embeddings, each row bit for bit the eager `where(bos, bos_embed, embed_codes)`."""
+    from minicpm_cli.backends.kernels.embed import embed_codes
+    from minicpm_cli.engine.tts import TTSRunner
+
+    s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype=dtype)
+    r = TTSRunner(s.tts_model, rows=5)
+    c = r.config
+    torch.manual_seed(2)
+    last = torch.randint(0, c.num_audio_tokens, (5, c.num_vq), device=DEVICE)
+    last[3] = c.num_audio_tokens - 1  # the last row of every table
+    bos = torch.tensor([[False], [True], [False], [False], [True]], device=DEVICE)
+    tables = torch.stack([e.weight.detach() for e in s.tts_model.emb_code])
+    out = torch.full((5, c.decoder.dim), float("nan"), dtype=r.dtype, device=DEVICE)
+    embed_codes(last, tables, bos, r.bos_embed, out)
+    ref = r._embed(bos, last)
+    if DEVICE == "cpu" and dtype == "bfloat16":  # (the interpreter rounds to bfloat16 by truncation)
+        torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
+        assert torch.equal(out[bos[:, 0]], ref[bos[:, 0]])
+    else:
+        assert torch.equal(out, ref)
+    one = torch.zeros_like(out[:1])
+    embed_codes(last[2:3], tables, bos[2:3], r.bos_embed, one)  # a row alone: the same
+    assert torch.equal(one[0], out[2])
+
+
 @pytest.mark.parametrize("bos,block_eos,sampled", [(False, False, False), (False, True, True), (True, False, True)])
 def test_code_sampling_kernel_matches_torch(tiny_dir, bos, block_eos, sampled):
     """Temperature, top-p, top-k, EOS block, softmax and the draw: the same probabilities and codes."""

@@ -15,6 +15,7 @@ they compute:
 - `norm`: a one-row RMSNorm (the final norm of a step), and with a residual's addition before it;
 - `token`: the batch-invariant token layer's element-wise kernels (rotary embedding with the K/V
   writes, SiLU * up), bit for bit the eager layer's;
+- `embed`: the TTS step's input, its last codes' embeddings summed (or BOS), in one launch;
 - `sampling`: the TTS step's choice of codes;
 - `common`: what they share: the `Weight` they take, programmatic dependent launch, split-K
   counting and merging, rounding to the model dtype.

@@ -254,7 +254,8 @@ class BatchDecode:
             raise ValueError(f"{type(self).__name__} runs at most {self.rows} rows, got {nb}")
         pdl = s.pdl
         D, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
-        self.x[:nb].copy_(x)
+        if x.data_ptr() != self.x.data_ptr():  # (kernels/embed.py writes the step's input in place)
+            self.x[:nb].copy_(x)
         splits = min(triton.cdiv(s.max_len, s.block_s), s.max_splits)
         kv_row = Hkv * s.max_len * D
         for layer, (wqkv, wo, wgu, wdown) in zip(dec.layers, s.weights):

@@ -235,10 +235,12 @@ class TTSRunner:
 
     def _step(self, kv_len: int, sampled: bool) -> tuple[Tensor, Tensor]:
         """One audio frame from the step tensors -> code_t; returns (raw logits, probs)."""
-        m = self.model
-        x = torch.where(self.bos_t, self.bos_embed[0], m.embed_codes(self.last_t))  # (hidden,)
-        raw = self._logits(self._decode(x, kv_len))  # (num_vq, num_audio_tokens)
+        raw = self._logits(self._decode(self._step_input(), kv_len))  # (num_vq, num_audio_tokens)
         return raw, self._choose(raw, sampled)
+
+    def _step_input(self) -> Tensor:
+        """Row 0's input embedding (hidden,) from bos_t and last_t."""
+        return torch.where(self.bos_t, self.bos_embed[0], self.model.embed_codes(self.last_t))
 
     def _logits(self, h: Tensor) -> Tensor:
         """Final hidden state (hidden,) -> raw float32 logits (num_vq, num_audio_tokens)."""
@@ -361,21 +363,26 @@ class TTSRunner:
         """One frame for rows 0..nb-1 from `ctl` and the row state -> code_b (greedy rows choose with
         noise 1). It changes no input, so a backend can run it more than once (graph warm-up)."""
         m = self.model
-        x, pos, bos, block = self._batch_inputs(nb)
+        last, pos, bos, block = self._row_state(nb)
+        x = self._embed(bos, last)
         mask = (self.vis_b[:nb, :kv] <= pos[:, None])[:, None, None]  # (nb, 1, 1, kv)
         h = m.model(x[:, None], pos[:, None], mask, kv, self.batch_fns, rows=slice(0, nb))[:, -1]  # (nb, hidden)
         probs = self._probs(m.logits(h), bos, block)
         self.code_b[:nb].copy_(choose(probs, self.noise_b[:nb]) if sampled else choose(probs, None))
 
-    def _batch_inputs(self, nb: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """A batched step's inputs from `ctl` and the row state -> (embeddings (nb, hidden), positions
+    def _row_state(self, nb: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A batched step's inputs from `ctl` and the row state -> (last codes (nb, num_vq), positions
         (nb,), BOS (nb, 1), EOS blocked (nb, 1)); positions and EOS blocks also to pos_b, block_b."""
         pos, block = self.ctl[0, :nb], self.ctl[1, :nb, None] > 0
         self.noise_b[:nb].copy_(self.noise_calls[self.row_ids[:nb], self.ctl[3, :nb]])
         self.pos_b[:nb].copy_(pos)
         self.block_b[:nb].copy_(block)
-        bos, last = self.bos_b[:nb], self.last_b[:nb]
-        return torch.where(bos, self.bos_embed, self.model.embed_codes(last)), pos, bos, self.block_b[:nb]
+        return self.last_b[:nb], pos, self.bos_b[:nb], self.block_b[:nb]
+
+    def _embed(self, bos: Tensor, last: Tensor) -> Tensor:
+        """Step rows' input embeddings (nb, hidden): BOS (nb, 1) rows the audio BOS embedding, the
+        others the sum of their last codes' (nb, num_vq) embeddings."""
+        return torch.where(bos, self.bos_embed, self.model.embed_codes(last))
 
     def advance(self, nb: int) -> None:
         """After a batched step: the codes into each row's call output (idle rows' to the spare step),
