@@ -444,7 +444,8 @@ class GraphTTSRunner(TTSRunner):
             # `gemv_rows` with the same blocking: a row's logits do not depend on its batch (cuBLAS's would)
             self.heads = _kernels("common").Weight(model.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
             self.heads_cfg = dict(HEADS_GEMV)  # (its own: tests and sweeps change a runner's)
-            # the codebooks' embeddings as one table (Q, V, hidden) for the step's input (kernels/embed.py)
+            # the codebooks' embeddings as one table (Q, V, hidden) for the step's input (kernels/embed.py):
+            # a copy taken here (nothing changes a loaded model's weights)
             self.code_tables = torch.stack([e.weight.detach() for e in model.emb_code])
             if (rows > 1 or self.invariant) and batch_kernels == "mma":
                 self.batch = _kernels("mma").MMADecode(self.triton)
@@ -472,9 +473,14 @@ class GraphTTSRunner(TTSRunner):
         eager = super()._decode
         if self.triton is None:
             return eager(x, kv_len)
+
+        def eager_step():  # from the step's input as it came: a failed kernel may have left the
+            # input buffer (the residual stream, which `_step_input` embeds into) half updated
+            return eager(TTSRunner._step_input(self) if x is self.triton.x else x, kv_len)
+
         return self.fallback.guard(lambda: _kernels("norm").rms_norm(
-            self.triton(x, self.pos_t), self.model.model.norm, self.normed, pdl=self.triton.pdl),
-            lambda: eager(x, kv_len), self.device)
+            self.triton(x, self.pos_t), self.model.model.norm, self.normed, pdl=self.triton.pdl), eager_step,
+            self.device)
 
     def _step_input(self) -> Tensor:
         eager = super()._step_input
@@ -573,7 +579,7 @@ class GraphTTSRunner(TTSRunner):
         self._mma_step(nb, *self._row_state(nb), sampled)
 
     def _mma_step(self, nb: int, last: Tensor, pos: Tensor, bos: Tensor, block: Tensor, sampled: bool) -> None:
-        """A batched step of rows 0..nb-1 (`_row_state`'s inputs) on `batch`'s kernels (the eager
+        """A batched step of rows 0..nb-1 (inputs as `_row_state` gives them) on `batch`'s kernels (the eager
         layers once one of them failed, kernels/fallback.py): codes to code_b, logits and
         probabilities to raw_b, probs_b."""
         self.batch_fallback.guard(lambda: self._batch_kernels(nb, last, pos, bos, block, sampled),

@@ -47,19 +47,21 @@ def warnings(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("minicpm: warning: kernel")]
 
 
-def test_tts_step_falls_back_to_eager_once(tiny_dir, monkeypatch, capsys):
-    """The TTS step's attention kernel fails: the frames and logits are the eager runner's, one
-    warning names the kernel and the device, and the kernel is not tried again."""
+@pytest.mark.parametrize("kernel", ["attention_kernel", "rms_gate_up"])
+def test_tts_step_falls_back_to_eager_once(tiny_dir, monkeypatch, capsys, kernel):
+    """A TTS step's kernel fails (before the first residual write, or after it): the frames and
+    logits are the eager runner's, from the step's input as it came; one warning names the kernel
+    and the device, and the kernel is not tried again."""
 
-    failing = Failing("attention_kernel")
-    monkeypatch.setattr(decode, "attention_kernel", failing)
+    failing = Failing(kernel)
+    monkeypatch.setattr(decode, kernel, failing)
     s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype="float32")
     runs = tts_eager_and_kernel_runs(s, "Hello there, how are you?", DEVICE)
     (codes_e, raw_e), (codes_f, raw_f) = runs
     assert torch.equal(codes_e, codes_f)
     torch.testing.assert_close(raw_f, raw_e, rtol=1e-5, atol=1e-5)
     lines = warnings(capsys.readouterr().err)
-    assert len(lines) == 1 and "attention_kernel" in lines[0] and GPU_NAME in lines[0] and "shared memory" in lines[0]
+    assert len(lines) == 1 and kernel in lines[0] and GPU_NAME in lines[0] and "shared memory" in lines[0]
     assert failing.calls == 1  # (the stage is eager from then on)
 
 

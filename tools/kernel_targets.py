@@ -150,6 +150,7 @@ def _sites(dtype):
     from minicpm_cli.backends.kernels.batch import BatchDecode, gemv_rows
     from minicpm_cli.backends.kernels.common import Weight
     from minicpm_cli.backends.kernels.decode import TritonDecode
+    from minicpm_cli.backends.kernels.embed import embed_codes
     from minicpm_cli.backends.kernels.matvec import gemv
     from minicpm_cli.backends.kernels import targets
     from minicpm_cli.backends.kernels.mma import MMADecode, mma_fits
@@ -204,6 +205,10 @@ def _sites(dtype):
         vis = empty(tts_len, dt=torch.long)
         single = TritonDecode(prepared(m.model, tts_len), vis)
         pos = empty(1, dt=torch.long)
+        tables = empty(c.num_vq, c.num_audio_tokens, c.decoder.dim)
+        for nb in ROWS:  # the step's input (the single step's and a batch's)
+            embed_codes(empty(nb, c.num_vq, dt=torch.long), tables, empty(nb, 1, dt=torch.bool),
+                        empty(c.decoder.dim), empty(nb, c.decoder.dim), pdl=single.pdl)
         h = rms_norm(single(empty(c.decoder.dim), pos), m.model.norm, empty(c.decoder.dim))
         heads = Weight(m.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
         raw = empty(rows, c.num_vq, c.num_audio_tokens, dt=torch.float32)

@@ -6,7 +6,7 @@ H100.
 
 The sum is `ChatTTS.embed_codes`'s: the codebooks' rows added in float32 in codebook order, rounded
 once to the model dtype (torch's sum of a bfloat16 stack); four bfloat16 values add exactly in
-float32 unless their exponents lie over 15 apart.
+float32, in any order, unless their exponents lie more than 14 apart.
 
 Tests: tests/test_kernels.py (`test_embed_codes_kernel_matches_torch`; the TTS runner on the
 kernels against the eager one).
@@ -38,11 +38,14 @@ def _embed_codes(codes_ptr, tables_ptr, bos_ptr, bos_embed_ptr, out_ptr, V, DIM:
     tl.store(out_ptr + b * DIM + d, x, mask=dm)
 
 
-def embed_codes(codes: Tensor, tables: Tensor, bos: Tensor, bos_embed: Tensor, out: Tensor, pdl: bool = False) -> Tensor:
-    """codes (nb, Q) integers, tables (Q, V, DIM) the codebooks' embeddings, bos (nb, 1) bool,
-    bos_embed (DIM,) or (1, DIM) -> out (nb, DIM) (contiguous rows), each row what
-    `torch.where(bos, bos_embed, ChatTTS.embed_codes(codes))` gives it. `pdl`: launched as a
-    programmatic dependent of the previous kernel (see `wait_previous`)."""
+def embed_codes(codes: Tensor, tables: Tensor, bos: Tensor, bos_embed: Tensor, out: Tensor,
+                pdl: bool = False) -> Tensor:
+    """codes (nb, Q) integers in 0..V-1 (the kernel does not check them), tables (Q, V, DIM) the
+    codebooks' embeddings, bos (nb, 1) bool, bos_embed (DIM,) or (1, DIM) -> out (nb, DIM), each
+    row what `torch.where(bos, bos_embed, ChatTTS.embed_codes(codes))` gives it; all contiguous.
+    `pdl`: launched as a programmatic dependent of the previous kernel (see `wait_previous`)."""
+    if not all(t.is_contiguous() for t in (codes, tables, bos, bos_embed, out)):
+        raise ValueError("embed_codes takes contiguous tensors")
     nb, q = codes.shape
     _embed_codes[(nb,)](codes, tables, bos, bos_embed, out, tables.shape[1], DIM=tables.shape[2], Q=q,
                         BLOCK=triton.next_power_of_2(tables.shape[2]), PDL=pdl, num_warps=4, launch_pdl=pdl)
