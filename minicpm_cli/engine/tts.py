@@ -239,8 +239,8 @@ class TTSRunner:
         return raw, self._choose(raw, sampled)
 
     def _step_input(self) -> Tensor:
-        """Row 0's input embedding (hidden,) from bos_t and last_t."""
-        return torch.where(self.bos_t, self.bos_embed[0], self.model.embed_codes(self.last_t))
+        """Row 0's input embedding (hidden,) from bos_t and last_t (`_embed`)."""
+        return self._embed(self.bos_b[:1], self.last_b[:1])[0]
 
     def _logits(self, h: Tensor) -> Tensor:
         """Final hidden state (hidden,) -> raw float32 logits (num_vq, num_audio_tokens)."""
