@@ -64,7 +64,8 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     read by fewer programs). From sweeps at the 7B's shapes in CUDA graphs on an H100
     (docs/journal.md); for 65-128 tokens against the 7B's gate/up (37888 x 3584), 128 x 128 tiles
     read the weights once: 123 us against 200 with 64 x 64 (qkv, o and down stay: 64 x 64 is as
-    fast or faster there). None of these changes a token's sums (tests/test_invariant.py checks every
+    fast or faster there); 129-512 tokens by the 7B's shape (at 256 tokens a layer's four products
+    took 305 us against 443 with one shape for all). None of these changes a token's sums (tests/test_invariant.py checks every
     one at the 7B's shapes on a GPU): the K-blocks are summed in order, each `tl.dot` a chain of
     16-wide products in order, so K-blocks of 64 or 256 add the same products in the same order.
 
@@ -76,8 +77,15 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
         cfg = (32, 16, 256, 4, 6) if k >= 4 * n else (64, 16, 256, 4, 4)
     elif m <= 128:  # (65+ rows of a long product, the 7B's gate/up and lm_head: each weight tile read once)
         cfg = (128, 128, 128, 8, 3) if m > 64 and n >= 4 * k and k >= 2048 else (64, 64, 128, 4, 4)
-    elif m <= 512:
-        cfg = 128, 128, 64, 8, 3
+    elif m <= 512:  # (a prompt's tokens: swept at 256 and 512 on the 7B's shapes, tools/invariant_sweep.py)
+        if n >= 4 * k and k >= 2048:  # gate/up: one tile of all the tokens, each weight tile read once
+            cfg = 128, 256, 64, 8, 4
+        elif k >= 4 * n and n >= 2048:  # down
+            cfg = (64, 128, 128, 8, 4) if m <= 256 else (128, 128, 128, 8, 3)
+        elif n >= 2048 and k >= 2048 and m <= 256:  # q/k/v, o
+            cfg = 64, 128, 64, 8, 4
+        else:
+            cfg = 128, 128, 64, 8, 3
     else:
         cfg = 128, 256, 64, 8, 4
     bn, bt, bk, warps, stages = cfg
