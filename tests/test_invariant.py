@@ -254,7 +254,7 @@ def test_product_rows_equal_at_every_token_count_on_gpu(name):
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if "qkv" in name else None
     x = torch.randn(1024 if name != "lm_head" else 128, k, device="cuda", dtype=torch.bfloat16)
     ref = invariant_mm(x, w, b)
-    counts = [1, 2, 7, 16, 17, 64, 65, 128, 129, 300, 512, 513, 1024]
+    counts = [1, 2, 7, 16, 17, 32, 33, 64, 65, 128, 129, 200, 256, 257, 300, 512, 513, 1024]
     assert len({mm_config(m, n, k) for m in counts}) >= (2 if name == "lm_head" else 4)
     for m in counts:
         if m <= len(x):

@@ -65,9 +65,11 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     (docs/journal.md); for 65-128 tokens against the 7B's gate/up (37888 x 3584), 128 x 128 tiles
     read the weights once: 123 us against 200 with 64 x 64 (qkv, o and down stay: 64 x 64 is as
     fast or faster there); 129-512 tokens by the 7B's shape (at 256 tokens a layer's four products
-    took 305 us against 443 with one shape for all). None of these changes a token's sums (tests/test_invariant.py checks every
-    one at the 7B's shapes on a GPU): the K-blocks are summed in order, each `tl.dot` a chain of
-    16-wide products in order, so K-blocks of 64 or 256 add the same products in the same order.
+    took 305 us against 443 with one shape for all). None of these changes a token's sums
+    (tests/test_invariant.py checks every one at the 7B's shapes on a GPU; tools/invariant_sweep.py
+    keeps only shapes that give the current bits): the K-blocks are summed in order, each `tl.dot` a
+    chain of 16-wide products in order, so K-blocks of 64 or 256 add the same products in the same
+    order.
 
     float32 takes K-blocks of 64 (its sums follow the K-block, measured). Where the shared memory of
     a block is smaller than the configuration's pipeline (`_smem`: 99 KB on sm_86, sm_89 and sm_120;
@@ -75,6 +77,8 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     program; tools/kernel_targets.py compiles what comes out for each architecture."""
     if m <= 16:  # (a long K, down_proj's: narrower tiles, deeper pipelining)
         cfg = (32, 16, 256, 4, 6) if k >= 4 * n else (64, 16, 256, 4, 4)
+    elif m <= 32:  # (a short prompt: 4% faster than 64-token tiles at 32 tokens, tools/invariant_sweep.py)
+        cfg = 64, 32, 128, 4, 4
     elif m <= 128:  # (65+ rows of a long product, the 7B's gate/up and lm_head: each weight tile read once)
         cfg = (128, 128, 128, 8, 3) if m > 64 and n >= 4 * k and k >= 2048 else (64, 64, 128, 4, 4)
     elif m <= 512:  # (a prompt's tokens: swept at 256 and 512 on the 7B's shapes, tools/invariant_sweep.py)
