@@ -214,6 +214,7 @@ class CompiledLLM(Rows):
         # invariant: a batched token's layer in nine launches (the eager layer's bits), where it fits
         inv = _invariant() if self.invariant else None
         self.tokens = inv.FusedTokens(model) if inv and inv.FusedTokens.fits(model) else None
+        self.prompt_fns = inv.FusedPrompt.fns() if inv and inv.FusedPrompt.fits(model) else None  # (fewer launches)
         if self.invariant:
             self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
                             "(batch-invariant products + CUDA graphs)")
@@ -240,7 +241,7 @@ class CompiledLLM(Rows):
             tokens = self.model.model.embed_tokens(self.ids[:t])
             inputs = torch.where(self.is_audio[:t, None], self.audio[:t], tokens)[None]
         logits, hidden = self.model(self.ids[None, :t], pos, mask, kv, logits_at=None,
-                                    block_fns=self.fns if t == 1 else None, rows=rows, inputs=inputs)
+                                    block_fns=self.fns if t == 1 else self.prompt_fns, rows=rows, inputs=inputs)
         return self.model.lm_head(hidden[0].index_select(0, self.last)).float()[0], hidden[0]
 
     def _decode(self) -> tuple[Tensor, Tensor]:

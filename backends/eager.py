@@ -52,6 +52,7 @@ class Rows:
     rows = 1
     positions: list[int]
     prompt_in: Tensor | None = None  # batched prompts' inputs (prefill_rows), made at the first use
+    prompt_fns: tuple | None = None  # a prompt's layer halves (Decoder.forward's block_fns), if not Block's
 
     @property
     def pos(self) -> int:
@@ -142,7 +143,7 @@ class Rows:
         inp = self.prompt_in[:nb, : T + 3]
         pos = inp[:, 1:2] + self.slots[:T]  # (nb, T)
         mask = (self.slots[None, None, :kv] <= pos[:, :, None])[:, None]  # (nb, 1, T, kv)
-        _, hidden = self.model(inp[:, 3:], pos, mask, kv, logits_at=None, rows=inp[:, 0])
+        _, hidden = self.model(inp[:, 3:], pos, mask, kv, logits_at=None, rows=inp[:, 0], block_fns=self.prompt_fns)
         last = hidden[torch.arange(nb, device=self.device), inp[:, 2]]  # (nb, dim)
         return self.model.lm_head(last).float(), hidden
 

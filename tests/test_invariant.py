@@ -159,6 +159,49 @@ def test_fused_tokens_are_the_eager_layer_to_the_bit(tiny_dir, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_prompt_is_the_eager_layer_to_the_bit(tiny_dir, dtype):
+    """`FusedPrompt`'s layer halves (the rotary in place, o with the residual and the RMSNorm, SiLU *
+    up) against the eager `Block`'s, from the same caches: hidden states and the K/V written, one
+    prompt at row 0 and two at rows 1 and 2 (positions a row each), equal on a GPU; in the
+    interpreter as `FusedTokens`' test. The residual stream passed in is left as it was."""
+    from minicpm_cli.backends.invariant import FusedPrompt
+
+    s, llm = _llm(tiny_dir, dtype)
+    assert llm.prompt_fns == FusedPrompt.fns()
+    model, dev = llm.model, llm.device
+    ids = torch.tensor([s.tokenizers.encode_llm(PROMPT)], device=dev)
+    t = ids.shape[1]
+    slots = torch.arange(t + 8, device=dev)
+    caches = [layer.self_attn.kv_cache for layer in model.model.layers]
+    for pos, rows in ((slots[:t], slice(0, 1)), (torch.stack([slots[:t] + 5, slots[:t]]), torch.tensor([1, 2], device=dev))):
+        b = 1 if pos.dim() == 1 else len(pos)
+        x = model.model.embed_tokens(ids.expand(b, -1)).clone()
+        x0 = x.clone()
+        kv = int(pos.max()) + 1
+        mask = slots[:kv] <= pos[..., None]
+        mask = mask[None, None] if pos.dim() == 1 else mask[:, None]
+        before = [(c.k.clone(), c.v.clone()) for c in caches]
+        fused = model.model(x, pos, mask, kv, block_fns=(FusedPrompt._pre, FusedPrompt._post), rows=rows)
+        assert torch.equal(x, x0)
+        fused_kv = [(c.k.clone(), c.v.clone()) for c in caches]
+        for c, (k, v) in zip(caches, before):
+            c.k.copy_(k)
+            c.v.copy_(v)
+        eager = model.model(x, pos, mask, kv, rows=rows)
+        assert not torch.equal(fused_kv[0][0], before[0][0])
+        if DEVICE == "cuda":
+            assert torch.equal(fused, eager)
+            for c, (k, v) in zip(caches, fused_kv):
+                assert torch.equal(c.k, k) and torch.equal(c.v, v)
+        elif dtype == "float32":  # the first layer's K/V (before any SiLU) to the bit, the rest close
+            assert torch.equal(caches[0].k, fused_kv[0][0]) and torch.equal(caches[0].v, fused_kv[0][1])
+            torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+        else:
+            # (hidden states, not logits: the interpreter's truncations add up over the layers)
+            assert torch.nn.functional.cosine_similarity(fused.float(), eager.float(), dim=-1).min() > 0.97
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_llm_prompt_after_a_context_alone_equal_batched(tiny_dir, dtype):
     """A prompt after a kept context (a voice's turn: 100 tokens over several blocks of slots),
     alone at row 0 and at row 2 of a batched prefill beside a fresh prompt and another context's:

@@ -6,6 +6,8 @@ one launch each where the eager layer takes several, each output bit for bit the
   concatenation, the sums, the cache's index writes);
 - `silu_mul`: SiLU(gate) * up (eager: three), with torch's SiLU arithmetic (`x / (1 + exp(-x))` in
   float32, IEEE division, the accurate exp);
+- `rope_rows`: a prompt's rotary embedding of q and k in place (invariant.py's `FusedPrompt`; the
+  cache writes stay the attention's);
 
 with `norm.add_rms_norm` (a residual's addition and the next RMSNorm) they take an LLM layer's
 token from some twenty-four launches to nine. Every program reads one row and writes that row's
@@ -79,6 +81,35 @@ def _rope_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, max_l
         dst = vc_ptr + b * kv_row + ((head - HQ - HKV) * max_len + pos) * D
     tl.store(dst + d, o1.to(dtype))
     tl.store(dst + D // 2 + d, o2.to(dtype))
+
+
+@triton.jit
+def _rope_rows(qkv_ptr, cos_ptr, sin_ptr, crows, W: tl.constexpr, D: tl.constexpr, EXACT: tl.constexpr):
+    """Program (head, n): q or k head `head` of token n's q/k/v projection (a row of W values),
+    rotated in place by row n % crows of cos/sin (in the projection's dtype, as the eager code gathers
+    them), rounded as the eager code rounds."""
+    head = tl.program_id(0)
+    n = tl.program_id(1)
+    dtype = qkv_ptr.dtype.element_ty
+    d = tl.arange(0, D // 2)
+    src = qkv_ptr + n * W + head * D
+    y1 = tl.load(src + d).to(tl.float32)
+    y2 = tl.load(src + D // 2 + d).to(tl.float32)
+    c = tl.load(cos_ptr + (n % crows) * D + d).to(tl.float32)
+    s = tl.load(sin_ptr + (n % crows) * D + d).to(tl.float32)
+    o1, o2 = _rotate(y1, y2, c, s, dtype, EXACT)
+    tl.store(src + d, o1.to(dtype))
+    tl.store(src + D // 2 + d, o2.to(dtype))
+
+
+def rope_rows(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, d: int) -> Tensor:
+    """A prompt's rotary embedding in place: the first `heads` heads (q's and k's) of each token's
+    q/k/v projection qkv (N, W) (contiguous) rotated by cos/sin (R, d) (contiguous, qkv's dtype:
+    the rows that `Decoder.forward` gathers; token n takes row n % R), as the eager `Attention.qkv`
+    rounds them (eager: ten launches)."""
+    n, w = qkv.shape
+    _rope_rows[(heads, n)](qkv, cos, sin, cos.shape[0], W=w, D=d, EXACT=EXACT, num_warps=1)
+    return qkv
 
 
 def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, q: Tensor, kv_cache, n_heads: int) -> Tensor:
