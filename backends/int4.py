@@ -30,7 +30,7 @@ from minicpm_cli import trace
 from ..engine.checkpoint import Checkpoint, load_module
 from minicpm_cli.errors import BackendError, CheckpointError
 from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
-from ..engine.synthetic import RandomCheckpoint
+from ..engine.synthetic import RandomCheckpoint, generator
 
 from . import compile as compiled
 from .gptq import Int4Linear, Q4Linear, quantize
@@ -52,11 +52,12 @@ def quantize_config(ckpt: Checkpoint) -> dict | None:
     return cfg
 
 
-def random_gptq(shape: tuple[int, int], device) -> dict:
+def random_gptq(shape: tuple[int, int], device, g: torch.Generator) -> dict:
     """Random 4-bit weights in the official layout (per channel, symmetric) for an nn.Linear weight
-    shape (out, in), drawn directly: random words, scales of a 0.02-std weight, zero point 8."""
+    shape (out, in), drawn directly from `g` (on `device`): random words, scales of a 0.02-std
+    weight, zero point 8."""
     out, n_in = shape
-    words = torch.randint(-(2**31), 2**31, (n_in // 8, out), dtype=torch.int32, device=device)
+    words = torch.randint(-(2**31), 2**31, (n_in // 8, out), dtype=torch.int32, device=device, generator=g)
     scales = torch.full((1, out), 0.02 / 4.6, dtype=torch.float16, device=device)  # (q - 8) has std ~4.6
     zeros = torch.full((1, out // 8), 0x77777777, dtype=torch.int32, device=device)
     return {"qweight": words, "qzeros": zeros, "scales": scales, "g_idx": torch.zeros(n_in, dtype=torch.int32, device=device)}
@@ -91,7 +92,7 @@ def build(ckpt: Checkpoint, config: dict, *, device, dtype, triton: bool | None 
             if has_gptq:
                 t = {k: ckpt.tensor(f"{key}.{k}", None, device) for k in ("qweight", "qzeros", "scales", "g_idx")}
             elif drawn:  # random weights: drawn as 4-bit values (no float copy, no quantizing)
-                t = random_gptq(ckpt.shape(key + ".weight"), device)
+                t = random_gptq(ckpt.shape(key + ".weight"), device, generator(key + ".qweight", ckpt.seed, device))
             else:
                 t = {k: v.to(device) for k, v in quantize(ckpt.tensor(key + ".weight", torch.float32, device), -1).items()}
             try:

@@ -100,3 +100,22 @@ def test_int4_path_matches_dequantized_model(checkpoints, tag):
     q4 = a.llm.model.model.layers[0].mlp.down_proj
     f32 = b.llm.model.model.layers[0].mlp.down_proj.weight
     assert q4.weight_bytes < f32.numel() * 4 / 6  # 4 bits + scales vs 32 bits
+
+
+def test_random_weights_are_the_same_whatever_was_drawn_before():
+    """int4 with random weights draws its 4-bit words from generators seeded by the checkpoint's
+    seed and each tensor's name: torch's global generator (which other code draws from) changes
+    nothing, the seed does. (They came from the global one: each process spoke otherwise.)"""
+    from minicpm_cli.backends.int4 import build
+    from minicpm_cli.engine.synthetic import RandomCheckpoint, SyntheticSpec
+
+    def words(seed: int, global_seed: int) -> list[torch.Tensor]:
+        ckpt = RandomCheckpoint(SyntheticSpec.tiny(), seed=seed)
+        torch.manual_seed(global_seed)
+        torch.rand(global_seed + 1)
+        model = build(ckpt, ckpt.config, device="cpu", dtype=torch.float32, triton=True)
+        return [b for name, b in model.named_buffers() if name.endswith("packed")]
+
+    first = words(0, 1)
+    assert first and all(torch.equal(a, b) for a, b in zip(first, words(0, 2)))
+    assert not torch.equal(first[0], words(1, 1)[0])

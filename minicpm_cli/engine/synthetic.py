@@ -255,13 +255,18 @@ def tensor_plan(spec: SyntheticSpec, *, include_unused: bool = True, include_aud
 DRAW_CHUNK = 1 << 25  # elements drawn at once in float32: a full-size embedding is drawn in slices
 
 
+def generator(name: str, seed: int, device: torch.device) -> torch.Generator:
+    """A tensor's own generator: seeded by the checkpoint's seed and the tensor's name, so that its
+    values do not depend on what was drawn before it (or on torch's global generators)."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+
+
 def _draw(name: str, shape: tuple[int, ...], init: Init, seed: int, device: torch.device,
           dtype: torch.dtype = torch.float32) -> Tensor:
     """The tensor's values (float32 draws, seeded by name) as `dtype`. Tensors over DRAW_CHUNK
     elements are drawn in slices along dim 0 into the result, so a bfloat16 embedding never
     exists in float32 whole (2 GB more at the peak)."""
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    g = generator(name, seed, device)
     n = math.prod(shape)
     if n <= DRAW_CHUNK or len(shape) < 2:
         return init(shape, g, device).to(dtype)
