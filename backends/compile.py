@@ -214,7 +214,7 @@ class CompiledLLM(Rows):
         # invariant: a batched token's layer in nine launches (the eager layer's bits), where it fits
         inv = _invariant() if self.invariant else None
         self.tokens = inv.FusedTokens(model) if inv and inv.FusedTokens.fits(model) else None
-        self.prompt_fns = inv.FusedPrompt.fns() if inv and inv.FusedPrompt.fits(model) else None  # (fewer launches)
+        self.prompt_fns = inv.FusedPrompt.fns() if self.tokens is not None else None  # (fewer launches)
         if self.invariant:
             self.version = (f"torch {torch.__version__}, triton {_kernels('common').triton.__version__} "
                             "(batch-invariant products + CUDA graphs)")

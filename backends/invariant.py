@@ -196,16 +196,6 @@ class FusedPrompt:
     over where a kernel cannot run, start from it as it was. The cache writes stay the attention's."""
 
     @staticmethod
-    def fits(lm) -> bool:
-        """Whether `lm`'s layers are the ones this runs: `FusedTokens`' and every projection on
-        `invariant_mm` (bf16 weights). Not int4's 4-bit ones: with these halves the full-size int4
-        model's replies came out otherwise than with the eager halves on an H100 (compile's were
-        equal to the bit); not understood yet (docs/journal.md, 2026-11-27, FusedPrompt)."""
-        return FusedTokens.fits(lm) and all(
-            type(p) is InvariantLinear for layer in lm.model.layers
-            for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
-
-    @staticmethod
     def pre(layer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return TOKENS.guard(lambda: FusedPrompt._pre(layer, x, cos, sin),
                             lambda: Block.pre_attention(layer, x, cos, sin), x.device)
