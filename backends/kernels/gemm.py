@@ -27,16 +27,18 @@ import triton.language as tl
 from torch import Tensor
 
 from . import targets
-from .common import INTERPRETED, dot_acc
+from .common import INTERPRETED, dot_acc, let_next, wait_previous
 
 
 @triton.jit(do_not_specialize=["M"])  # (one compilation for every token count: none mid-batch)
 def _invariant_mm(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                  DOT: tl.constexpr):
+                  DOT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (i, j): weight rows i*BLOCK_N.. against tokens j*BLOCK_T.. of x (M, K) -> out (M, N):
     the K-blocks in order, one rounding to the output dtype after the bias. (N and K are not
-    compile-time constants: one compilation a configuration serves every weight.)"""
+    compile-time constants: one compilation a configuration serves every weight.) Under PDL it waits
+    for the previous kernel first and lets the next one in after its K loop (its programs are many:
+    let in at once, the next kernel's would take the multiprocessors this one's still need)."""
     pn = tl.program_id(0)
     pt = tl.program_id(1)
     n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -44,12 +46,14 @@ def _invariant_mm(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, HAS_BIAS: tl.constexpr,
     nm = n < N
     tm = t < M
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    wait_previous(PDL, False)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         km = k < K
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
         xt = tl.load(x_ptr + t[None, :] * K + k[:, None], mask=tm[None, :] & km[:, None], other=0.0)
         acc = dot_acc(w, xt, acc, DOT)
+    let_next(PDL)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + t[None, :] * N + n[:, None], acc.to(out_ptr.dtype.element_ty), mask=nm[:, None] & tm[None, :])
@@ -118,9 +122,10 @@ def _smem(bn: int, bt: int, bk: int, stages: int, size: int, cc: tuple[int, int]
 
 
 def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Tensor | None = None,
-                 cfg: tuple | None = None) -> Tensor:
+                 cfg: tuple | None = None, pdl: bool = False) -> Tensor:
     """x (..., K) @ weight (N, K)^T + bias -> (..., N) in x's dtype; each row of x gets bit for bit
-    the same output in any batch. `cfg` overrides `mm_config` (tests, sweeps)."""
+    the same output in any batch. `cfg` overrides `mm_config` (tests, sweeps). `pdl`: launched as a
+    programmatic dependent of the previous kernel (see `wait_previous`)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not x2.is_contiguous():
@@ -138,7 +143,8 @@ def invariant_mm(x: Tensor, weight: Tensor, bias: Tensor | None = None, out: Ten
         grid = (triton.cdiv(nout, bn), triton.cdiv(m, bt))
         _invariant_mm[grid](x2, weight, bias if bias is not None else weight, out, m, nout, k,
                             HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, STAGES=stages,
-                            DOT=2 if INTERPRETED else 1 if x.dtype == torch.float32 else 0, num_warps=warps)
+                            DOT=2 if INTERPRETED else 1 if x.dtype == torch.float32 else 0, PDL=pdl,
+                            num_warps=warps, launch_pdl=pdl)
     return out.reshape(*shape[:-1], nout)
 
 

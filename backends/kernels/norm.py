@@ -43,10 +43,11 @@ def rms_norm(x: Tensor, norm, out: Tensor, pdl: bool = False) -> Tensor:
     return out
 
 
-def add_rms_norm(x: Tensor, r: Tensor, norm, out: Tensor) -> Tensor:
+def add_rms_norm(x: Tensor, r: Tensor, norm, out: Tensor, pdl: bool = False) -> Tensor:
     """x += r (in x's dtype, in place), then `rms_norm(x, norm, out)`, in one launch: each row (rows, N)
-    bit for bit what the eager `x = x + r; norm(x)` gives it (the same sums as `rms_norm`'s)."""
+    bit for bit what the eager `x = x + r; norm(x)` gives it (the same sums as `rms_norm`'s). `pdl`:
+    launched as a programmatic dependent of the previous kernel (see `wait_previous`)."""
     n = x.shape[-1]
-    _rms_norm[(x.numel() // n,)](x, norm.weight, out, norm.eps, r, N=n, BLOCK=triton.next_power_of_2(n),
-                                 HAS_RES=True, num_warps=4)
+    _rms_norm[(x.numel() // n,)](x, norm.weight, out, norm.eps, r, N=n, BLOCK=triton.next_power_of_2(n), PDL=pdl,
+                                 HAS_RES=True, num_warps=4, launch_pdl=pdl)
     return out

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from .common import INTERPRETED, round_to
+from .common import INTERPRETED, round_to, wait_previous
 
 # EXACT (a GPU): libdevice's correctly rounded product and accurate exp. The interpreter's libdevice
 # has neither; there numpy's plain operators, which neither contract nor approximate.
@@ -54,7 +54,7 @@ def _rotate(y1, y2, c, s, dtype: tl.constexpr, EXACT: tl.constexpr):
 
 @triton.jit
 def _rope_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, max_len, kv_row,
-                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, EXACT: tl.constexpr):
+                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (head, b): head `head` of row b's q/k/v projection (b, (HQ + 2 HKV) * D), the q and k
     heads rotated by the cos/sin tables (float32, (positions, D)) at the row's position, rounded as
     the eager code rounds them; q heads to q (b, HQ * D), k and v heads into cache row b at the
@@ -63,6 +63,7 @@ def _rope_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, max_l
     b = tl.program_id(1)
     dtype = qkv_ptr.dtype.element_ty
     d = tl.arange(0, D // 2)
+    wait_previous(PDL)
     pos = tl.load(pos_ptr + b)
     src = qkv_ptr + b * (HQ + 2 * HKV) * D + head * D
     y1 = tl.load(src + d).to(tl.float32)
@@ -112,19 +113,21 @@ def rope_rows(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, d: int) -> Tens
     return qkv
 
 
-def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, q: Tensor, kv_cache, n_heads: int) -> Tensor:
+def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, q: Tensor, kv_cache, n_heads: int,
+               pdl: bool = False) -> Tensor:
     """qkv (B, (H + 2 Hkv) * D) of rows 0..B-1 at positions pos (B,) -> q (B, H * D) rotated (into
     `q`), k rotated and v written into `kv_cache` rows 0..B-1 at their positions; as the eager
-    `Attention.qkv` and `KVCache.write` round them. cos, sin: the float32 tables (positions, D)."""
+    `Attention.qkv` and `KVCache.write` round them. cos, sin: the float32 tables (positions, D).
+    `pdl`: launched as a programmatic dependent of the previous kernel (see `wait_previous`)."""
     rows, hkv, max_len, d = kv_cache.k.shape
     _rope_write[(n_heads + 2 * hkv, qkv.shape[0])](
         qkv, cos, sin, pos, q, kv_cache.k, kv_cache.v, max_len, hkv * max_len * d, HQ=n_heads, HKV=hkv, D=d,
-        EXACT=EXACT, num_warps=1)
+        EXACT=EXACT, PDL=pdl, num_warps=1, launch_pdl=pdl)
     return q
 
 
 @triton.jit
-def _silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr):
+def _silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (j, b): out[b, j*BLOCK..] = rnd(rnd(silu(gate)) * up) for gate, up = the halves of row
     b of gu (b, 2 I)."""
     j = tl.program_id(0)
@@ -132,6 +135,7 @@ def _silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.c
     dtype = gu_ptr.dtype.element_ty
     i = j * BLOCK + tl.arange(0, BLOCK)
     m = i < I
+    wait_previous(PDL)
     g = tl.load(gu_ptr + b * 2 * I + i, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + b * 2 * I + I + i, mask=m, other=0.0).to(tl.float32)
     if EXACT:  # (tl.exp is the fast approximation on a GPU; torch's is the accurate one)
@@ -142,8 +146,10 @@ def _silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.c
     tl.store(out_ptr + b * I + i, (a * u).to(dtype), mask=m)
 
 
-def silu_mul(gu: Tensor, out: Tensor, block: int = 1024) -> Tensor:
-    """gu (B, 2 I) -> out (B, I) = SiLU(gate) * up, rounded as the eager `F.silu(gate) * up`."""
+def silu_mul(gu: Tensor, out: Tensor, block: int = 1024, pdl: bool = False) -> Tensor:
+    """gu (B, 2 I) -> out (B, I) = SiLU(gate) * up, rounded as the eager `F.silu(gate) * up`. `pdl`:
+    launched as a programmatic dependent of the previous kernel (see `wait_previous`)."""
     n = out.shape[-1]
-    _silu_mul[(triton.cdiv(n, block), gu.shape[0])](gu, out, I=n, BLOCK=block, EXACT=EXACT, num_warps=4)
+    _silu_mul[(triton.cdiv(n, block), gu.shape[0])](gu, out, I=n, BLOCK=block, EXACT=EXACT, PDL=pdl, num_warps=4,
+                                                    launch_pdl=pdl)
     return out
