@@ -14,7 +14,8 @@ compile and int4 backends now run one kind of arithmetic at every batch size (do
   attention on `attend_rows` (kernels/attention.py), which reads each row's position on the device
   and splits the cache slots the same way at every row count (`RowsAttention`); `FusedTokens` runs
   it in nine launches a layer, int4's counter fills aside (the eager layer's bits,
-  kernels/token.py), the eager layer stays its twin;
+  kernels/token.py), the eager layer stays its twin; `FusedPrompt` runs a prompt's layer on the same
+  fused kernels (the eager halves' bits);
 - an LLM prompt (alone or padded into a batch, after a kept voice context or not) attends on
   `prompt_attend` (kernels/attention.py; `PromptAttention`): each query over its row's slots in
   blocks counted from slot 0, so the padding, the other rows and the KV length change no bit. SDPA's
@@ -57,6 +58,7 @@ BLOCK_S, MAX_SPLITS = 64, 16  # attention's slots a block and splits a head (Tri
 # each kind of kernel here falls back to its eager twin on a GPU where it cannot run (kernels/fallback.py)
 PRODUCTS = Fallback("the batch-invariant products")
 TOKENS = Fallback("the batch-invariant token layer")
+PROMPTS = Fallback("the batch-invariant prompt layer")
 NORMS = Fallback("the batch-invariant norms")
 ATTENTION = Fallback("the batch-invariant attention")
 
@@ -195,10 +197,12 @@ class FusedTokens:
 
 
 def _product(linear, x: Tensor, pdl: bool) -> Tensor:
-    """A fused token's projection: an `InvariantLinear` as a programmatic dependent launch (`pdl`),
-    others (int4's products) as they run."""
-    if type(linear) is InvariantLinear:
-        return invariant_mm(x, linear.weight, linear.bias, pdl=pdl)
+    """A fused token's projection: with `pdl` an `InvariantLinear` as a programmatic dependent launch
+    (the products' eager twin where their kernel cannot run, as `InvariantLinear`'s own), else as
+    the module runs it."""
+    if pdl and type(linear) is InvariantLinear:
+        return PRODUCTS.guard(lambda: invariant_mm(x, linear.weight, linear.bias, pdl=True),
+                              lambda: F.linear(x, linear.weight, linear.bias), x.device)
     return linear(x)
 
 
@@ -213,12 +217,12 @@ class FusedPrompt:
 
     @staticmethod
     def pre(layer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return TOKENS.guard(lambda: FusedPrompt._pre(layer, x, cos, sin),
-                            lambda: Block.pre_attention(layer, x, cos, sin), x.device)
+        return PROMPTS.guard(lambda: FusedPrompt._pre(layer, x, cos, sin),
+                             lambda: Block.pre_attention(layer, x, cos, sin), x.device)
 
     @staticmethod
     def post(layer, x: Tensor, y: Tensor) -> Tensor:
-        return TOKENS.guard(lambda: FusedPrompt._post(layer, x, y), lambda: Block.post_attention(layer, x, y), x.device)
+        return PROMPTS.guard(lambda: FusedPrompt._post(layer, x, y), lambda: Block.post_attention(layer, x, y), x.device)
 
     @staticmethod
     def _pre(layer, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -233,7 +237,7 @@ class FusedPrompt:
 
     @staticmethod
     def _post(layer, x: Tensor, y: Tensor) -> Tensor:
-        mlp, n = layer.mlp, x.shape[-1]
+        mlp, n, x = layer.mlp, x.shape[-1], x.contiguous()  # (the kernels take rows n apart)
         r = layer.self_attn.o_proj(y)  # (B, T, dim), fresh: it takes the sum x + r
         xn = torch.empty_like(x)
         add_rms_norm(r.view(-1, n), x.reshape(-1, n), layer.post_attention_layernorm, xn.view(-1, n))

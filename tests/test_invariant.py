@@ -163,7 +163,8 @@ def test_fused_prompt_is_the_eager_layer_to_the_bit(tiny_dir, dtype):
     """`FusedPrompt`'s layer halves (the rotary in place, o with the residual and the RMSNorm, SiLU *
     up) against the eager `Block`'s, from the same caches: hidden states and the K/V written, one
     prompt at row 0 and two at rows 1 and 2 (positions a row each), equal on a GPU; in the
-    interpreter as `FusedTokens`' test. The residual stream passed in is left as it was."""
+    interpreter as `FusedTokens`' test; also two rows at the same positions. The residual stream
+    passed in is left as it was."""
     from minicpm_cli.backends.invariant import FusedPrompt
 
     s, llm = _llm(tiny_dir, dtype)
@@ -173,8 +174,9 @@ def test_fused_prompt_is_the_eager_layer_to_the_bit(tiny_dir, dtype):
     t = ids.shape[1]
     slots = torch.arange(t + 8, device=dev)
     caches = [layer.self_attn.kv_cache for layer in model.model.layers]
-    for pos, rows in ((slots[:t], slice(0, 1)), (torch.stack([slots[:t] + 5, slots[:t]]), torch.tensor([1, 2], device=dev))):
-        b = 1 if pos.dim() == 1 else len(pos)
+    cases = ((slots[:t], slice(0, 1), 1), (slots[:t] + 3, slice(1, 3), 2),  # (one row, two at one position)
+             (torch.stack([slots[:t] + 5, slots[:t]]), torch.tensor([1, 2], device=dev), 2))  # (a position each)
+    for pos, rows, b in cases:
         x = model.model.embed_tokens(ids.expand(b, -1)).clone()
         x0 = x.clone()
         kv = int(pos.max()) + 1

@@ -1,6 +1,6 @@
-"""Launch shapes of the batch-invariant products for a few tokens, kept to the bits of the current
-shape (a developer tool, not part of the package: `mm_config`'s and `q4_invariant`'s one-token
-shapes come from runs of it).
+"""Launch shapes of the batch-invariant products, kept to the bits of the current shape (a
+developer tool, not part of the package: `mm_config`'s prompt shapes for 17-32 and 129-512 tokens
+come from runs of it; its one-token sweeps found nothing faster, docs/journal.md).
 
     python tools/invariant_sweep.py --kind bf16 --m 1           # invariant_mm (compile's products)
     python tools/invariant_sweep.py --kind q4 --m 1 --jobs 14   # q4_invariant (int4's)
@@ -64,7 +64,7 @@ def same_split(k: int, bk: int, split: int, bk0: int) -> int | None:
 
 def candidates(kind: str, name: str, m: int, base: tuple) -> list[tuple]:
     """Cuts to try for m tokens: one token (the single stream's token) its own grid; a prompt's
-    tokens tiles of up to twice the count's power of two."""
+    tokens tiles from half the count's power of two (at most 128) up to that power (at least 32)."""
     n, k = SHAPES[name]
     if m == 1:
         bts, grid = (base[1],), ((32, 64, 128), (128, 256, 512) if kind == "bf16" else (64, 128, 256), (4, 8),

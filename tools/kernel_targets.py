@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-TOKENS = (1, 2, 3, 16, 17, 64, 65, 128, 129, 512, 513, 1024)  # where a product's configuration may change
+TOKENS = (1, 2, 3, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024)  # where a product's configuration may change
 ROWS = (1, 2, 3, 16, 64, 128)  # batched steps: rows of a batch (the TTS's steps, the LLM's tokens)
 DTYPES = ("bfloat16", "float32")  # --dtype on a GPU
 
@@ -248,6 +248,10 @@ def _sites(dtype):
         tokens = invariant.FusedTokens(m)  # (the token layer's element-wise kernels; its products are above)
         for nb in ROWS:
             tokens._kernels(empty(nb, dt=torch.long), empty(nb, dt=torch.long))
+        layer, pos = m.model.layers[0], empty(2, 17, dt=torch.long)  # a prompt's layer halves (FusedPrompt)
+        cos, sin = m.model.rope_cos[pos].to(dtype)[:, None], m.model.rope_sin[pos].to(dtype)[:, None]
+        q, k, v = invariant.FusedPrompt._pre(layer, empty(2, 17, c.dim), cos, sin)
+        invariant.FusedPrompt._post(layer, empty(2, 17, c.dim), empty(2, 17, c.n_heads * c.head_dim))
 
     def invariant_tts():
         m = tts()

@@ -2,8 +2,10 @@
 counting and merging (`arrive_last`, `sum_parts`, `SplitScratch`, `split_k`), a tile product
 accumulated three ways (`dot_acc`), rounding to the model dtype (`round_to`), the projection weight as the kernels take it (`Weight`) and the GPU's SM count.
 
-On Hopper and later GPUs the decode step's kernels launch as programmatic dependents: each loads
-what no kernel of the step writes (its first weights), then waits in `wait_previous`.
+On Hopper and later GPUs the decode steps' kernels (the TTS step's, the LLM token's: the Triton
+decode kernels, and the batch-invariant token layer where its products are `invariant_mm`) launch
+as programmatic dependents: each may load what no kernel of the step writes (its first weights),
+then waits in `wait_previous`.
 
 Tested through the kernels that use them (tests/test_kernels.py, tests/test_int4_kernels.py).
 """
@@ -33,9 +35,9 @@ def wait_previous(PDL: tl.constexpr, LET_NEXT: tl.constexpr = True):
     Then (LET_NEXT) the next kernel may start at once: its programs load their weights while this
     one works, and wait for it in their own `wait_previous` (on an H100, the tensor-core TTS step
     of one row 0.588 -> 0.487 ms against letting it in after the products, docs/journal.md). The
-    kernels that stream their weights in a K loop (matvec.py, decode.py) and the row-by-row batched
-    ones (batch.py) let it in after their products instead (`let_next`): early, `BatchDecode` at
-    16 rows took 1.897 ms against 1.714."""
+    kernels that stream their weights in a K loop (matvec.py, decode.py, gemm.py's `invariant_mm`)
+    and the row-by-row batched ones (batch.py) let it in after their products instead (`let_next`):
+    early, `BatchDecode` at 16 rows took 1.897 ms against 1.714."""
     if PDL:
         gdc_wait()
         if LET_NEXT:

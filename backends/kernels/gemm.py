@@ -81,7 +81,8 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     program; tools/kernel_targets.py compiles what comes out for each architecture."""
     if m <= 16:  # (a long K, down_proj's: narrower tiles, deeper pipelining)
         cfg = (32, 16, 256, 4, 6) if k >= 4 * n else (64, 16, 256, 4, 4)
-    elif m <= 32:  # (a short prompt: 4% faster than 64-token tiles at 32 tokens, tools/invariant_sweep.py)
+    elif m <= 32 and n >= 2048 and k >= 2048:  # (a short prompt on the 7B's shapes: 3-5% faster than 64-token
+        # tiles at 32 tokens, tools/invariant_sweep.py; the TTS's keep theirs)
         cfg = 64, 32, 128, 4, 4
     elif m <= 128:  # (65+ rows of a long product, the 7B's gate/up and lm_head: each weight tile read once)
         cfg = (128, 128, 128, 8, 3) if m > 64 and n >= 4 * k and k >= 2048 else (64, 64, 128, 4, 4)
@@ -152,5 +153,5 @@ def warm(weight: Tensor) -> None:
     """Compile every `mm_config` configuration for weights like `weight` (N, K) now (a first use
     compiles, about a second each, which a batch would otherwise wait for mid-run)."""
     n, k = weight.shape
-    for m in sorted({1, 17, 65, 129, 513}):
+    for m in sorted({1, 17, 33, 65, 129, 257, 513}):
         invariant_mm(torch.zeros(m, k, dtype=weight.dtype, device=weight.device), weight)

@@ -1,6 +1,7 @@
 """RMSNorm of one row, or of each of several rows, in one launch (`rms_norm`): the final norm of
 the LLM and TTS steps (the norms inside a layer are folded into its projections, decode.py), and
-with the residual's addition before it (`add_rms_norm`: the batch-invariant token layer, token.py).
+with the residual's addition before it (`add_rms_norm`: the batch-invariant token and prompt layers,
+backends/invariant.py).
 
 Tests: tests/test_kernels.py (the TTS and LLM runners on the kernels against the eager ones).
 """

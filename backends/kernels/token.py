@@ -86,11 +86,12 @@ def _rope_write(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, max_l
 
 @triton.jit
 def _rope_rows(qkv_ptr, cos_ptr, sin_ptr, crows, W: tl.constexpr, D: tl.constexpr, EXACT: tl.constexpr):
-    """Program (head, n): q or k head `head` of token n's q/k/v projection (a row of W values),
+    """Program (n, head): q or k head `head` of token n's q/k/v projection (a row of W values),
     rotated in place by row n % crows of cos/sin (in the projection's dtype, as the eager code gathers
-    them), rounded as the eager code rounds."""
-    head = tl.program_id(0)
-    n = tl.program_id(1)
+    them), rounded as the eager code rounds. (Tokens on the grid's first axis: a batch of prompts
+    can pass the second's 65535.)"""
+    n = tl.program_id(0)
+    head = tl.program_id(1)
     dtype = qkv_ptr.dtype.element_ty
     d = tl.arange(0, D // 2)
     src = qkv_ptr + n * W + head * D
@@ -109,7 +110,7 @@ def rope_rows(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, d: int) -> Tens
     the rows that `Decoder.forward` gathers; token n takes row n % R), as the eager `Attention.qkv`
     rounds them (eager: ten launches)."""
     n, w = qkv.shape
-    _rope_rows[(heads, n)](qkv, cos, sin, cos.shape[0], W=w, D=d, EXACT=EXACT, num_warps=1)
+    _rope_rows[(n, heads)](qkv, cos, sin, cos.shape[0], W=w, D=d, EXACT=EXACT, num_warps=1)
     return qkv
 
 
@@ -128,10 +129,11 @@ def rope_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, q: Tensor, kv
 
 @triton.jit
 def _silu_mul(gu_ptr, out_ptr, I: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (j, b): out[b, j*BLOCK..] = rnd(rnd(silu(gate)) * up) for gate, up = the halves of row
-    b of gu (b, 2 I)."""
-    j = tl.program_id(0)
-    b = tl.program_id(1)
+    """Program (b, j): out[b, j*BLOCK..] = rnd(rnd(silu(gate)) * up) for gate, up = the halves of row
+    b of gu (b, 2 I). (Rows on the grid's first axis: a batch of prompts' tokens can pass the
+    second's 65535.)"""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
     dtype = gu_ptr.dtype.element_ty
     i = j * BLOCK + tl.arange(0, BLOCK)
     m = i < I
@@ -150,6 +152,6 @@ def silu_mul(gu: Tensor, out: Tensor, block: int = 1024, pdl: bool = False) -> T
     """gu (B, 2 I) -> out (B, I) = SiLU(gate) * up, rounded as the eager `F.silu(gate) * up`. `pdl`:
     launched as a programmatic dependent of the previous kernel (see `wait_previous`)."""
     n = out.shape[-1]
-    _silu_mul[(triton.cdiv(n, block), gu.shape[0])](gu, out, I=n, BLOCK=block, EXACT=EXACT, PDL=pdl, num_warps=4,
+    _silu_mul[(gu.shape[0], triton.cdiv(n, block))](gu, out, I=n, BLOCK=block, EXACT=EXACT, PDL=pdl, num_warps=4,
                                                     launch_pdl=pdl)
     return out
