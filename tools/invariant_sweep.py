@@ -42,14 +42,12 @@ def current(kind: str, name: str, m: int, w) -> tuple:
     """The launch shape the product takes now for m tokens."""
     from minicpm_cli.backends.kernels import targets
     from minicpm_cli.backends.kernels.gemm import mm_config
-    from minicpm_cli.backends.kernels.q4 import q4_mm_config
+    from minicpm_cli.backends.kernels.q4 import q4_invariant_config
 
     n, k = SHAPES[name]
     if kind == "bf16":
         return mm_config(m, n, k, targets.capability(torch.device("cuda")), torch.bfloat16)
-    bt = min(max(16, 1 << (m - 1).bit_length()), 128)
-    _, _, _, warps, _, split = q4_mm_config(16, w)
-    return 64, bt, 64, warps, 4 if m <= 128 else 3, split
+    return q4_invariant_config(m, w)
 
 
 def same_split(k: int, bk: int, split: int, bk0: int) -> int | None:

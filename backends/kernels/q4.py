@@ -256,15 +256,18 @@ def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
     token too: the GEMV's sums differ from a batch's."""
     if w.group != w.k:
         raise ValueError("the batch-invariant 4-bit product takes one-group weights (the official layout)")
-    _, _, _, warps, _, split = q4_mm_config(16, w)
-    bk = 64
     outs = []
     for t0 in range(0, x.shape[0], MM_MAX_M):
         part = x[t0 : t0 + MM_MAX_M]
-        m = part.shape[0]
-        bt = min(max(16, triton.next_power_of_2(m)), 128)
-        outs.append(q4_mm(part, w, bias, cfg=(64, bt, bk, warps, 4 if m <= 128 else 3, split)))
+        outs.append(q4_mm(part, w, bias, cfg=q4_invariant_config(part.shape[0], w)))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def q4_invariant_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int]:
+    """`q4_invariant`'s launch shape for m tokens (at most MM_MAX_M): K-blocks of 64 and the split
+    `q4_mm_config` takes at 16 tokens, whatever m; tiles of up to 128 tokens."""
+    _, _, _, warps, _, split = q4_mm_config(16, w)
+    return 64, min(max(16, triton.next_power_of_2(m)), 128), 64, warps, 4 if m <= 128 else 3, split
 
 
 FALLBACK = Fallback("the 4-bit products")  # (kernels/fallback.py: `q4_eager` where the kernels cannot run)
