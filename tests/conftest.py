@@ -20,6 +20,9 @@ if not torch.cuda.is_available():
 # `say` and `reply` use a server running at the default address: a developer's own `minicpm serve`
 # must not answer the tests (the server tests name theirs explicitly).
 os.environ["MINICPM_SERVER"] = ""
+# A first load's kernels compiled side by side (backends/kernels/precompile.py): not under the tests'
+# own loads (a helper process a load, racing the tests' timings); tests/test_precompile.py tests it.
+os.environ["MINICPM_PRECOMPILE"] = "0"
 # Saved voices (`minicpm voice`, a server's voices): never the developer's own; tests that save voices
 # give their commands and servers a directory of their own.
 os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="minicpm-tests-data-")

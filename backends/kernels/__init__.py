@@ -17,6 +17,10 @@ they compute:
   writes, SiLU * up), bit for bit the eager layer's;
 - `embed`: the TTS step's input, its last codes' embeddings summed (or BOS), in one launch;
 - `sampling`: the TTS step's choice of codes;
+- `launches`: every kernel the launch sites ask to compile, recorded on meta tensors without a GPU
+  (for tools/kernel_targets.py and `precompile`);
+- `precompile`: a first command's kernels compiled side by side in a helper process while the model
+  loads, into Triton's own cache;
 - `common`: what they share: the `Weight` they take, programmatic dependent launch, split-K
   counting and merging, rounding to the model dtype.
 

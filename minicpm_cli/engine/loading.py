@@ -70,7 +70,11 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
 
     be = registry.REGISTRY.get(backend)  # (None: auto, or a name that `pick` refuses)
     warmstart.begin(be.triton if be else backend == registry.AUTO and gguf is None, device)  # (before torch)
+    if be:  # (auto: once chosen)
+        _precompile(be.name, model, device, dtype, random_weights, batch_invariant)
     name, model_id = pick(model, backend, device, gguf)
+    if not be:
+        _precompile(name, model, device, dtype, random_weights, batch_invariant)
     from . import memory
     from .pipeline import Synthesizer, resolve_device
 
@@ -79,6 +83,17 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
     synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
                              gguf=gguf, random_weights=random_weights, rows=rows, batch_invariant=batch_invariant)
     return synth, name, model_id
+
+
+def _precompile(backend: str, model: Optional[str], device: str, dtype: str, random_weights: bool,
+                invariant: bool) -> None:
+    """The backend's Triton kernels compiled side by side while it loads, where Triton's cache lacks
+    them (backends/kernels/precompile.py)."""
+    from ..backends.kernels import precompile
+
+    be = registry.get(backend)
+    precompile.start(backend, device, dtype, invariant=invariant,
+                     model=None if random_weights else model or be.default_model)
 
 
 def environment(device: "torch.device") -> dict:

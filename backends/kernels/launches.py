@@ -1,0 +1,314 @@
+"""Every Triton kernel a launch site of ours asks to compile, found without a GPU: the launch code
+itself runs on meta tensors of one layer of the model (the full-size MiniCPM-o 2.6, or the
+checkpoint's own config.json), with `targets.planning` set to an architecture and Triton's driver
+replaced by one that reports it. Each launch reaches Triton's JIT, which binds its arguments as for a
+GPU and asks to compile; the request (kernel, signature, constants, options) is recorded instead and
+nothing runs. So what is recorded is what the launch sites launch, configurations chosen by
+capability included. tools/kernel_targets.py compiles the records for every architecture and checks
+their resources; `precompile` compiles them side by side into Triton's cache before a first request.
+
+Token counts: the products' configurations change with the number of tokens (rows of a batch,
+prompt lengths); the sites launch each at the counts where a choice changes (`TOKENS`), and int4's
+prefill product at every count up to its largest tile. KV rows do not change a kernel's constants.
+The sites come in groups (`GROUPS`), so that a caller records only what one backend and mode runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+TOKENS = (1, 2, 3, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024)  # where a product's configuration may change
+ROWS = (1, 2, 3, 16, 64, 128)  # batched steps: rows of a batch (the TTS's steps, the LLM's tokens)
+DTYPES = ("bfloat16", "float32")  # --dtype on a GPU
+# llm-invariant / tts-invariant: the batch-invariant mode's prompts, products and attention (the default
+# on a GPU); llm-variant: compile's --batch-variant decode step; tts: the TTS steps, one row and batched;
+# int4-invariant / int4-variant: int4's 4-bit products in each mode (and its variant decode step)
+GROUPS = ("llm-invariant", "tts-invariant", "llm-variant", "tts", "int4-invariant", "int4-variant")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """A kernel launch as Triton's JIT asked to compile it: picklable, hashable by `key`."""
+
+    module: str
+    name: str
+    signature: tuple
+    constexprs: tuple
+    attrs: tuple
+    options: tuple
+    where: str  # which launch site (for the report)
+
+    @property
+    def key(self) -> tuple:
+        return self.module, self.name, self.signature, self.constexprs, self.options
+
+    def label(self) -> str:
+        opts = dict(self.options)
+        consts = ",".join(f"{v}" for _, v in self.constexprs)
+        return f"{self.name}[w{opts.get('num_warps')},s{opts.get('num_stages')}]({consts})"
+
+
+def _fake_driver(cc: tuple[int, int]):
+    from triton.backends.compiler import GPUTarget
+
+    class Driver:
+        """Triton's driver for a GPU that is not there: the device number is the architecture, so
+        that each keeps its own JIT caches."""
+
+        def get_current_device(self):
+            return cc[0] * 10 + cc[1]
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", cc[0] * 10 + cc[1], 32)
+
+    return Driver()
+
+
+def _freeze(v):
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | None = None
+           ) -> tuple[list[Launch], list[tuple]]:
+    """(Triton launches, q4_decode.cu constants) of the launch sites of `groups` for capability cc, in the
+    order the sites first launch them; `config`: the checkpoint's config.json (None: the full-size
+    model's)."""
+    import torch
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from . import decode, targets
+
+    launches: dict[tuple, Launch] = {}
+    cuda_defines: set[tuple] = set()
+    where = ["?"]
+
+    def do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        opts = {k: v for k, v in options.__dict__.items() if k in ("num_warps", "num_stages", "num_ctas", "launch_pdl",
+                                                                  "maxnreg", "enable_fp_fusion")}
+        fn = self.fn
+        launch = Launch(fn.__module__, fn.__name__, _freeze(signature), _freeze(sorted(constexprs.items())),
+                        _freeze(sorted(attrs.items())), _freeze(opts), where[0])
+        launches.setdefault(launch.key, launch)
+        return None  # nothing compiled, nothing launched
+
+    def gate_up(w, x, gain, h, eps, *, warps=4, chunks=2, stages=2, pdl=False):
+        cuda_defines.add(decode.gate_up_defines(w, warps, chunks, stages, pdl))
+
+    saved = JITFunction._do_compile, decode.cuda_gate_up, driver._active
+    JITFunction._do_compile, decode.cuda_gate_up = do_compile, gate_up
+    driver.set_active(_fake_driver(cc))
+    try:
+        with targets.planning(cc), torch.inference_mode():
+            for dtype in dtypes:
+                for group, site, fn in _sites(getattr(torch, dtype), config):
+                    if group in groups:
+                        where[0] = f"{site} ({dtype})"
+                        fn()
+    finally:
+        JITFunction._do_compile, decode.cuda_gate_up, driver._active = saved  # (no GPU: no default driver)
+    return list(launches.values()), sorted(cuda_defines)
+
+
+def _sites(dtype, config: dict | None = None):
+    """(group, name, callable) for every launch site, on meta tensors of one layer of the model
+    `config` describes (None: the full-size model)."""
+    import torch
+    from torch import nn
+
+    from minicpm_cli.backends import compile as compiled
+    from minicpm_cli.backends import invariant
+    from minicpm_cli.backends.kernels import q4
+    from minicpm_cli.backends.kernels.batch import BatchDecode, gemv_rows
+    from minicpm_cli.backends.kernels.common import Weight
+    from minicpm_cli.backends.kernels.decode import TritonDecode
+    from minicpm_cli.backends.kernels.embed import embed_codes
+    from minicpm_cli.backends.kernels.matvec import gemv
+    from minicpm_cli.backends.kernels import targets
+    from minicpm_cli.backends.kernels.mma import MMADecode, mma_fits
+    from minicpm_cli.backends.kernels.norm import rms_norm
+    from minicpm_cli.backends.kernels.sampling import sample_codes
+    from minicpm_cli.engine.pipeline import LLM_CONTEXT
+    from minicpm_cli.engine.synthetic import RandomCheckpoint, SyntheticSpec
+    from minicpm_cli.engine.tts import FRAMES_PER_CALL, MAX_FRAMES, MIN_KEEP
+    from minicpm_cli.models.chattts import ChatTTS, TTSConfig
+    from minicpm_cli.models.qwen2 import Qwen2Config, Qwen2LM
+
+    meta = torch.device("meta")
+    if config is None:
+        spec = dataclasses.replace(SyntheticSpec.full(), layers=1, tts_layers=1)
+        config = RandomCheckpoint(spec).config  # (config.json of the official layout at these sizes)
+    else:  # (one layer of each: every layer launches the same)
+        config = {**config, "num_hidden_layers": 1, "tts_config": {**config["tts_config"], "num_hidden_layers": 1}}
+    rows = max(ROWS)
+
+    def empty(*shape, dt=dtype):
+        return torch.empty(*shape, dtype=dt, device=meta)
+
+    def llm():
+        with meta:
+            m = Qwen2LM(Qwen2Config.from_hf(config))
+        m.to(dtype)
+        return m
+
+    def tts():
+        with meta:
+            m = ChatTTS(TTSConfig.from_hf(config["tts_config"]))
+        m.to(dtype)
+        return m
+
+    def prepared(decoder, max_len):
+        decoder.fuse()
+        decoder.setup_cache(max_len, dtype, meta, rows)
+        decoder.setup_rope(decoder.config.max_positions, meta)
+        return decoder
+
+    tts_cfg = TTSConfig.from_hf(config["tts_config"])
+    tts_len = min(tts_cfg.decoder.max_positions, tts_cfg.condition_length + MAX_FRAMES + 2 * FRAMES_PER_CALL)
+
+    def llm_decode():  # CompiledLLM._decode (--batch-variant)
+        m = llm()
+        step = TritonDecode(prepared(m.model, LLM_CONTEXT))
+        pos = empty(1, dt=torch.long)
+        rms_norm(step(step.x, pos), m.model.norm, empty(m.config.decoder.dim))
+        gemv(Weight(m.lm_head.weight), empty(m.config.decoder.dim), empty(m.config.vocab_size, dt=torch.float32),
+             **compiled.LM_HEAD_GEMV, pdl=step.pdl)
+
+    def tts_steps():  # GraphTTSRunner: the single step, the batched steps on both kernels, the code heads
+        m = tts()
+        c = m.config
+        vis = empty(tts_len, dt=torch.long)
+        single = TritonDecode(prepared(m.model, tts_len), vis)
+        pos = empty(1, dt=torch.long)
+        tables = empty(c.num_vq, c.num_audio_tokens, c.decoder.dim)
+        for nb in ROWS:  # the step's input (the single step's and a batch's)
+            embed_codes(empty(nb, c.num_vq, dt=torch.long), tables, empty(nb, 1, dt=torch.bool),
+                        empty(c.decoder.dim), empty(nb, c.decoder.dim), pdl=single.pdl)
+        h = rms_norm(single(empty(c.decoder.dim), pos), m.model.norm, empty(c.decoder.dim))
+        heads = Weight(m.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
+        raw = empty(rows, c.num_vq, c.num_audio_tokens, dt=torch.float32)
+        gemv(heads, h, raw[0].view(-1), **compiled.HEADS_GEMV, pdl=single.pdl)
+        temps = empty(c.num_vq, dt=torch.float32)
+        flags = empty(rows, 1, dt=torch.bool)
+        codes = empty(rows, c.num_vq, dt=torch.long)
+        for sampled in (False, True):
+            sample_codes(raw[0], temps, flags[0], flags[0], raw[0] if sampled else None, raw[0], codes[0], c.top_p,
+                         c.top_k, MIN_KEEP)
+        vis_b = empty(rows, tts_len, dt=torch.long)
+        kinds = [BatchDecode] + [MMADecode] * mma_fits(dtype, targets.capability(meta))  # (as GraphTTSRunner)
+        for batch in [kind(single) for kind in kinds]:
+            for nb in ROWS:
+                y = batch(empty(nb, c.decoder.dim), empty(nb, dt=torch.long), vis_b)
+                out = raw[:nb].view(nb, -1)
+                if isinstance(batch, MMADecode):
+                    batch.heads(heads, y, out)
+                else:
+                    gemv_rows(heads, y, out, **compiled.HEADS_GEMV, pdl=single.pdl)
+                for sampled in (False, True):
+                    sample_codes(raw[:nb], temps, flags[:nb], flags[:nb], raw[:nb] if sampled else None, raw[:nb],
+                                 codes[:nb], c.top_p, c.top_k, MIN_KEEP)
+
+    def invariant_llm():  # the batch-invariant mode (the default): products, norms, attention of the LLM
+        m = llm()
+        prepared(m.model, LLM_CONTEXT)
+        invariant.make_invariant(m)
+        invariant.invariant_tokens(m.model)
+        _products(m, m.config.decoder.dim)
+        attn = m.model.layers[0].self_attn
+        c = m.config.decoder
+        for nb in ROWS:
+            attn.one_query(attn.kv_cache, empty(nb, c.n_heads, 1, c.head_dim), empty(nb, 1, dt=torch.long))
+        for t in (1, 17, 300, 1024):
+            attn.many_queries(attn.kv_cache, empty(2, c.n_heads, t, c.head_dim), empty(2, t, dt=torch.long), slice(0, 2))
+        tokens = invariant.FusedTokens(m)  # (the token layer's element-wise kernels; its products are above)
+        for nb in ROWS:
+            tokens._kernels(empty(nb, dt=torch.long), empty(nb, dt=torch.long))
+        layer, pos = m.model.layers[0], empty(2, 17, dt=torch.long)  # a prompt's layer halves (FusedPrompt)
+        cos, sin = m.model.rope_cos[pos].to(dtype)[:, None], m.model.rope_sin[pos].to(dtype)[:, None]
+        q, k, v = invariant.FusedPrompt._pre(layer, empty(2, 17, c.dim), cos, sin)
+        invariant.FusedPrompt._post(layer, empty(2, 17, c.dim), empty(2, 17, c.n_heads * c.head_dim))
+
+    def invariant_tts():
+        m = tts()
+        prepared(m.model, tts_len)
+        invariant.make_invariant(m)
+        _products(m, m.config.decoder.dim)
+        c = m.config.decoder
+        hooks = invariant.PromptHooks(m.model)
+        attn = hooks.layers[0][1]
+        for t in (16, 64, 303):
+            attn(m.model.layers[0].self_attn.kv_cache, empty(2, c.n_heads, t, c.head_dim), empty(2, t, dt=torch.long),
+                 slice(0, 2))
+
+    def _products(model, dim):
+        for mod in model.modules():
+            if isinstance(mod, invariant.InvariantLinear):
+                for t in TOKENS:
+                    mod(empty(t, mod.in_features))
+            elif isinstance(mod, invariant.InvariantRMSNorm):
+                for t in (1, 17):
+                    mod(empty(t, mod.weight.shape[0]))
+
+    def int4_weights():
+        m = llm()
+        c = m.config.decoder
+        layer = m.model.layers[0]
+        shapes = {"qkv": ((c.n_heads + 2 * c.n_kv_heads) * c.head_dim, c.dim), "o": (c.dim, c.n_heads * c.head_dim),
+                  "gate_up": (2 * c.intermediate, c.dim), "down": (c.dim, c.intermediate)}
+        w = {k: Weight(empty((n + 3) // 4, k_ // 8, 4, dt=torch.int32), empty(n, 1, dt=torch.float32),
+                       empty(n, 1, dt=torch.float32), k_) for k, (n, k_) in shapes.items()}
+        layer.self_attn.qkv_proj = _Q4(w["qkv"], empty(shapes["qkv"][0]))
+        layer.self_attn.o_proj = _Q4(w["o"])
+        layer.mlp.gate_up_proj = _Q4(w["gate_up"])
+        layer.mlp.down_proj = _Q4(w["down"])
+        for name in ("q_proj", "k_proj", "v_proj"):
+            delattr(layer.self_attn, name)
+        for name in ("gate_proj", "up_proj"):
+            delattr(layer.mlp, name)
+        return m, w
+
+    def int4_variant():  # the int4 backend with --batch-variant: its decode step, its prefill products
+        m, w = int4_weights()
+        c = m.config.decoder
+        m.model.setup_cache(LLM_CONTEXT, dtype, meta, rows)
+        m.model.setup_rope(c.max_positions, meta)
+        step = TritonDecode(m.model)
+        step(step.x, empty(1, dt=torch.long))
+        for weight in w.values():
+            seen = set()  # (the token counts that change the prefill product's configuration)
+            for t in range(1, q4.MM_MAX_M + 2):
+                cfg = q4.q4_mm_config(t, weight) if 1 < t <= q4.MM_MAX_M else t
+                if cfg not in seen:
+                    seen.add(cfg)
+                    q4.q4_linear(empty(t, weight.k), weight, None)
+
+    def int4_invariant():  # the int4 backend's batch-invariant products
+        for weight in int4_weights()[1].values():
+            for t in TOKENS:
+                q4.q4_invariant(empty(t, weight.k), weight, None)
+
+    class _Q4(nn.Module):
+        def __init__(self, weight, bias=None):
+            super().__init__()
+            self.weight_, self.bias = weight, bias
+
+        def kernel_weight(self):
+            return self.weight_
+
+    # (each group in the order a request first launches it: prompts, then steps)
+    yield "llm-invariant", "LLM, batch-invariant", invariant_llm
+    yield "tts-invariant", "TTS, batch-invariant", invariant_tts
+    yield "llm-variant", "LLM decode step", llm_decode
+    yield "tts", "TTS steps", tts_steps
+    if dtype != torch.float32:  # (int4 runs in the model dtype bfloat16 on a GPU)
+        yield "int4-invariant", "int4, batch-invariant", int4_invariant
+        yield "int4-variant", "int4", int4_variant
+
+
