@@ -117,7 +117,7 @@ class Graphs:
             try:
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
-                with trace.span("graph_warmup"), torch.cuda.stream(stream):  # (first runs: JIT compilation)
+                with trace.span("graph_warmup", key=str(key)), torch.cuda.stream(stream):  # (first runs: JIT)
                     for _ in range(2):
                         fn()
                     stream.synchronize()

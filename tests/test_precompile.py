@@ -24,9 +24,9 @@ TINY = ROOT / "tests" / "fixtures" / "tiny-minicpmo"
 
 def test_groups_name_what_each_backend_runs():
     assert set(precompile.groups_for("compile", True)) == {"llm-invariant", "tts-invariant", "tts"}
-    assert set(precompile.groups_for("compile", False)) == {"llm-variant", "tts"}
+    assert set(precompile.groups_for("compile", False)) == {"llm-variant", "tts-single", "tts"}
     assert set(precompile.groups_for("int4", True)) == {"llm-invariant", "int4-invariant", "tts-invariant", "tts"}
-    assert set(precompile.groups_for("int4", False)) == {"int4-variant", "tts"}
+    assert set(precompile.groups_for("int4", False)) == {"int4-variant", "tts-single", "tts"}
     assert set(precompile.groups_for("gguf", True)) == {"tts-invariant", "tts"}
     assert precompile.groups_for("eager", True) == ()
     for backend in ("compile", "int4", "gguf"):
@@ -69,7 +69,7 @@ def test_no_helper_where_it_cannot_help(monkeypatch, backend, device, env):
     assert precompile.start(backend, device, "auto", invariant=True, model=str(TINY)) is None
 
 
-def test_the_helper_starts_in_a_group_of_its_own_and_ends_with_us(monkeypatch):
+def _fake_gpu(monkeypatch, tmp_path):
     started = {}
 
     class Proc:
@@ -84,20 +84,43 @@ def test_the_helper_starts_in_a_group_of_its_own_and_ends_with_us(monkeypatch):
 
     monkeypatch.delenv("MINICPM_PRECOMPILE", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(precompile.os.path, "exists", lambda p: True)
+    monkeypatch.setattr(precompile, "gpu", lambda ordinal: ((8, 6), 46) if ordinal == 1 else None)
     monkeypatch.setattr(precompile.subprocess, "Popen", popen)
     monkeypatch.setattr(precompile.atexit, "register", lambda fn, proc: started.update(end=(fn, proc)))
-    proc = precompile.start("int4", "cuda:1", "auto", invariant=False, model=str(TINY))
+    return started
+
+
+def test_the_helper_starts_in_a_group_of_its_own_and_ends_with_us(monkeypatch, tmp_path):
+    started = _fake_gpu(monkeypatch, tmp_path)
+    helper = precompile.start("int4", "cuda:1", "auto", invariant=False, model=str(TINY))
+    helper._thread.join(10)
     cmd = started["cmd"]
     assert cmd[1:3] == ["-m", "minicpm_cli.backends.kernels.precompile"]
-    assert cmd[cmd.index("--ordinal") + 1] == "1" and cmd[cmd.index("--dtype") + 1] == "bfloat16"
-    assert cmd[cmd.index("--groups") + 1] == "int4-variant,tts" and cmd[cmd.index("--model") + 1] == str(TINY)
+    assert cmd[cmd.index("--cc") + 1] == "8.6" and cmd[cmd.index("--sms") + 1] == "46"
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--model") + 1] == str(TINY)
+    assert cmd[cmd.index("--groups") + 1] == "int4-variant,tts-single,tts"
     assert started["start_new_session"] and started["stdout"] == subprocess.DEVNULL
-    assert started["end"] == (precompile._end, proc)
+    assert started["end"] == (precompile._end, helper.proc) and helper.running()
     killed = []
     monkeypatch.setattr(precompile.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
-    precompile._end(proc)
+    precompile._end(helper.proc)
     assert killed == [(4242, precompile.signal.SIGTERM)]
+
+
+def test_no_helper_process_once_the_marker_is_there(monkeypatch, tmp_path):
+    started = _fake_gpu(monkeypatch, tmp_path)
+    groups = precompile.groups_for("compile", True)
+    done = precompile.marker((8, 6), 46, "bfloat16", groups, (TINY / "config.json").read_bytes())
+    done.parent.mkdir(parents=True)
+    done.write_text("")
+    helper = precompile.start("compile", "cuda:1", "bfloat16", invariant=True, model=str(TINY))
+    helper.wait(10)
+    assert helper.proc is None and not started and not helper.running()
+    other = precompile.start("compile", "cuda:0", "bfloat16", invariant=True, model=str(TINY))  # (no such GPU)
+    other.wait(10)
+    assert other.proc is None and not started
 
 
 def _helper(cache: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:

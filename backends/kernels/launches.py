@@ -15,15 +15,20 @@ The sites come in groups (`GROUPS`), so that a caller records only what one back
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 TOKENS = (1, 2, 3, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024)  # where a product's configuration may change
 ROWS = (1, 2, 3, 16, 64, 128)  # batched steps: rows of a batch (the TTS's steps, the LLM's tokens)
 DTYPES = ("bfloat16", "float32")  # --dtype on a GPU
 # llm-invariant / tts-invariant: the batch-invariant mode's prompts, products and attention (the default
-# on a GPU); llm-variant: compile's --batch-variant decode step; tts: the TTS steps, one row and batched;
-# int4-invariant / int4-variant: int4's 4-bit products in each mode (and its variant decode step)
-GROUPS = ("llm-invariant", "tts-invariant", "llm-variant", "tts", "int4-invariant", "int4-variant")
+# on a GPU); llm-variant: compile's --batch-variant decode step; tts: the batched TTS steps (on the tensor
+# cores where they fit, else row by row), which the batch-invariant mode runs for one stream too;
+# tts-single: the --batch-variant one-stream step; tts-rows: the row-by-row batched steps where the
+# tensor cores' fit (`batch_kernels="rows"`); int4-invariant / int4-variant: int4's 4-bit products in
+# each mode (and its variant decode step)
+GROUPS = ("llm-invariant", "tts-invariant", "llm-variant", "tts", "tts-single", "tts-rows", "int4-invariant",
+          "int4-variant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +42,13 @@ class Launch:
     attrs: tuple
     options: tuple
     where: str  # which launch site (for the report)
+    # (signature, constexprs, attrs, options) exactly as the JIT passed them: Triton's cache key hashes
+    # their printed forms, so a compilation that is to land where the JIT will look takes these
+    raw: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def key(self) -> tuple:
-        return self.module, self.name, self.signature, self.constexprs, self.options
+        return self.module, self.name, self.signature, self.constexprs, self.attrs, self.options
 
     def label(self) -> str:
         opts = dict(self.options)
@@ -75,11 +83,12 @@ def _freeze(v):
     return v
 
 
-def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | None = None
-           ) -> tuple[list[Launch], list[tuple]]:
+def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | None = None, sms: int | None = None,
+           found=None) -> tuple[list[Launch], list[tuple]]:
     """(Triton launches, q4_decode.cu constants) of the launch sites of `groups` for capability cc, in the
     order the sites first launch them; `config`: the checkpoint's config.json (None: the full-size
-    model's)."""
+    model's); `sms`: the GPU's multiprocessors (None: the representative card's, targets.py);
+    `found(launch)`, if given, is called with each new launch as it is recorded."""
     import torch
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -95,26 +104,45 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
                                                                   "maxnreg", "enable_fp_fusion")}
         fn = self.fn
         launch = Launch(fn.__module__, fn.__name__, _freeze(signature), _freeze(sorted(constexprs.items())),
-                        _freeze(sorted(attrs.items())), _freeze(opts), where[0])
-        launches.setdefault(launch.key, launch)
+                        _freeze(sorted(attrs.items())), _freeze(opts), where[0],
+                        copy.deepcopy((signature, constexprs, attrs, dict(options.__dict__))))
+        if launch.key not in launches:
+            launches[launch.key] = launch
+            if found is not None:
+                found(launch)
         return None  # nothing compiled, nothing launched
 
     def gate_up(w, x, gain, h, eps, *, warps=4, chunks=2, stages=2, pdl=False):
         cuda_defines.add(decode.gate_up_defines(w, warps, chunks, stages, pdl))
 
-    saved = JITFunction._do_compile, decode.cuda_gate_up, driver._active
-    JITFunction._do_compile, decode.cuda_gate_up = do_compile, gate_up
+    saved = JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat
+    JITFunction._do_compile, decode.cuda_gate_up, torch.cat = do_compile, gate_up, _meta_cat(torch.cat)
     driver.set_active(_fake_driver(cc))
     try:
-        with targets.planning(cc), torch.inference_mode():
+        with targets.planning(cc, sms), torch.inference_mode():
             for dtype in dtypes:
                 for group, site, fn in _sites(getattr(torch, dtype), config):
                     if group in groups:
                         where[0] = f"{site} ({dtype})"
                         fn()
     finally:
-        JITFunction._do_compile, decode.cuda_gate_up, driver._active = saved  # (no GPU: no default driver)
+        JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat = saved  # (no GPU: no default driver)
     return list(launches.values()), sorted(cuda_defines)
+
+
+def _meta_cat(cat):
+    """torch.cat, which on meta tensors (the weights' fusing) is a Python decomposition that imports
+    torch._dynamo (1-5 s, most of a recording) for an empty tensor of the joined shape."""
+
+    def meta_cat(tensors, dim=0, **kwargs):
+        tensors = list(tensors)
+        if kwargs or not tensors or not all(t.is_meta for t in tensors):
+            return cat(tensors, dim, **kwargs)
+        shape = list(tensors[0].shape)
+        shape[dim] = sum(t.shape[dim] for t in tensors)
+        return tensors[0].new_empty(shape)
+
+    return meta_cat
 
 
 def _sites(dtype, config: dict | None = None):
@@ -181,39 +209,49 @@ def _sites(dtype, config: dict | None = None):
         gemv(Weight(m.lm_head.weight), empty(m.config.decoder.dim), empty(m.config.vocab_size, dt=torch.float32),
              **compiled.LM_HEAD_GEMV, pdl=step.pdl)
 
-    def tts_steps():  # GraphTTSRunner: the single step, the batched steps on both kernels, the code heads
+    def tts_parts():
         m = tts()
         c = m.config
-        vis = empty(tts_len, dt=torch.long)
-        single = TritonDecode(prepared(m.model, tts_len), vis)
-        pos = empty(1, dt=torch.long)
-        tables = empty(c.num_vq, c.num_audio_tokens, c.decoder.dim)
-        for nb in ROWS:  # the step's input (the single step's and a batch's)
-            embed_codes(empty(nb, c.num_vq, dt=torch.long), tables, empty(nb, 1, dt=torch.bool),
-                        empty(c.decoder.dim), empty(nb, c.decoder.dim), pdl=single.pdl)
-        h = rms_norm(single(empty(c.decoder.dim), pos), m.model.norm, empty(c.decoder.dim))
+        single = TritonDecode(prepared(m.model, tts_len), empty(tts_len, dt=torch.long))
         heads = Weight(m.heads.detach().view(c.num_vq * c.num_audio_tokens, -1))
         raw = empty(rows, c.num_vq, c.num_audio_tokens, dt=torch.float32)
-        gemv(heads, h, raw[0].view(-1), **compiled.HEADS_GEMV, pdl=single.pdl)
-        temps = empty(c.num_vq, dt=torch.float32)
-        flags = empty(rows, 1, dt=torch.bool)
-        codes = empty(rows, c.num_vq, dt=torch.long)
+        return m, c, single, heads, raw
+
+    def step_ends(m, c, single, raw, nb):  # a step's input (its last codes' embeddings) and its choice of codes
+        tables = empty(c.num_vq, c.num_audio_tokens, c.decoder.dim)
+        embed_codes(empty(nb, c.num_vq, dt=torch.long), tables, empty(nb, 1, dt=torch.bool), empty(c.decoder.dim),
+                    empty(nb, c.decoder.dim), pdl=single.pdl)
+        temps, flags = empty(c.num_vq, dt=torch.float32), empty(rows, 1, dt=torch.bool)
         for sampled in (False, True):
-            sample_codes(raw[0], temps, flags[0], flags[0], raw[0] if sampled else None, raw[0], codes[0], c.top_p,
-                         c.top_k, MIN_KEEP)
-        vis_b = empty(rows, tts_len, dt=torch.long)
-        kinds = [BatchDecode] + [MMADecode] * mma_fits(dtype, targets.capability(meta))  # (as GraphTTSRunner)
-        for batch in [kind(single) for kind in kinds]:
-            for nb in ROWS:
-                y = batch(empty(nb, c.decoder.dim), empty(nb, dt=torch.long), vis_b)
-                out = raw[:nb].view(nb, -1)
-                if isinstance(batch, MMADecode):
-                    batch.heads(heads, y, out)
-                else:
-                    gemv_rows(heads, y, out, **compiled.HEADS_GEMV, pdl=single.pdl)
-                for sampled in (False, True):
-                    sample_codes(raw[:nb], temps, flags[:nb], flags[:nb], raw[:nb] if sampled else None, raw[:nb],
-                                 codes[:nb], c.top_p, c.top_k, MIN_KEEP)
+            sample_codes(raw[:nb], temps, flags[:nb], flags[:nb], raw[:nb] if sampled else None, raw[:nb],
+                         empty(nb, c.num_vq, dt=torch.long), c.top_p, c.top_k, MIN_KEEP)
+
+    def tts_single():  # GraphTTSRunner's one-stream step on TritonDecode (--batch-variant)
+        m, c, single, heads, raw = tts_parts()
+        step_ends(m, c, single, raw, 1)
+        h = rms_norm(single(empty(c.decoder.dim), empty(1, dt=torch.long)), m.model.norm, empty(c.decoder.dim))
+        gemv(heads, h, raw[0].view(-1), **compiled.HEADS_GEMV, pdl=single.pdl)
+        for sampled in (False, True):  # (the one-stream step's choice takes row 0's views)
+            flag, temps = empty(1, dt=torch.bool), empty(c.num_vq, dt=torch.float32)
+            sample_codes(raw[0], temps, flag, flag, raw[0] if sampled else None, raw[0],
+                         empty(c.num_vq, dt=torch.long), c.top_p, c.top_k, MIN_KEEP)
+
+    def tts_batched(rows_kernels: bool):  # GraphTTSRunner's batched steps (and the invariant one-stream step)
+        m, c, single, heads, raw = tts_parts()
+        mma = mma_fits(dtype, targets.capability(meta))  # (as GraphTTSRunner)
+        if rows_kernels and not mma:
+            return  # (the row-by-row kernels are the batched steps then: group "tts")
+        batch = (MMADecode if mma and not rows_kernels else BatchDecode)(single)
+        vis = empty(rows, tts_len, dt=torch.long)
+        for nb in ROWS:
+            step_ends(m, c, single, raw, nb)
+            h = rms_norm(batch(empty(nb, c.decoder.dim), empty(nb, dt=torch.long), vis), m.model.norm,
+                         empty(nb, c.decoder.dim), pdl=single.pdl)
+            out = raw[:nb].view(nb, -1)
+            if isinstance(batch, MMADecode):
+                batch.heads(heads, h, out)
+            else:
+                gemv_rows(heads, h, out, **compiled.HEADS_GEMV, pdl=single.pdl)
 
     def invariant_llm():  # the batch-invariant mode (the default): products, norms, attention of the LLM
         m = llm()
@@ -230,10 +268,12 @@ def _sites(dtype, config: dict | None = None):
         tokens = invariant.FusedTokens(m)  # (the token layer's element-wise kernels; its products are above)
         for nb in ROWS:
             tokens._kernels(empty(nb, dt=torch.long), empty(nb, dt=torch.long))
-        layer, pos = m.model.layers[0], empty(2, 17, dt=torch.long)  # a prompt's layer halves (FusedPrompt)
-        cos, sin = m.model.rope_cos[pos].to(dtype)[:, None], m.model.rope_sin[pos].to(dtype)[:, None]
-        q, k, v = invariant.FusedPrompt._pre(layer, empty(2, 17, c.dim), cos, sin)
-        invariant.FusedPrompt._post(layer, empty(2, 17, c.dim), empty(2, 17, c.n_heads * c.head_dim))
+        layer = m.model.layers[0]
+        for b, t in ((1, 1), (1, 16), (1, 17), (2, 17)):  # a prompt's layer halves (FusedPrompt; the count of
+            pos = empty(b, t, dt=torch.long)               # rotary rows is specialised: 1, 16n or other)
+            cos, sin = m.model.rope_cos[pos].to(dtype)[:, None], m.model.rope_sin[pos].to(dtype)[:, None]
+            invariant.FusedPrompt._pre(layer, empty(b, t, c.dim), cos, sin)
+            invariant.FusedPrompt._post(layer, empty(b, t, c.dim), empty(b, t, c.n_heads * c.head_dim))
 
     def invariant_tts():
         m = tts()
@@ -306,7 +346,9 @@ def _sites(dtype, config: dict | None = None):
     yield "llm-invariant", "LLM, batch-invariant", invariant_llm
     yield "tts-invariant", "TTS, batch-invariant", invariant_tts
     yield "llm-variant", "LLM decode step", llm_decode
-    yield "tts", "TTS steps", tts_steps
+    yield "tts", "TTS steps, batched", lambda: tts_batched(False)
+    yield "tts-single", "TTS step, one stream", tts_single
+    yield "tts-rows", "TTS steps, row by row", lambda: tts_batched(True)
     if dtype != torch.float32:  # (int4 runs in the model dtype bfloat16 on a GPU)
         yield "int4-invariant", "int4, batch-invariant", int4_invariant
         yield "int4-variant", "int4", int4_variant

@@ -6,17 +6,19 @@ on an H100 machine (docs/benchmarks.md), most of the first audio's wait. `start`
 begins (before torch is imported), starts `python -m minicpm_cli.backends.kernels.precompile` in a
 process group of its own. That process
 
-1. finds the GPU's compute capability (the CUDA driver through ctypes; no context),
+1. finds the GPU's compute capability and multiprocessors (the CUDA driver through ctypes; no context),
 2. stops at once if a marker says it compiled this set before (the marker's name is a hash of our
-   sources, Triton's and torch's versions, the capability, the dtype, the groups and the model's
+   sources, Triton's and torch's versions, the GPU's capability and multiprocessors, the dtype, the groups and the model's
    config.json; it lives in Triton's cache directory, so emptying that cache removes it too),
 3. records the launches the backend's mode makes at the model's sizes (launches.py: the launch code
    on meta tensors, Triton's driver faked, nothing run), in the order a request first makes them,
 4. compiles them in forked worker processes into Triton's on-disk cache, then writes the marker.
 
-The loading process finds each kernel there when it first launches it, or compiles it itself as
-before if it gets there first: the cache is Triton's own and content-addressed, so nothing here can
-change what runs, only when it is compiled. The helper is a head start, never a requirement: any
+The loading process's first compilation waits for the helper (`wait_before_compiling`), then finds
+each kernel in the cache; a kernel the helper did not foresee it compiles itself, as before. The
+cache is Triton's own and content-addressed, and the helper compiles each kernel from exactly what
+the JIT would pass (signature, constants, attributes, options): nothing here can change what runs,
+only when it is compiled. The helper is a head start, never a requirement: any
 failure in it is silent, and the main process meets any real problem itself. It ends with the
 process that started it (its whole group: its workers too). MINICPM_PRECOMPILE=0 turns it off.
 """
@@ -32,10 +34,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+from ... import trace
+
 ENV = "MINICPM_PRECOMPILE"
+WAIT = 90.0  # seconds a first compilation waits for the helper at most
 _GPU = re.compile(r"^(auto|cuda(:\d+)?)$")
 _DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
@@ -43,7 +49,7 @@ _DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16", "floa
 def groups_for(backend: str, invariant: bool) -> tuple[str, ...]:
     """launches.GROUPS a backend runs in a mode (batch-invariant or not); () where it runs no Triton
     kernel of ours."""
-    tts = ("tts-invariant", "tts") if invariant else ("tts",)
+    tts = ("tts-invariant", "tts") if invariant else ("tts-single", "tts")
     if backend == "compile":
         return ("llm-invariant",) + tts if invariant else ("llm-variant",) + tts
     if backend == "int4":
@@ -53,28 +59,84 @@ def groups_for(backend: str, invariant: bool) -> tuple[str, ...]:
     return ()
 
 
-def start(backend: str, device: str, dtype: str, *, invariant: bool, model: str | None) -> subprocess.Popen | None:
+class Helper:
+    """The helper as seen from the loading process: a thread that asks the driver for the GPU, checks
+    the marker and starts the helper process only where the marker is missing (a warm command starts
+    no process), then that process."""
+
+    def __init__(self, ordinal: int, dtype: str, groups: tuple[str, ...], model: str | None):
+        self.proc: subprocess.Popen | None = None
+        self._args = ordinal, dtype, groups, model
+        self._thread = threading.Thread(target=self._start, daemon=True, name="minicpm-precompile")
+        self._thread.start()
+
+    def _start(self) -> None:
+        ordinal, dtype, groups, model = self._args
+        try:
+            found = gpu(ordinal)
+            if found is None:
+                return
+            (cc, sms), (_, raw) = found, _config(model)
+            if marker(cc, sms, dtype, groups, raw).exists():
+                return
+            root = str(_package().parent)  # (site-packages, or the checkout: where the helper imports from)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+            cmd = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", f"{cc[0]}.{cc[1]}",
+                   "--sms", str(sms), "--dtype", dtype, "--groups", ",".join(groups)] + (["--model", model] if model else [])
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+            atexit.register(_end, self.proc)
+        except Exception:  # (a head start only: the loading process compiles what it needs itself)
+            pass
+
+    def wait(self, timeout: float) -> None:
+        """Until the helper is done (or `timeout` s have passed)."""
+        deadline = time.monotonic() + timeout
+        self._thread.join(timeout)
+        if self.proc is not None:
+            try:
+                self.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+    def running(self) -> bool:
+        return self._thread.is_alive() or (self.proc is not None and self.proc.poll() is None)
+
+
+def start(backend: str, device: str, dtype: str, *, invariant: bool, model: str | None) -> Helper | None:
     """Start the helper for `backend` on `device` (as the user gave it), where it can help: a CUDA
     device node, a backend that runs Triton kernels of ours, a dtype they compile for. `model`: the
     checkpoint's directory or hub repo id (its config.json sets the sizes), None for the full-size
-    model (random weights). Returns the process (ended when this one exits), or None."""
+    model (random weights). Its process, if any, ends when this one exits."""
     groups = groups_for(backend, invariant)
     dt = _DTYPES.get(dtype)
     if (os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1" or not groups or dt is None
             or not _GPU.match(device) or not os.path.exists("/dev/nvidiactl")):
         return None
-    ordinal = int(device[5:]) if device.startswith("cuda:") else 0
-    root = str(_package().parent)  # (site-packages, or the checkout: where the helper's imports come from)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--ordinal", str(ordinal),
-           "--dtype", dt, "--groups", ",".join(groups)] + (["--model", model] if model else [])
+    return Helper(int(device[5:]) if device.startswith("cuda:") else 0, dt, groups, model)
+
+
+def wait_before_compiling(helper: Helper, timeout: float = WAIT) -> None:
+    """Make this process's first Triton compilation wait for the helper (up to `timeout` s): what it
+    would compile then is the helper's work, already under way side by side, and found in the cache
+    once the helper is done. Through Triton's hook for a kernel about to compile (`jit_cache_hook`),
+    once; a hook already set is kept and called."""
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=env, start_new_session=True)
-    except OSError:
-        return None
-    atexit.register(_end, proc)
-    return proc
+        from triton import knobs
+
+        previous = knobs.runtime.jit_cache_hook
+    except (ImportError, AttributeError):
+        return
+
+    def hook(*args, **kwargs):
+        if knobs.runtime.jit_cache_hook is hook:
+            knobs.runtime.jit_cache_hook = previous
+        if helper.running():
+            with trace.span("precompile_wait"):
+                helper.wait(timeout)
+        return previous(*args, **kwargs) if previous else False
+
+    knobs.runtime.jit_cache_hook = hook
 
 
 def _end(proc: subprocess.Popen) -> None:
@@ -91,18 +153,20 @@ def _package() -> Path:
     return Path(minicpm_cli.__file__).resolve().parent
 
 
-def capability(ordinal: int) -> tuple[int, int] | None:
-    """Device `ordinal`'s compute capability from the CUDA driver (no context made), or None."""
+def gpu(ordinal: int) -> tuple[tuple[int, int], int] | None:
+    """(compute capability, multiprocessors) of device `ordinal` from the CUDA driver (no context
+    made), or None."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    dev, major, minor, sms = ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
     if (lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), ordinal)
             or lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-            or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)):  # ..._MINOR
+            or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)  # ..._MINOR
+            or lib.cuDeviceGetAttribute(ctypes.byref(sms), 16, dev)):  # ..._MULTIPROCESSOR_COUNT
         return None
-    return major.value, minor.value
+    return (major.value, minor.value), sms.value
 
 
 def triton_cache() -> Path:
@@ -112,7 +176,7 @@ def triton_cache() -> Path:
     return Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
 
 
-def marker(cc: tuple[int, int], dtype: str, groups: tuple[str, ...], config: bytes | None) -> Path:
+def marker(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, ...], config: bytes | None) -> Path:
     """Where the helper notes that it compiled this set: a hash of everything the set depends on."""
     from importlib import metadata
 
@@ -126,7 +190,7 @@ def marker(cc: tuple[int, int], dtype: str, groups: tuple[str, ...], config: byt
             h.update(metadata.version(dist).encode())
         except metadata.PackageNotFoundError:
             pass
-    h.update(repr((cc, dtype, groups)).encode() + (config or b""))
+    h.update(repr((cc, sms, dtype, groups)).encode() + (config or b""))
     return triton_cache() / "minicpm-precompiled" / h.hexdigest()[:32]
 
 
@@ -153,72 +217,80 @@ def _config(model: str | None) -> tuple[dict | None, bytes | None]:
     return json.loads(raw), raw
 
 
-def _compile(launch, cc: tuple[int, int]) -> bool:
+def _compile(launch, cc: tuple[int, int]) -> tuple[bool, float, str]:
+    """(compiled, seconds, label): one recorded launch compiled into Triton's cache (a worker's job)."""
     import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(importlib.import_module(launch.module), launch.name)
-    src = ASTSource(fn, dict(launch.signature), dict(launch.constexprs), dict(launch.attrs))
+    t = time.perf_counter()
+    signature, constexprs, attrs, options = launch.raw  # (as the JIT will pass them: the same cache key)
     try:
-        triton.compile(src, target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32), options=dict(launch.options))
+        fn = getattr(importlib.import_module(launch.module), launch.name)
+        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32), options=options)
     except Exception:
-        return False
-    return True
+        return False, time.perf_counter() - t, launch.label()
+    try:  # its launcher too: Triton's C stub for the signature, built by the C compiler once and cached
+        from triton.runtime import driver  # (Triton 3.6: 0.3-0.4 s each on the H100 machine, 12 in a first say)
+
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:  # (no GPU driver here: the loading process builds it, as before)
+        pass
+    return True, time.perf_counter() - t, launch.label()
 
 
-def _job(args) -> bool:
-    return _compile(*args)
-
-
-def run(cc: tuple[int, int], dtype: str, groups: tuple[str, ...], model: str | None, jobs: int) -> dict:
+def run(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, ...], model: str | None,
+        jobs: int) -> dict:
     """Record and compile (the helper's work, also callable in-process) -> what it did."""
-    from ... import trace
-
     t0 = time.perf_counter()
     config, raw = _config(model)
-    done = marker(cc, dtype, groups, raw)
+    done = marker(cc, sms, dtype, groups, raw)
     if done.exists():
         return {"compiled": 0, "failed": 0, "skipped": True, "marker": str(done)}
-    from . import launches
+    from . import launches  # (torch, Triton and the kernels' modules imported: the workers inherit them)
 
-    with trace.span("precompile_record"):
-        found, _ = launches.record(cc, (dtype,), groups, config)
-    recorded = time.perf_counter() - t0
-    # forked workers: this process has imported torch but made no CUDA context, and forks before any
-    # thread of its own (a spawned worker would import torch again: seconds)
+    # forked workers: this process has made no CUDA context and no thread of its own yet (a spawned
+    # worker would import torch again: seconds); each launch is compiled as soon as it is recorded
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
-    with trace.span("precompile_compile", kernels=len(found)):
-        with ProcessPoolExecutor(max_workers=max(1, min(jobs, len(found))),
-                                 mp_context=multiprocessing.get_context("fork")) as pool:
-            ok = list(pool.map(_job, [(launch, cc) for launch in found], chunksize=1))
-    failed = ok.count(False)
+    with multiprocessing.get_context("fork").Pool(max(1, jobs)) as pool:
+        pending = []
+        with trace.span("precompile_record"):
+            recorded, _ = launches.record(cc, (dtype,), groups, config, sms,
+                                          found=lambda launch: pending.append(pool.apply_async(_compile, (launch, cc))))
+        t_rec = time.perf_counter() - t0
+        with trace.span("precompile_compile", kernels=len(recorded)):
+            results = [p.get() for p in pending]
+    failed = [label for ok, _, label in results if not ok]
     if not failed:
         done.parent.mkdir(parents=True, exist_ok=True)
-        done.write_text(f"{len(found)} kernels, sm_{cc[0]}{cc[1]}, {dtype}, {','.join(groups)}\n")
-    return {"compiled": len(found), "failed": failed, "skipped": False, "marker": str(done),
-            "record_seconds": recorded, "seconds": time.perf_counter() - t0}
+        done.write_text(f"{len(recorded)} kernels, sm_{cc[0]}{cc[1]}, {dtype}, {','.join(groups)}\n")
+    slowest = sorted(results, key=lambda r: -r[1])[:5]
+    return {"compiled": len(recorded), "failed": len(failed), "failures": failed, "skipped": False,
+            "marker": str(done), "record_seconds": round(t_rec, 2), "seconds": round(time.perf_counter() - t0, 2),
+            "compile_seconds": round(sum(r[1] for r in results), 2),
+            "slowest": [(label, round(t, 2)) for _, t, label in slowest]}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ordinal", type=int, default=0)
     p.add_argument("--cc", help="compile for this capability (e.g. 9.0) instead of the device's")
+    p.add_argument("--sms", type=int, help="with --cc: its multiprocessors (default: the representative card's)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(set(_DTYPES.values())))
     p.add_argument("--groups", required=True)
     p.add_argument("--model", help="a checkpoint directory or hub repo id (default: the full-size model)")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     p.add_argument("--verbose", action="store_true", help="say what was done on stderr")
     a = p.parse_args(argv)
-    cc = tuple(int(x) for x in a.cc.split(".")) if a.cc else capability(a.ordinal)
-    if cc is None:
+    found = ((tuple(int(x) for x in a.cc.split(".")), a.sms) if a.cc else gpu(a.ordinal))
+    if found is None:
         return 1
     try:
-        out = run(cc, a.dtype, tuple(a.groups.split(",")), a.model, a.jobs)
+        out = run(*found, a.dtype, tuple(a.groups.split(",")), a.model, a.jobs)
     except LookupError:
         return 1
     if a.verbose:

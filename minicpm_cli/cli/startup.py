@@ -125,6 +125,6 @@ def table(runs: list[Run], model: str) -> str:
     lines += ["", "Loading, phase by phase (s; the model stages include their tensor reads):", ""]
     for r in runs:
         if not r.exit_code:
-            parts = ", ".join(f"{k.removeprefix('load_')} {v:.2f}" for k, v in r.spans.items() if k.startswith(("load_", "cuda")))
+            parts = ", ".join(f"{k.removeprefix('load_')} {v:.2f}" for k, v in r.spans.items() if k.startswith(("load_", "cuda", "precompile")))
             lines.append(f"- {r.backend}, {r.which} run: {parts}")
     return "\n".join(lines) + "\n"

@@ -92,8 +92,10 @@ def _precompile(backend: str, model: Optional[str], device: str, dtype: str, ran
     from ..backends.kernels import precompile
 
     be = registry.get(backend)
-    precompile.start(backend, device, dtype, invariant=invariant,
-                     model=None if random_weights else model or be.default_model)
+    helper = precompile.start(backend, device, dtype, invariant=invariant,
+                              model=None if random_weights else model or be.default_model)
+    if helper is not None:
+        precompile.wait_before_compiling(helper)
 
 
 def environment(device: "torch.device") -> dict:
