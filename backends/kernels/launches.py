@@ -18,7 +18,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-TOKENS = (1, 2, 3, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024)  # where a product's configuration may change
+# where a product's configuration may change (and 1 and 16n: Triton specialises an integer so)
+TOKENS = (1, 2, 3, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257, 512, 513, 1024)
 ROWS = (1, 2, 3, 16, 64, 128)  # batched steps: rows of a batch (the TTS's steps, the LLM's tokens)
 DTYPES = ("bfloat16", "float32")  # --dtype on a GPU
 # llm-invariant / tts-invariant: the batch-invariant mode's prompts, products and attention (the default
@@ -264,7 +265,8 @@ def _sites(dtype, config: dict | None = None):
         for nb in ROWS:
             attn.one_query(attn.kv_cache, empty(nb, c.n_heads, 1, c.head_dim), empty(nb, 1, dt=torch.long))
         for t in (1, 17, 300, 1024):
-            attn.many_queries(attn.kv_cache, empty(2, c.n_heads, t, c.head_dim), empty(2, t, dt=torch.long), slice(0, 2))
+            attn.many_queries(attn.kv_cache, empty(2, c.n_heads, t, c.head_dim), empty(2, t, dt=torch.long),
+                              slice(0, 2))
         tokens = invariant.FusedTokens(m)  # (the token layer's element-wise kernels; its products are above)
         for nb in ROWS:
             tokens._kernels(empty(nb, dt=torch.long), empty(nb, dt=torch.long))

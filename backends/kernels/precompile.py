@@ -1,26 +1,28 @@
 """A first command's Triton kernels compiled side by side while the model loads.
 
 With an empty Triton cache (a user's first command, or the first after an upgrade), each kernel is
-compiled where the first request first launches it, one after another on the main thread: 10-14 s
-on an H100 machine (docs/benchmarks.md), most of the first audio's wait. `start`, called as loading
-begins (before torch is imported), starts `python -m minicpm_cli.backends.kernels.precompile` in a
-process group of its own. That process
+compiled where the first request first launches it, one after another on the main thread: 13-17 s
+on the H100 machine (docs/benchmarks.md), most of the first audio's wait. `start`, called as loading
+begins (before torch is imported), starts a thread that
 
-1. finds the GPU's compute capability and multiprocessors (the CUDA driver through ctypes; no context),
-2. stops at once if a marker says it compiled this set before (the marker's name is a hash of our
-   sources, Triton's and torch's versions, the GPU's capability and multiprocessors, the dtype, the groups and the model's
-   config.json; it lives in Triton's cache directory, so emptying that cache removes it too),
-3. records the launches the backend's mode makes at the model's sizes (launches.py: the launch code
-   on meta tensors, Triton's driver faked, nothing run), in the order a request first makes them,
-4. compiles them in forked worker processes into Triton's on-disk cache, then writes the marker.
+1. asks the CUDA driver (ctypes; no context) for the GPU's compute capability and multiprocessors,
+2. stops there if a marker says this set was compiled before (the marker's name is a hash of our
+   sources, Triton's version, the GPU, the dtype, the kernel groups and the model's config.json; it
+   lives in Triton's cache directory, so emptying that cache removes it too): a warm command starts
+   no process,
+3. else starts `python -m minicpm_cli.backends.kernels.precompile` in a process group of its own,
+   which records the launches the backend's mode makes at the model's sizes (launches.py: the launch
+   code on meta tensors, Triton's driver faked, nothing run), hands each to a forked worker as soon
+   as it is recorded (the kernel compiled into Triton's on-disk cache, and its launcher built), then
+   writes the marker.
 
 The loading process's first compilation waits for the helper (`wait_before_compiling`), then finds
 each kernel in the cache; a kernel the helper did not foresee it compiles itself, as before. The
 cache is Triton's own and content-addressed, and the helper compiles each kernel from exactly what
 the JIT would pass (signature, constants, attributes, options): nothing here can change what runs,
-only when it is compiled. The helper is a head start, never a requirement: any
-failure in it is silent, and the main process meets any real problem itself. It ends with the
-process that started it (its whole group: its workers too). MINICPM_PRECOMPILE=0 turns it off.
+only when it is compiled. The helper is a head start, never a requirement: any failure in it is
+silent, and the loading process meets any real problem itself. It ends with the process that
+started it (its whole group: its workers too). MINICPM_PRECOMPILE=0 turns it off.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ class Helper:
             root = str(_package().parent)  # (site-packages, or the checkout: where the helper imports from)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
             cmd = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", f"{cc[0]}.{cc[1]}",
-                   "--sms", str(sms), "--dtype", dtype, "--groups", ",".join(groups)] + (["--model", model] if model else [])
+                   "--sms", str(sms), "--dtype", dtype, "--groups", ",".join(groups)]
+            cmd += ["--model", model] if model else []
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, env=env, start_new_session=True)
             atexit.register(_end, self.proc)
@@ -185,11 +188,11 @@ def marker(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, 
     for base in [package] + ([] if backends.is_relative_to(package) else [backends]):  # (a checkout's ../backends)
         for path in sorted(base.rglob("*.py")):
             h.update(str(path.relative_to(base)).encode() + b"\0" + path.read_bytes())
-    for dist in ("triton", "torch"):
-        try:
-            h.update(metadata.version(dist).encode())
-        except metadata.PackageNotFoundError:
-            pass
+    triton = sys.modules.get("triton")  # (imported by now on a GPU: engine/warmstart.py)
+    try:
+        h.update((triton.__version__ if triton else metadata.version("triton")).encode())
+    except metadata.PackageNotFoundError:
+        pass
     h.update(repr((cc, sms, dtype, groups)).encode() + (config or b""))
     return triton_cache() / "minicpm-precompiled" / h.hexdigest()[:32]
 
