@@ -148,6 +148,19 @@ def test_the_helper_fills_the_cache_once(tmp_path):
     assert len(list((tmp_path / "minicpm-precompiled").iterdir())) == 2
 
 
+def test_a_model_not_downloaded_yet_has_the_official_sizes(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: asked.append(repo))  # (none)
+    assert precompile._config("openbmb/MiniCPM-o-2_6") == (None, None) and asked == ["openbmb/MiniCPM-o-2_6"]
+    config, raw = precompile._config(str(TINY))
+    assert raw == (TINY / "config.json").read_bytes() and config["tts_config"]
+    for missing in (str(tmp_path / "nowhere"), "./nowhere", "nowhere"):
+        with pytest.raises(LookupError):
+            precompile._config(missing)
+
+
 def test_the_helper_gives_up_quietly_without_a_config(tmp_path):
     out, _ = _helper(tmp_path, "--cc", "8.6", "--groups", "tts", "--model", str(tmp_path / "nowhere"))
     assert out.returncode == 1 and not list(tmp_path.iterdir())

@@ -198,15 +198,19 @@ def marker(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, 
 
 
 def _config(model: str | None) -> tuple[dict | None, bytes | None]:
-    """(config.json's content, its bytes) of `model`: a directory, or a hub repo id already in the local
-    cache (nothing is downloaded here); (None, None) for the full-size model. Raises LookupError where
-    there is none."""
+    """(config.json's content, its bytes) of `model`: a directory's, or a hub repo id's from the local
+    cache; (None, None), the full-size model's, for random weights or a repo id not downloaded yet (a
+    first command: the helper compiles while the download runs; the official checkpoints have those
+    sizes). Raises LookupError for a directory without one."""
     import json
 
     if model is None:
         return None, None
-    path = Path(model).expanduser() / "config.json"
+    local = Path(model).expanduser()
+    path = local / "config.json"
     if not path.is_file():
+        if local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+            raise LookupError(model)
         try:
             from huggingface_hub import try_to_load_from_cache
 
@@ -214,7 +218,7 @@ def _config(model: str | None) -> tuple[dict | None, bytes | None]:
         except Exception:
             found = None
         if not isinstance(found, str):
-            raise LookupError(model)
+            return None, None
         path = Path(found)
     raw = path.read_bytes()
     return json.loads(raw), raw
