@@ -58,15 +58,21 @@ def test_recording_follows_the_groups_and_the_config():
     assert got["where"] == ["TTS, batch-invariant (bfloat16)"]
 
 
-@pytest.mark.parametrize("backend, device, env", [("eager", "cuda", {}), ("compile", "cpu", {}),
-                                                  ("compile", "cuda", {"MINICPM_PRECOMPILE": "0"}),
-                                                  ("compile", "cuda", {"TRITON_INTERPRET": "1"})])
-def test_no_helper_where_it_cannot_help(monkeypatch, backend, device, env):
+@pytest.mark.parametrize("backend, device, env, cpus", [
+    ("compile", "cuda", {}, 16),  # (the control: this one starts)
+    ("eager", "cuda", {}, 16), ("compile", "cpu", {}, 16), ("compile", "cuda", {"MINICPM_PRECOMPILE": "0"}, 16),
+    ("compile", "cuda", {"TRITON_INTERPRET": "1"}, 16), ("compile", "cuda", {}, precompile.MIN_CPUS - 1)])
+def test_no_helper_where_it_cannot_help(monkeypatch, backend, device, env, cpus):
+    monkeypatch.delenv("MINICPM_PRECOMPILE", raising=False)  # (the suite's own setting)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(precompile.os.path, "exists", lambda p: True)  # (as if a CUDA device node were there)
-    monkeypatch.setattr(precompile.subprocess, "Popen", lambda *a, **k: pytest.fail("started"))
-    assert precompile.start(backend, device, "auto", invariant=True, model=str(TINY)) is None
+    monkeypatch.setattr(precompile, "_gpu_node", lambda: True)  # (as if a CUDA device node were there)
+    monkeypatch.setattr(precompile, "cpus", lambda: cpus)
+    monkeypatch.setattr(precompile, "Helper", lambda *args: ("helper", args))
+    got = precompile.start(backend, device, "auto", invariant=True, model=str(TINY))
+    control = (backend, device, env, cpus) == ("compile", "cuda", {}, 16)
+    assert got == (("helper", (0, "bfloat16", precompile.groups_for("compile", True), str(TINY))) if control else None)
 
 
 def _fake_gpu(monkeypatch, tmp_path):
@@ -85,10 +91,11 @@ def _fake_gpu(monkeypatch, tmp_path):
     monkeypatch.delenv("MINICPM_PRECOMPILE", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(precompile.os.path, "exists", lambda p: True)
+    monkeypatch.setattr(precompile, "_gpu_node", lambda: True)
+    monkeypatch.setattr(precompile, "cpus", lambda: 16)
     monkeypatch.setattr(precompile, "gpu", lambda ordinal: ((8, 6), 46) if ordinal == 1 else None)
     monkeypatch.setattr(precompile.subprocess, "Popen", popen)
-    monkeypatch.setattr(precompile.atexit, "register", lambda fn, proc: started.update(end=(fn, proc)))
+    monkeypatch.setattr(precompile, "_on_exit", lambda fn, proc: started.update(end=(fn, proc)))
     return started
 
 
@@ -99,8 +106,13 @@ def test_the_helper_starts_in_a_group_of_its_own_and_ends_with_us(monkeypatch, t
     cmd = started["cmd"]
     assert cmd[1:3] == ["-m", "minicpm_cli.backends.kernels.precompile"]
     assert cmd[cmd.index("--cc") + 1] == "8.6" and cmd[cmd.index("--sms") + 1] == "46"
-    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--model") + 1] == str(TINY)
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--model") + 1] == str(TINY.resolve())
     assert cmd[cmd.index("--groups") + 1] == "int4-variant,tts-single,tts"
+    assert cmd[cmd.index("--parent") + 1] == str(os.getpid())
+    groups = precompile.groups_for("int4", False)  # (the loading process names the marker: one computation)
+    assert cmd[cmd.index("--marker") + 1] == str(precompile.marker((8, 6), 46, "bfloat16", groups,
+                                                                   (TINY / "config.json").read_bytes()))
+    assert started["cwd"] == str(precompile._package().parent)  # (where minicpm_cli is: not the user's directory)
     assert started["start_new_session"] and started["stdout"] == subprocess.DEVNULL
     assert started["end"] == (precompile._end, helper.proc) and helper.running()
     killed = []
@@ -118,9 +130,44 @@ def test_no_helper_process_once_the_marker_is_there(monkeypatch, tmp_path):
     helper = precompile.start("compile", "cuda:1", "bfloat16", invariant=True, model=str(TINY))
     helper.wait(10)
     assert helper.proc is None and not started and not helper.running()
-    other = precompile.start("compile", "cuda:0", "bfloat16", invariant=True, model=str(TINY))  # (no such GPU)
-    other.wait(10)
-    assert other.proc is None and not started
+    other = precompile.start("compile", "cuda:1", "bfloat16", invariant=False, model=str(TINY))  # (another set)
+    other._thread.join(10)
+    assert started["cmd"]
+
+
+def test_the_first_compilation_waits_for_the_helper_once(monkeypatch):
+    from triton import knobs
+
+    calls = []
+
+    class FakeHelper:
+        def running(self):
+            return True
+
+        def wait(self, timeout):
+            calls.append(("wait", timeout))
+
+    def previous(**kwargs):
+        calls.append(("previous", kwargs["key"]))
+        return False
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", previous)
+    precompile.wait_before_compiling(FakeHelper(), timeout=7)
+    assert knobs.runtime.jit_cache_hook is not previous
+    assert knobs.runtime.jit_cache_hook(key="k1") is False
+    assert knobs.runtime.jit_cache_hook is previous  # (once: the hook set before is back)
+    assert calls == [("wait", 7), ("previous", "k1")]
+
+
+def test_a_model_names_its_sizes(tmp_path):
+    assert precompile._config(None) == (None, None)
+    assert precompile._config("openbmb/MiniCPM-o-2_6") == (None, None)  # (a hub id: the official sizes)
+    config, raw = precompile._config(str(TINY))
+    assert raw == (TINY / "config.json").read_bytes() and config["tts_config"]
+    (tmp_path / "empty").mkdir()
+    for missing in (str(tmp_path / "nowhere"), str(tmp_path / "empty"), "./nowhere", "nowhere"):
+        with pytest.raises(LookupError):
+            precompile._config(missing)
 
 
 def _helper(cache: Path, *args: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -138,27 +185,50 @@ def test_the_helper_fills_the_cache_once(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'failed': 0" in out.stderr and "'skipped': False" in out.stderr
     compiled = {p.name for p in tmp_path.iterdir() if p.name != "minicpm-precompiled"}
-    markers = list((tmp_path / "minicpm-precompiled").iterdir())
+    markers = [p for p in (tmp_path / "minicpm-precompiled").iterdir() if p.suffix != ".lock"]
     assert len(markers) == 1 and len(compiled) >= 4  # (Triton's cache: a folder a kernel)
     again, _ = _helper(tmp_path, *args)
     assert again.returncode == 0 and "'skipped': True" in again.stderr
     assert {p.name for p in tmp_path.iterdir() if p.name != "minicpm-precompiled"} == compiled
     other, _ = _helper(tmp_path, "--cc", "8.6", "--groups", "tts-invariant", "--model", str(TINY), "--dtype", "float32")
     assert other.returncode == 0 and "'skipped': False" in other.stderr  # (another set: another marker)
-    assert len(list((tmp_path / "minicpm-precompiled").iterdir())) == 2
+    assert len([p for p in (tmp_path / "minicpm-precompiled").iterdir() if p.suffix != ".lock"]) == 2
 
 
-def test_a_model_not_downloaded_yet_has_the_official_sizes(tmp_path, monkeypatch):
-    import huggingface_hub
+def test_the_helper_writes_the_marker_it_is_given(tmp_path):
+    given = tmp_path / "minicpm-precompiled" / "given"
+    out, _ = _helper(tmp_path, "--cc", "8.6", "--groups", "tts-invariant", "--model", str(TINY), "--marker", str(given))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert given.is_file() and "0 failed, 0 lost" in given.read_text()
+    assert sorted(p.name for p in given.parent.iterdir()) == ["given", "given.lock"]
 
-    asked = []
-    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: asked.append(repo))  # (none)
-    assert precompile._config("openbmb/MiniCPM-o-2_6") == (None, None) and asked == ["openbmb/MiniCPM-o-2_6"]
-    config, raw = precompile._config(str(TINY))
-    assert raw == (TINY / "config.json").read_bytes() and config["tts_config"]
-    for missing in (str(tmp_path / "nowhere"), "./nowhere", "nowhere"):
-        with pytest.raises(LookupError):
-            precompile._config(missing)
+
+def test_the_helper_ends_when_its_parent_has_gone(tmp_path):
+    """A command that ends without its atexit functions (an interrupt leaves through os._exit) leaves
+    no helper behind: the helper watches its parent and ends its whole group."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    helper = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", "8.6", "--jobs", "2",
+              "--groups", "tts-invariant,tts", "--model", str(TINY)]
+    # the parent: a Python that starts the helper in a group of its own, says its pid, and leaves at once
+    parent = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:] + ['--parent', str(os.getpid())], "
+              "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid); "
+              "os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", parent, *helper], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=60)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)  # (the group: the helper and its workers)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.killpg(pid, 9)
+        pytest.fail("the helper outlived its parent")
+    assert not (tmp_path / "minicpm-precompiled").exists() or not any(
+        p.suffix != ".lock" for p in (tmp_path / "minicpm-precompiled").iterdir())  # (stopped before done)
 
 
 def test_the_helper_gives_up_quietly_without_a_config(tmp_path):

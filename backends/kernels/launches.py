@@ -131,6 +131,22 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
     return list(launches.values()), sorted(cuda_defines)
 
 
+def import_sites() -> None:
+    """Import what the launch sites need (torch, Triton, the kernels' and models' modules) now: a
+    process that forks compiling workers before recording (precompile.py) hands them all of it."""
+    import importlib
+
+    import torch  # noqa: F401
+    import triton  # noqa: F401
+
+    for name in ("compile", "invariant", "kernels.q4", "kernels.batch", "kernels.decode", "kernels.embed",
+                 "kernels.matvec", "kernels.mma", "kernels.norm", "kernels.sampling", "kernels.token",
+                 "kernels.attention", "kernels.gemm"):
+        importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.{name}")
+    for name in ("engine.pipeline", "engine.synthetic", "engine.tts", "models.chattts", "models.qwen2"):
+        importlib.import_module(f"minicpm_cli.{name}")
+
+
 def _meta_cat(cat):
     """torch.cat, which on meta tensors (the weights' fusing) is a Python decomposition that imports
     torch._dynamo (1-5 s, most of a recording) for an empty tensor of the joined shape."""

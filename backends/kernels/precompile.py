@@ -3,7 +3,7 @@
 With an empty Triton cache (a user's first command, or the first after an upgrade), each kernel is
 compiled where the first request first launches it, one after another on the main thread: 13-17 s
 on the H100 machine (docs/benchmarks.md), most of the first audio's wait. `start`, called as loading
-begins (before torch is imported), starts a thread that
+begins (for a named backend before torch is imported), starts a thread that
 
 1. asks the CUDA driver (ctypes; no context) for the GPU's compute capability and multiprocessors,
 2. stops there if a marker says this set was compiled before (the marker's name is a hash of our
@@ -14,7 +14,8 @@ begins (before torch is imported), starts a thread that
    which records the launches the backend's mode makes at the model's sizes (launches.py: the launch
    code on meta tensors, Triton's driver faked, nothing run), hands each to a forked worker as soon
    as it is recorded (the kernel compiled into Triton's on-disk cache, and its launcher built), then
-   writes the marker.
+   writes the marker (also where a kernel failed: the loading process meets that failure itself).
+   Two helpers for one set (replicas starting together) take turns on a lock beside the marker.
 
 The loading process's first compilation waits for the helper (`wait_before_compiling`), then finds
 each kernel in the cache; a kernel the helper did not foresee it compiles itself, as before. The
@@ -22,7 +23,9 @@ cache is Triton's own and content-addressed, and the helper compiles each kernel
 the JIT would pass (signature, constants, attributes, options): nothing here can change what runs,
 only when it is compiled. The helper is a head start, never a requirement: any failure in it is
 silent, and the loading process meets any real problem itself. It ends with the process that
-started it (its whole group: its workers too). MINICPM_PRECOMPILE=0 turns it off.
+started it, however that ends (its whole group: its workers too; it watches its parent). Not started
+with fewer than MIN_CPUS usable CPUs (its workers would compile the whole set slower than the loading
+process compiles what it needs); MINICPM_PRECOMPILE=0 turns it off.
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ from ... import trace
 
 ENV = "MINICPM_PRECOMPILE"
 WAIT = 90.0  # seconds a first compilation waits for the helper at most
+DEADLINE = 300.0  # seconds the helper's compiling may take before it gives up (a worker lost: no result)
+MIN_CPUS = 8  # fewer usable CPUs: no helper (its few workers would compile the whole set slower than the
+# loading process compiles what it needs, one after another)
 _GPU = re.compile(r"^(auto|cuda(:\d+)?)$")
 _DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
@@ -59,6 +65,14 @@ def groups_for(backend: str, invariant: bool) -> tuple[str, ...]:
     if backend == "gguf":
         return tts
     return ()
+
+
+def cpus() -> int:
+    """CPUs this process may run on (its affinity, where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class Helper:
@@ -79,16 +93,19 @@ class Helper:
             if found is None:
                 return
             (cc, sms), (_, raw) = found, _config(model)
-            if marker(cc, sms, dtype, groups, raw).exists():
+            done = marker(cc, sms, dtype, groups, raw)
+            if done.exists():
                 return
-            root = str(_package().parent)  # (site-packages, or the checkout: where the helper imports from)
+            root = str(_package().parent)  # (site-packages, or the checkout: what this process imports)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
             cmd = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", f"{cc[0]}.{cc[1]}",
-                   "--sms", str(sms), "--dtype", dtype, "--groups", ",".join(groups)]
+                   "--sms", str(sms), "--dtype", dtype, "--groups", ",".join(groups), "--marker", str(done),
+                   "--parent", str(os.getpid())]
             cmd += ["--model", model] if model else []
+            # (run from `root`: `-m` puts the working directory first on the path, and the user's is theirs)
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, env=env, start_new_session=True)
-            atexit.register(_end, self.proc)
+                                         stderr=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)
+            _on_exit(_end, self.proc)
         except Exception:  # (a head start only: the loading process compiles what it needs itself)
             pass
 
@@ -108,14 +125,16 @@ class Helper:
 
 def start(backend: str, device: str, dtype: str, *, invariant: bool, model: str | None) -> Helper | None:
     """Start the helper for `backend` on `device` (as the user gave it), where it can help: a CUDA
-    device node, a backend that runs Triton kernels of ours, a dtype they compile for. `model`: the
-    checkpoint's directory or hub repo id (its config.json sets the sizes), None for the full-size
-    model (random weights). Its process, if any, ends when this one exits."""
+    device node, a backend that runs Triton kernels of ours, a dtype they compile for, CPUs enough.
+    `model`: the checkpoint's directory or hub repo id (a directory's config.json sets the sizes),
+    None for the full-size model (random weights). Its process, if any, ends with this one."""
     groups = groups_for(backend, invariant)
     dt = _DTYPES.get(dtype)
     if (os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1" or not groups or dt is None
-            or not _GPU.match(device) or not os.path.exists("/dev/nvidiactl")):
+            or not _GPU.match(device) or not _gpu_node() or cpus() < MIN_CPUS):
         return None
+    if model is not None and Path(model).expanduser().exists():
+        model = str(Path(model).expanduser().resolve())  # (the helper runs in another directory)
     return Helper(int(device[5:]) if device.startswith("cuda:") else 0, dt, groups, model)
 
 
@@ -140,6 +159,14 @@ def wait_before_compiling(helper: Helper, timeout: float = WAIT) -> None:
         return previous(*args, **kwargs) if previous else False
 
     knobs.runtime.jit_cache_hook = hook
+
+
+def _gpu_node() -> bool:
+    return os.path.exists("/dev/nvidiactl")
+
+
+def _on_exit(fn, *args) -> None:
+    atexit.register(fn, *args)
 
 
 def _end(proc: subprocess.Popen) -> None:
@@ -180,7 +207,8 @@ def triton_cache() -> Path:
 
 
 def marker(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, ...], config: bytes | None) -> Path:
-    """Where the helper notes that it compiled this set: a hash of everything the set depends on."""
+    """Where the helper notes that it compiled this set: a hash of everything the set depends on. The
+    loading process computes it and hands it to the helper (one computation, so one name)."""
     from importlib import metadata
 
     h = hashlib.sha256()
@@ -198,28 +226,20 @@ def marker(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, 
 
 
 def _config(model: str | None) -> tuple[dict | None, bytes | None]:
-    """(config.json's content, its bytes) of `model`: a directory's, or a hub repo id's from the local
-    cache; (None, None), the full-size model's, for random weights or a repo id not downloaded yet (a
-    first command: the helper compiles while the download runs; the official checkpoints have those
-    sizes). Raises LookupError for a directory without one."""
+    """(config.json's content, its bytes) of `model` where it is a local directory; (None, None), the
+    full-size model's, for random weights or a hub repo id (the official checkpoints have those sizes;
+    whether it is downloaded yet does not matter, and the helper compiles while it downloads). Raises
+    LookupError for a directory without one, or a name that is neither."""
     import json
 
     if model is None:
         return None, None
     local = Path(model).expanduser()
+    if not local.exists() and not model.startswith((".", "/", "~")) and model.count("/") == 1:
+        return None, None
     path = local / "config.json"
     if not path.is_file():
-        if local.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
-            raise LookupError(model)
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            found = try_to_load_from_cache(model, "config.json")
-        except Exception:
-            found = None
-        if not isinstance(found, str):
-            return None, None
-        path = Path(found)
+        raise LookupError(model)
     raw = path.read_bytes()
     return json.loads(raw), raw
 
@@ -249,34 +269,66 @@ def _compile(launch, cc: tuple[int, int]) -> tuple[bool, float, str]:
     return True, time.perf_counter() - t, launch.label()
 
 
+def _watch(parent: int) -> None:
+    """End this process's group (the helper and its workers) once `parent` has gone, however it went
+    (an interrupted command leaves through os._exit, without its atexit functions)."""
+    def loop():
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os.killpg(0, signal.SIGTERM)
+
+    threading.Thread(target=loop, daemon=True, name="minicpm-precompile-watch").start()
+
+
 def run(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, ...], model: str | None,
-        jobs: int) -> dict:
-    """Record and compile (the helper's work, also callable in-process) -> what it did."""
+        jobs: int, done: Path | None = None) -> dict:
+    """Record and compile (the helper's work) -> what it did. `done`: the marker (default: computed
+    here). Two helpers for one set take turns (a lock beside the marker): the second finds it done."""
+    import fcntl
+
     t0 = time.perf_counter()
     config, raw = _config(model)
-    done = marker(cc, sms, dtype, groups, raw)
-    if done.exists():
-        return {"compiled": 0, "failed": 0, "skipped": True, "marker": str(done)}
-    from . import launches  # (torch, Triton and the kernels' modules imported: the workers inherit them)
+    done = done or marker(cc, sms, dtype, groups, raw)
+    done.parent.mkdir(parents=True, exist_ok=True)
+    with open(done.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return {"compiled": 0, "failed": 0, "skipped": True, "marker": str(done)}
+        return _run(cc, sms, dtype, groups, config, jobs, done, t0)
 
-    # forked workers: this process has made no CUDA context and no thread of its own yet (a spawned
-    # worker would import torch again: seconds); each launch is compiled as soon as it is recorded
+
+def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float) -> dict:
     import multiprocessing
 
+    from triton.runtime.cache import triton_key
+
+    from . import launches
+
+    launches.import_sites()  # (torch, Triton, the kernels' modules: the forked workers inherit them)
+    triton_key()  # (Triton's hash of itself, 0.4 s, cached: once here instead of once a worker)
+    # forked workers: this process has made no CUDA context, and its one thread besides this one only
+    # sleeps (`_watch`); a spawned worker would import torch again (seconds). Each launch is compiled
+    # as soon as it is recorded
     with multiprocessing.get_context("fork").Pool(max(1, jobs)) as pool:
         pending = []
         with trace.span("precompile_record"):
             recorded, _ = launches.record(cc, (dtype,), groups, config, sms,
                                           found=lambda launch: pending.append(pool.apply_async(_compile, (launch, cc))))
         t_rec = time.perf_counter() - t0
+        results, lost = [], 0
         with trace.span("precompile_compile", kernels=len(recorded)):
-            results = [p.get() for p in pending]
+            for p in pending:
+                try:
+                    results.append(p.get(max(0.0, t0 + DEADLINE - time.perf_counter())))
+                except multiprocessing.TimeoutError:  # (a worker lost, or a compilation that never ends)
+                    lost += 1
     failed = [label for ok, _, label in results if not ok]
-    if not failed:
-        done.parent.mkdir(parents=True, exist_ok=True)
-        done.write_text(f"{len(recorded)} kernels, sm_{cc[0]}{cc[1]}, {dtype}, {','.join(groups)}\n")
+    # (written whatever failed: a kernel that does not compile here does not in the loading process
+    # either, which falls back loudly (kernels/fallback.py); later commands must not wait for it again)
+    done.write_text(f"{len(recorded)} kernels, sm_{cc[0]}{cc[1]}, {dtype}, {','.join(groups)}; "
+                    f"{len(failed)} failed, {lost} lost\n")
     slowest = sorted(results, key=lambda r: -r[1])[:5]
-    return {"compiled": len(recorded), "failed": len(failed), "failures": failed, "skipped": False,
+    return {"compiled": len(recorded), "failed": len(failed) + lost, "failures": failed, "skipped": False,
             "marker": str(done), "record_seconds": round(t_rec, 2), "seconds": round(time.perf_counter() - t0, 2),
             "compile_seconds": round(sum(r[1] for r in results), 2),
             "slowest": [(label, round(t, 2)) for _, t, label in slowest]}
@@ -290,14 +342,18 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=sorted(set(_DTYPES.values())))
     p.add_argument("--groups", required=True)
     p.add_argument("--model", help="a checkpoint directory or hub repo id (default: the full-size model)")
-    p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    p.add_argument("--marker", help="the marker to write (default: computed here)")
+    p.add_argument("--parent", type=int, help="end when this process has gone")
+    p.add_argument("--jobs", type=int, default=max(1, cpus() - 2))
     p.add_argument("--verbose", action="store_true", help="say what was done on stderr")
     a = p.parse_args(argv)
+    if a.parent is not None:
+        _watch(a.parent)
     found = ((tuple(int(x) for x in a.cc.split(".")), a.sms) if a.cc else gpu(a.ordinal))
     if found is None:
         return 1
     try:
-        out = run(*found, a.dtype, tuple(a.groups.split(",")), a.model, a.jobs)
+        out = run(*found, a.dtype, tuple(a.groups.split(",")), a.model, a.jobs, Path(a.marker) if a.marker else None)
     except LookupError:
         return 1
     if a.verbose:

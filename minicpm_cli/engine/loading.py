@@ -70,11 +70,8 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
 
     be = registry.REGISTRY.get(backend)  # (None: auto, or a name that `pick` refuses)
     warmstart.begin(be.triton if be else backend == registry.AUTO and gguf is None, device)  # (before torch)
-    if be:  # (auto: once chosen)
-        _precompile(be.name, model, device, dtype, random_weights, batch_invariant)
-    name, model_id = pick(model, backend, device, gguf)
-    if not be:
-        _precompile(name, model, device, dtype, random_weights, batch_invariant)
+    name, model_id = pick(model, backend, device, gguf)  # (auto imports torch; a named backend, nothing)
+    _precompile(name, model, device, dtype, random_weights, batch_invariant)  # (once the options are checked)
     from . import memory
     from .pipeline import Synthesizer, resolve_device
 
