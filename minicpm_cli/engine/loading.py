@@ -71,7 +71,7 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
     be = registry.REGISTRY.get(backend)  # (None: auto, or a name that `pick` refuses)
     warmstart.begin(be.triton if be else backend == registry.AUTO and gguf is None, device)  # (before torch)
     name, model_id = pick(model, backend, device, gguf)  # (auto imports torch; a named backend, nothing)
-    _precompile(name, model, device, dtype, random_weights, batch_invariant)  # (once the options are checked)
+    _precompile(name, None if random_weights else model_id, device, dtype, batch_invariant)  # (options checked)
     from . import memory
     from .pipeline import Synthesizer, resolve_device
 
@@ -82,15 +82,12 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
     return synth, name, model_id
 
 
-def _precompile(backend: str, model: Optional[str], device: str, dtype: str, random_weights: bool,
-                invariant: bool) -> None:
+def _precompile(backend: str, model: Optional[str], device: str, dtype: str, invariant: bool) -> None:
     """The backend's Triton kernels compiled side by side while it loads, where Triton's cache lacks
-    them (backends/kernels/precompile.py)."""
+    them (backends/kernels/precompile.py); `model` None: the full-size random one."""
     from ..backends.kernels import precompile
 
-    be = registry.get(backend)
-    helper = precompile.start(backend, device, dtype, invariant=invariant,
-                              model=None if random_weights else model or be.default_model)
+    helper = precompile.start(backend, device, dtype, invariant=invariant, model=model)
     if helper is not None:
         precompile.wait_before_compiling(helper)
 
