@@ -45,6 +45,7 @@ class Run:
     done: float  # exec -> exit
     error: str = ""
     spans: dict[str, float] = field(default_factory=dict)  # every phase the process noted, summed
+    helper_done: float = float("nan")  # exec -> the precompile helper's last kernel compiled (none: nan)
 
 
 def _measure(backend: str, which: str, model: str, cache: Path, device: str) -> Run:
@@ -78,7 +79,8 @@ def _measure(backend: str, which: str, model: str, cache: Path, device: str) -> 
                total("tensors"), moved, total("prepare"), rel("loaded"), total("graph_warmup"),
                total("graph_capture"), total("nvrtc"), (t_first - t0) if first else float("nan"), t_done - t0,
                "" if code == 0 else (err.strip().splitlines() or [""])[-1],
-               {name: round(total(name), 3) for name in spans})
+               {name: round(total(name), 3) for name in spans},
+               max((r["end"] - t0 for r in spans.get("precompile_compile", [])), default=float("nan")))
 
 
 def _first_sample(pipe) -> bool:
@@ -126,5 +128,7 @@ def table(runs: list[Run], model: str) -> str:
     for r in runs:
         if not r.exit_code:
             parts = ", ".join(f"{k.removeprefix('load_')} {v:.2f}" for k, v in r.spans.items() if k.startswith(("load_", "cuda", "precompile")))
+            if r.helper_done == r.helper_done:  # (not nan: a helper compiled this run's kernels)
+                parts += f"; the helper's kernels all compiled {r.helper_done:.2f} s after exec"
             lines.append(f"- {r.backend}, {r.which} run: {parts}")
     return "\n".join(lines) + "\n"
