@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from minicpm_cli.backends.kernels.launches import DTYPES, Launch, record  # noqa: E402
+from minicpm_cli.backends.kernels.launches import DTYPES, Launch, compile_launch, record  # noqa: E402
 
 
 def _tool(name: str) -> str:
@@ -84,17 +84,9 @@ def check(cc: tuple[int, int], *, regs: int, threads: int, smem: int, smem_stati
 
 
 def compile_triton(launch: Launch, cc: tuple[int, int]) -> dict:
-    import importlib
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = getattr(importlib.import_module(launch.module), launch.name)
     start = time.perf_counter()
-    src = ASTSource(fn, dict(launch.signature), dict(launch.constexprs), dict(launch.attrs))
     try:
-        kernel = triton.compile(src, target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32), options=dict(launch.options))
+        kernel = compile_launch(launch, cc)
     except Exception as e:  # a compile error is a finding, not a crash of the sweep
         return {"kernel": launch.label(), "where": launch.where, "problems": [f"does not compile: {e}"[:500]],
                 "seconds": time.perf_counter() - start}

@@ -57,6 +57,21 @@ class Launch:
         return f"{self.name}[w{opts.get('num_warps')},s{opts.get('num_stages')}]({consts})"
 
 
+def compile_launch(launch: Launch, cc: tuple[int, int]):
+    """`launch` compiled for capability cc (Triton's compiler, into its on-disk cache) from exactly
+    what the JIT passed, so that it lands where the JIT will look -> Triton's compiled kernel."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(launch.module), launch.name)
+    signature, constexprs, attrs, options = launch.raw
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32),
+                          options=options)
+
+
 def _fake_driver(cc: tuple[int, int]):
     from triton.backends.compiler import GPUTarget
 
@@ -133,18 +148,11 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
 
 def import_sites() -> None:
     """Import what the launch sites need (torch, Triton, the kernels' and models' modules) now: a
-    process that forks compiling workers before recording (precompile.py) hands them all of it."""
-    import importlib
+    process that forks compiling workers before recording (precompile.py) hands them all of it.
+    (`_sites` imports them before its first site: running it up to there is the same list.)"""
+    import torch
 
-    import torch  # noqa: F401
-    import triton  # noqa: F401
-
-    for name in ("compile", "invariant", "kernels.q4", "kernels.batch", "kernels.decode", "kernels.embed",
-                 "kernels.matvec", "kernels.mma", "kernels.norm", "kernels.sampling", "kernels.token",
-                 "kernels.attention", "kernels.gemm"):
-        importlib.import_module(f"{__package__.rsplit('.', 1)[0]}.{name}")
-    for name in ("engine.pipeline", "engine.synthetic", "engine.tts", "models.chattts", "models.qwen2"):
-        importlib.import_module(f"minicpm_cli.{name}")
+    next(_sites(torch.bfloat16))
 
 
 def _meta_cat(cat):

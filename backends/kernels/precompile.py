@@ -35,7 +35,6 @@ import atexit
 import ctypes
 import hashlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -44,13 +43,13 @@ import time
 from pathlib import Path
 
 from ... import trace
+from ...engine import warmstart
 
 ENV = "MINICPM_PRECOMPILE"
 WAIT = 90.0  # seconds a first compilation waits for the helper at most
 DEADLINE = 300.0  # seconds the helper's compiling may take before it gives up (a worker lost: no result)
 MIN_CPUS = 8  # fewer usable CPUs: no helper (its few workers would compile the whole set slower than the
 # loading process compiles what it needs, one after another)
-_GPU = re.compile(r"^(auto|cuda(:\d+)?)$")
 _DTYPES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
 
 
@@ -130,12 +129,15 @@ def start(backend: str, device: str, dtype: str, *, invariant: bool, model: str 
     None for the full-size model (random weights). Its process, if any, ends with this one."""
     groups = groups_for(backend, invariant)
     dt = _DTYPES.get(dtype)
+    ordinal = warmstart.gpu_ordinal(device)
     if (os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1" or not groups or dt is None
-            or not _GPU.match(device) or not _gpu_node() or cpus() < MIN_CPUS):
+            or ordinal is None or cpus() < MIN_CPUS):
         return None
     if model is not None and Path(model).expanduser().exists():
         model = str(Path(model).expanduser().resolve())  # (the helper runs in another directory)
-    return Helper(int(device[5:]) if device.startswith("cuda:") else 0, dt, groups, model)
+    import triton  # noqa: F401  (here, not in the thread: `marker` reads its cache directory and version)
+
+    return Helper(ordinal, dt, groups, model)
 
 
 def wait_before_compiling(helper: Helper, timeout: float = WAIT) -> None:
@@ -161,10 +163,6 @@ def wait_before_compiling(helper: Helper, timeout: float = WAIT) -> None:
     knobs.runtime.jit_cache_hook = hook
 
 
-def _gpu_node() -> bool:
-    return os.path.exists("/dev/nvidiactl")
-
-
 def _on_exit(fn, *args) -> None:
     atexit.register(fn, *args)
 
@@ -187,42 +185,33 @@ def gpu(ordinal: int) -> tuple[tuple[int, int], int] | None:
     """(compute capability, multiprocessors) of device `ordinal` from the CUDA driver (no context
     made), or None."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
+        found = warmstart.driver_device(ordinal)
     except OSError:
         return None
-    dev, major, minor, sms = ctypes.c_int(), ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    if (lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), ordinal)
-            or lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    if found is None:
+        return None
+    lib, dev = found
+    major, minor, sms = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if (lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev)  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
             or lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)  # ..._MINOR
             or lib.cuDeviceGetAttribute(ctypes.byref(sms), 16, dev)):  # ..._MULTIPROCESSOR_COUNT
         return None
     return (major.value, minor.value), sms.value
 
 
-def triton_cache() -> Path:
-    """Triton's cache directory, as Triton finds it (TRITON_CACHE_DIR, else TRITON_HOME or ~, .triton/cache)."""
-    if os.environ.get("TRITON_CACHE_DIR"):
-        return Path(os.environ["TRITON_CACHE_DIR"])
-    return Path(os.environ.get("TRITON_HOME") or Path.home()) / ".triton" / "cache"
-
-
 def marker(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, ...], config: bytes | None) -> Path:
     """Where the helper notes that it compiled this set: a hash of everything the set depends on. The
     loading process computes it and hands it to the helper (one computation, so one name)."""
-    from importlib import metadata
+    import triton
+    from triton import knobs
 
     h = hashlib.sha256()
     package, backends = _package(), Path(__file__).resolve().parents[1]
     for base in [package] + ([] if backends.is_relative_to(package) else [backends]):  # (a checkout's ../backends)
         for path in sorted(base.rglob("*.py")):
             h.update(str(path.relative_to(base)).encode() + b"\0" + path.read_bytes())
-    triton = sys.modules.get("triton")  # (imported by now on a GPU: engine/warmstart.py)
-    try:
-        h.update((triton.__version__ if triton else metadata.version("triton")).encode())
-    except metadata.PackageNotFoundError:
-        pass
-    h.update(repr((cc, sms, dtype, groups)).encode() + (config or b""))
-    return triton_cache() / "minicpm-precompiled" / h.hexdigest()[:32]
+    h.update(repr((triton.__version__, cc, sms, dtype, groups)).encode() + (config or b""))
+    return Path(knobs.cache.dir) / "minicpm-precompiled" / h.hexdigest()[:32]  # (Triton's own cache folder)
 
 
 def _config(model: str | None) -> tuple[dict | None, bytes | None]:
@@ -246,18 +235,11 @@ def _config(model: str | None) -> tuple[dict | None, bytes | None]:
 
 def _compile(launch, cc: tuple[int, int]) -> tuple[bool, float, str]:
     """(compiled, seconds, label): one recorded launch compiled into Triton's cache (a worker's job)."""
-    import importlib
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from .launches import compile_launch
 
     t = time.perf_counter()
-    signature, constexprs, attrs, options = launch.raw  # (as the JIT will pass them: the same cache key)
     try:
-        fn = getattr(importlib.import_module(launch.module), launch.name)
-        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                target=GPUTarget("cuda", cc[0] * 10 + cc[1], 32), options=options)
+        kernel = compile_launch(launch, cc)
     except Exception:
         return False, time.perf_counter() - t, launch.label()
     try:  # its launcher too: Triton's C stub for the signature, built by the C compiler once and cached

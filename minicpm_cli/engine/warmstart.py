@@ -38,9 +38,9 @@ def begin(triton: bool, device: str) -> None:
     """Start the threads before loading on `device` (as the user gave it: "auto", "cuda", "cuda:N";
     anything else starts nothing); `triton`: the backend runs Triton kernels (or may: `auto`). Not
     where torch is already imported (nothing left to overlap: a server's second load, tests)."""
-    if "torch" in sys.modules or not _GPU.match(device) or not os.path.exists("/dev/nvidiactl"):
+    ordinal = gpu_ordinal(device)
+    if "torch" in sys.modules or ordinal is None:
         return
-    ordinal = int(device[5:]) if device.startswith("cuda:") else 0
     threading.Thread(target=_quietly, args=(cuda_context, ordinal), daemon=True, name="minicpm-cuda").start()
     if not triton:
         return
@@ -49,6 +49,28 @@ def begin(triton: bool, device: str) -> None:
     except Exception:
         return
     threading.Thread(target=_quietly, args=(key,), daemon=True, name="minicpm-triton-key").start()
+
+
+def gpu_ordinal(device: str) -> int | None:
+    """The CUDA device `device` (as the user gave it) names where this machine has a CUDA device
+    node: 0 for "auto" and "cuda", N for "cuda:N"; None for anything else (a CPU, no GPU here)."""
+    if not _GPU.match(device) or not gpu_node():
+        return None
+    return int(device[5:]) if device.startswith("cuda:") else 0
+
+
+def gpu_node() -> bool:
+    return os.path.exists("/dev/nvidiactl")
+
+
+def driver_device(ordinal: int):
+    """(the CUDA driver's library, device `ordinal`'s handle), the driver initialised; None where
+    either fails."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    dev = ctypes.c_int()
+    if lib.cuInit(0) != 0 or lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+        return None
+    return lib, dev
 
 
 def _quietly(fn, *args) -> None:
@@ -63,12 +85,10 @@ def cuda_context(ordinal: int) -> bool:
     for the process, as torch keeps it) -> whether it was made. Modules load lazily, as torch asks
     of the driver before its own first call."""
     os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
-    lib = ctypes.CDLL("libcuda.so.1")
-    if lib.cuInit(0) != 0:
+    found = driver_device(ordinal)
+    if found is None:
         return False
-    dev = ctypes.c_int()
-    if lib.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
-        return False
+    lib, dev = found
     ctx = ctypes.c_void_p()
     return lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
 
