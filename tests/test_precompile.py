@@ -38,8 +38,9 @@ RECORD = """
 import json, sys
 from minicpm_cli.backends.kernels import launches
 config = json.loads(open(sys.argv[1]).read())
-keys = lambda *a: sorted(repr(x.key) for x in launches.record((9, 0), ("bfloat16",), *a)[0])
+keys = lambda *a, **k: sorted(repr(x.key) for x in launches.record((9, 0), ("bfloat16",), *a, **k)[0])
 print(json.dumps({"tts": keys(("tts-invariant",), config), "both": keys(("tts-invariant", "tts"), config),
+                  "steps": keys(("tts",), config), "one_row": keys(("tts",), config, rows=(1,)),
                   "full": keys(("tts-invariant",)), "where": sorted({x.where for x in launches.record(
                       (9, 0), ("bfloat16",), ("tts-invariant",), config)[0]})}))
 """
@@ -56,6 +57,7 @@ def test_recording_follows_the_groups_and_the_config():
     assert got["tts"] and set(got["tts"]) < set(got["both"])
     assert set(got["tts"]) != set(got["full"])  # (the sizes are constants of the kernels)
     assert got["where"] == ["TTS, batch-invariant (bfloat16)"]
+    assert got["one_row"] and set(got["one_row"]) < set(got["steps"])  # (a one-stream command's fewer)
 
 
 @pytest.mark.parametrize("backend, device, env, cpus", [
@@ -72,7 +74,8 @@ def test_no_helper_where_it_cannot_help(monkeypatch, backend, device, env, cpus)
     monkeypatch.setattr(precompile, "Helper", lambda *args: ("helper", args))
     got = precompile.start(backend, device, "auto", invariant=True, model=str(TINY))
     control = (backend, device, env, cpus) == ("compile", "cuda", {}, 16)
-    assert got == (("helper", (0, "bfloat16", precompile.groups_for("compile", True), str(TINY))) if control else None)
+    assert got == (("helper", (0, "bfloat16", precompile.groups_for("compile", True), str(TINY), False))
+                   if control else None)
 
 
 def _fake_gpu(monkeypatch, tmp_path):
@@ -135,7 +138,44 @@ def test_no_helper_process_once_the_marker_is_there(monkeypatch, tmp_path):
     assert started["cmd"]
 
 
-def test_the_first_compilation_waits_for_the_helper_once(monkeypatch):
+def test_each_compilation_waits_for_its_kernel_while_the_helper_runs(monkeypatch):
+    from triton import knobs
+
+    calls = []
+
+    class FakeHelper:
+        done = False
+
+        def running(self):
+            return not self.done
+
+        def finished(self):
+            return self.done
+
+        def wait(self, timeout, ident=None):
+            calls.append(("wait", ident))
+
+    class Fn:
+        module, name = "minicpm_cli.backends.kernels.norm", "_rms_norm"
+
+    def previous(**kwargs):
+        calls.append(("previous", kwargs["key"]))
+        return False
+
+    helper = FakeHelper()
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", previous)
+    precompile.wait_before_compiling(helper, timeout=7)
+    hook = knobs.runtime.jit_cache_hook
+    assert hook is not previous
+    assert hook(key="k1", fn=Fn()) is False and knobs.runtime.jit_cache_hook is hook  # (kept while it runs)
+    helper.done = True
+    assert hook(key="k2", fn=Fn()) is False
+    assert knobs.runtime.jit_cache_hook is previous  # (the hook set before is back)
+    ident = precompile.launch_id(Fn.module, Fn.name, repr("k1"))
+    assert calls == [("wait", ident), ("previous", "k1"), ("previous", "k2")]
+
+
+def test_a_hook_that_names_no_kernel_waits_for_the_whole_helper_once(monkeypatch):
     from triton import knobs
 
     calls = []
@@ -144,19 +184,60 @@ def test_the_first_compilation_waits_for_the_helper_once(monkeypatch):
         def running(self):
             return True
 
-        def wait(self, timeout):
-            calls.append(("wait", timeout))
+        def finished(self):
+            return False
 
-    def previous(**kwargs):
-        calls.append(("previous", kwargs["key"]))
-        return False
+        def wait(self, timeout, ident=None):
+            calls.append(ident)
 
-    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", previous)
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", None)
     precompile.wait_before_compiling(FakeHelper(), timeout=7)
-    assert knobs.runtime.jit_cache_hook is not previous
-    assert knobs.runtime.jit_cache_hook(key="k1") is False
-    assert knobs.runtime.jit_cache_hook is previous  # (once: the hook set before is back)
-    assert calls == [("wait", 7), ("previous", "k1")]
+    assert knobs.runtime.jit_cache_hook(repr="k") is False
+    assert knobs.runtime.jit_cache_hook is None and calls == [None]
+
+
+def test_progress_is_read_as_it_grows(tmp_path):
+    path = tmp_path / "m.progress"
+    progress = precompile.Progress(path)
+    progress.read()  # (no file yet)
+    path.write_text("P a\nP b\nD a\nP c")  # (the last line still being written)
+    progress.read()
+    assert progress.planned == {"a", "b"} and progress.done == {"a"} and not progress.recorded
+    with open(path, "a") as f:
+        f.write("\nR\nD c\n")
+    progress.read()
+    assert progress.planned == {"a", "b", "c"} and progress.done == {"a", "c"} and progress.recorded
+
+
+def test_waiting_for_a_kernel_ends_when_it_is_compiled_or_not_planned(tmp_path, monkeypatch):
+    import threading
+
+    started = _fake_gpu(monkeypatch, tmp_path)
+    helper = precompile.start("compile", "cuda:1", "bfloat16", invariant=True, model=str(TINY))
+    helper._thread.join(10)
+    assert started["cmd"] and helper.running()
+    path = precompile._progress_path(helper.marker)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("P a\nP b\n")
+
+    def later(line):
+        time.sleep(0.3)
+        with open(path, "a") as f:
+            f.write(line)
+
+    for ident, line in (("a", "D a\n"), ("x", "R\n")):  # (compiled; not the helper's once recorded)
+        t = time.monotonic()
+        threading.Thread(target=later, args=(line,)).start()
+        helper.wait(10, ident)
+        assert 0.25 < time.monotonic() - t < 5
+    t = time.monotonic()
+    helper.wait(0.3, "b")  # (planned, not compiled: up to the timeout)
+    assert time.monotonic() - t >= 0.3
+    helper.marker.write_text("")  # (done: nothing more to wait for)
+    assert helper.finished()
+    t = time.monotonic()
+    helper.wait(10, "b")
+    assert time.monotonic() - t < 1
 
 
 def test_a_model_names_its_sizes(tmp_path):
@@ -185,14 +266,14 @@ def test_the_helper_fills_the_cache_once(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'failed': 0" in out.stderr and "'skipped': False" in out.stderr
     compiled = {p.name for p in tmp_path.iterdir() if p.name != "minicpm-precompiled"}
-    markers = [p for p in (tmp_path / "minicpm-precompiled").iterdir() if p.suffix != ".lock"]
+    markers = [p for p in (tmp_path / "minicpm-precompiled").iterdir() if not p.suffix]
     assert len(markers) == 1 and len(compiled) >= 4  # (Triton's cache: a folder a kernel)
     again, _ = _helper(tmp_path, *args)
     assert again.returncode == 0 and "'skipped': True" in again.stderr
     assert {p.name for p in tmp_path.iterdir() if p.name != "minicpm-precompiled"} == compiled
     other, _ = _helper(tmp_path, "--cc", "8.6", "--groups", "tts-invariant", "--model", str(TINY), "--dtype", "float32")
     assert other.returncode == 0 and "'skipped': False" in other.stderr  # (another set: another marker)
-    assert len([p for p in (tmp_path / "minicpm-precompiled").iterdir() if p.suffix != ".lock"]) == 2
+    assert len([p for p in (tmp_path / "minicpm-precompiled").iterdir() if not p.suffix]) == 2
 
 
 def test_the_helper_writes_the_marker_it_is_given(tmp_path):
@@ -200,7 +281,10 @@ def test_the_helper_writes_the_marker_it_is_given(tmp_path):
     out, _ = _helper(tmp_path, "--cc", "8.6", "--groups", "llm-variant", "--model", str(TINY), "--marker", str(given))
     assert out.returncode == 0, out.stderr[-2000:]
     assert given.is_file() and "0 failed, 0 lost" in given.read_text()
-    assert sorted(p.name for p in given.parent.iterdir()) == ["given", "given.lock"]
+    assert sorted(p.name for p in given.parent.iterdir()) == ["given", "given.lock", "given.progress"]
+    lines = (given.parent / "given.progress").read_text().splitlines()
+    planned = {x[2:] for x in lines if x.startswith("P ")}
+    assert planned and planned == {x[2:] for x in lines if x.startswith("D ")} and "R" in lines
 
 
 def _running_in_group(pgid: int) -> bool:
@@ -238,7 +322,7 @@ def test_the_helper_ends_when_its_parent_has_gone(tmp_path):
         os.killpg(pid, 9)
         pytest.fail("the helper outlived its parent")
     assert not (tmp_path / "minicpm-precompiled").exists() or not any(
-        p.suffix != ".lock" for p in (tmp_path / "minicpm-precompiled").iterdir())  # (stopped before done)
+        not p.suffix for p in (tmp_path / "minicpm-precompiled").iterdir())  # (stopped before done)
 
 
 def test_the_helper_gives_up_quietly_without_a_config(tmp_path):

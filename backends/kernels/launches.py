@@ -46,6 +46,7 @@ class Launch:
     # (signature, constexprs, attrs, options) exactly as the JIT passed them: Triton's cache key hashes
     # their printed forms, so a compilation that is to land where the JIT will look takes these
     raw: tuple = dataclasses.field(default=(), compare=False, repr=False)
+    jit_key: str = dataclasses.field(default="", compare=False, repr=False)  # (the JIT's own key, printed)
 
     @property
     def key(self) -> tuple:
@@ -100,11 +101,12 @@ def _freeze(v):
 
 
 def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | None = None, sms: int | None = None,
-           found=None) -> tuple[list[Launch], list[tuple]]:
+           found=None, rows=ROWS) -> tuple[list[Launch], list[tuple]]:
     """(Triton launches, q4_decode.cu constants) of the launch sites of `groups` for capability cc, in the
     order the sites first launch them; `config`: the checkpoint's config.json (None: the full-size
     model's); `sms`: the GPU's multiprocessors (None: the representative card's, targets.py);
-    `found(launch)`, if given, is called with each new launch as it is recorded."""
+    `found(launch)`, if given, is called with each new launch as it is recorded; `rows`: the batch
+    sizes to launch the batched sites at (a one-stream command: (1,))."""
     import torch
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -121,7 +123,7 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
         fn = self.fn
         launch = Launch(fn.__module__, fn.__name__, _freeze(signature), _freeze(sorted(constexprs.items())),
                         _freeze(sorted(attrs.items())), _freeze(opts), where[0],
-                        copy.deepcopy((signature, constexprs, attrs, dict(options.__dict__))))
+                        copy.deepcopy((signature, constexprs, attrs, dict(options.__dict__))), repr(key))
         if launch.key not in launches:
             launches[launch.key] = launch
             if found is not None:
@@ -137,7 +139,7 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
     try:
         with targets.planning(cc, sms), torch.inference_mode():
             for dtype in dtypes:
-                for group, site, fn in _sites(getattr(torch, dtype), config):
+                for group, site, fn in _sites(getattr(torch, dtype), config, tuple(rows)):
                     if group in groups:
                         where[0] = f"{site} ({dtype})"
                         fn()
@@ -170,7 +172,7 @@ def _meta_cat(cat):
     return meta_cat
 
 
-def _sites(dtype, config: dict | None = None):
+def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
     """(group, name, callable) for every launch site, on meta tensors of one layer of the model
     `config` describes (None: the full-size model)."""
     import torch
@@ -200,7 +202,7 @@ def _sites(dtype, config: dict | None = None):
         config = RandomCheckpoint(spec).config  # (config.json of the official layout at these sizes)
     else:  # (one layer of each: every layer launches the same)
         config = {**config, "num_hidden_layers": 1, "tts_config": {**config["tts_config"], "num_hidden_layers": 1}}
-    rows = max(ROWS)
+    sizes, rows = rows, max(rows)  # (the batch sizes; the rows of the caches)
 
     def empty(*shape, dt=dtype):
         return torch.empty(*shape, dtype=dt, device=meta)
@@ -268,7 +270,7 @@ def _sites(dtype, config: dict | None = None):
             return  # (the row-by-row kernels are the batched steps then: group "tts")
         batch = (MMADecode if mma and not rows_kernels else BatchDecode)(single)
         vis = empty(rows, tts_len, dt=torch.long)
-        for nb in ROWS:
+        for nb in sizes:
             step_ends(m, c, single, raw, nb)
             h = rms_norm(batch(empty(nb, c.decoder.dim), empty(nb, dt=torch.long), vis), m.model.norm,
                          empty(nb, c.decoder.dim), pdl=single.pdl)
@@ -286,13 +288,13 @@ def _sites(dtype, config: dict | None = None):
         _products(m, m.config.decoder.dim)
         attn = m.model.layers[0].self_attn
         c = m.config.decoder
-        for nb in ROWS:
+        for nb in sizes:
             attn.one_query(attn.kv_cache, empty(nb, c.n_heads, 1, c.head_dim), empty(nb, 1, dt=torch.long))
         for t in (1, 17, 300, 1024):
             attn.many_queries(attn.kv_cache, empty(2, c.n_heads, t, c.head_dim), empty(2, t, dt=torch.long),
                               slice(0, 2))
         tokens = invariant.FusedTokens(m)  # (the token layer's element-wise kernels; its products are above)
-        for nb in ROWS:
+        for nb in sizes:
             tokens._kernels(empty(nb, dt=torch.long), empty(nb, dt=torch.long))
         layer = m.model.layers[0]
         for b, t in ((1, 1), (1, 16), (1, 17), (2, 17)):  # a prompt's layer halves (FusedPrompt; the count of

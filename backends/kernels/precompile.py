@@ -74,25 +74,60 @@ def cpus() -> int:
         return os.cpu_count() or 1
 
 
+def launch_id(module: str, name: str, jit_key: str) -> str:
+    """One kernel's name in the helper's progress file: its function and the JIT's key, `repr`'d (the
+    same in the helper's recording and in the loading process's launch)."""
+    return hashlib.sha1(f"{module}.{name}:{jit_key}".encode()).hexdigest()[:20]
+
+
+class Progress:
+    """The helper's progress file beside the marker, read as it grows: "P id" a kernel planned
+    (recorded), "R" the recording done, "D id" a kernel compiled with its launcher. Written by the
+    helper's one process (no two writers), read by the loading process."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.planned, self.done, self.recorded = path, 0, set(), set(), False
+
+    def read(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        data = data[: data.rfind(b"\n") + 1]  # (whole lines only: the rest is still being written)
+        self.offset += len(data)
+        for line in data.decode().splitlines():
+            kind, _, ident = line.partition(" ")
+            if kind == "P":
+                self.planned.add(ident)
+            elif kind == "D":
+                self.done.add(ident)
+            elif kind == "R":
+                self.recorded = True
+
+
 class Helper:
     """The helper as seen from the loading process: a thread that asks the driver for the GPU, checks
     the marker and starts the helper process only where the marker is missing (a warm command starts
     no process), then that process."""
 
-    def __init__(self, ordinal: int, dtype: str, groups: tuple[str, ...], model: str | None):
+    def __init__(self, ordinal: int, dtype: str, groups: tuple[str, ...], model: str | None, one_row: bool = False):
         self.proc: subprocess.Popen | None = None
-        self._args = ordinal, dtype, groups, model
+        self.marker: Path | None = None
+        self._args = ordinal, dtype, groups, model, one_row
+        self._progress: Progress | None = None
         self._thread = threading.Thread(target=self._start, daemon=True, name="minicpm-precompile")
         self._thread.start()
 
     def _start(self) -> None:
-        ordinal, dtype, groups, model = self._args
+        ordinal, dtype, groups, model, one_row = self._args
         try:
             found = gpu(ordinal)
             if found is None:
                 return
             (cc, sms), (_, raw) = found, _config(model)
-            done = marker(cc, sms, dtype, groups, raw)
+            done = marker(cc, sms, dtype, groups + (("one-row",) if one_row else ()), raw)
             if done.exists():
                 return
             root = str(_package().parent)  # (site-packages, or the checkout: what this process imports)
@@ -100,7 +135,8 @@ class Helper:
             cmd = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", f"{cc[0]}.{cc[1]}",
                    "--sms", str(sms), "--dtype", dtype, "--groups", ",".join(groups), "--marker", str(done),
                    "--parent", str(os.getpid())]
-            cmd += ["--model", model] if model else []
+            cmd += (["--model", model] if model else []) + (["--rows", "1"] if one_row else [])
+            self.marker, self._progress = done, Progress(_progress_path(done))
             # (run from `root`: `-m` puts the working directory first on the path, and the user's is theirs)
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)
@@ -108,25 +144,35 @@ class Helper:
         except Exception:  # (a head start only: the loading process compiles what it needs itself)
             pass
 
-    def wait(self, timeout: float) -> None:
-        """Until the helper is done (or `timeout` s have passed)."""
-        deadline = time.monotonic() + timeout
-        self._thread.join(timeout)
-        if self.proc is not None:
-            try:
-                self.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+    def finished(self) -> bool:
+        """The helper has nothing more to give: not started, done (its marker written) or gone."""
+        if self._thread.is_alive():
+            return False
+        return self.proc is None or self.marker.exists() or self.proc.poll() is not None
 
     def running(self) -> bool:
-        return self._thread.is_alive() or (self.proc is not None and self.proc.poll() is None)
+        return not self.finished()
+
+    def wait(self, timeout: float, ident: str | None = None) -> None:
+        """Until the helper has compiled kernel `ident` (or will not: the recording is done without it),
+        or (ident None) until it is finished; at most `timeout` s."""
+        deadline = time.monotonic() + timeout
+        self._thread.join(timeout)
+        while not self.finished() and time.monotonic() < deadline:
+            if ident is not None and self._progress is not None:
+                self._progress.read()
+                if ident in self._progress.done or (self._progress.recorded and ident not in self._progress.planned):
+                    return
+            time.sleep(0.01)
 
 
-def start(backend: str, device: str, dtype: str, *, invariant: bool, model: str | None) -> Helper | None:
+def start(backend: str, device: str, dtype: str, *, invariant: bool, model: str | None,
+          rows: int | None = None) -> Helper | None:
     """Start the helper for `backend` on `device` (as the user gave it), where it can help: a CUDA
     device node, a backend that runs Triton kernels of ours, a dtype they compile for, CPUs enough.
     `model`: the checkpoint's directory or hub repo id (a directory's config.json sets the sizes),
-    None for the full-size model (random weights). Its process, if any, ends with this one."""
+    None for the full-size model (random weights); `rows` 1: a one-stream command (its batched sites
+    recorded for one row only). Its process, if any, ends with this one."""
     groups = groups_for(backend, invariant)
     dt = _DTYPES.get(dtype)
     ordinal = warmstart.gpu_ordinal(device)
@@ -137,30 +183,41 @@ def start(backend: str, device: str, dtype: str, *, invariant: bool, model: str 
         model = str(Path(model).expanduser().resolve())  # (the helper runs in another directory)
     import triton  # noqa: F401  (here, not in the thread: `marker` reads its cache directory and version)
 
-    return Helper(ordinal, dt, groups, model)
+    return Helper(ordinal, dt, groups, model, rows == 1)
 
 
 def wait_before_compiling(helper: Helper, timeout: float = WAIT) -> None:
-    """Make this process's first Triton compilation wait for the helper (up to `timeout` s): what it
-    would compile then is the helper's work, already under way side by side, and found in the cache
-    once the helper is done. Through Triton's hook for a kernel about to compile (`jit_cache_hook`),
-    once; a hook already set is kept and called."""
+    """Make each Triton compilation of this process wait for the helper while it runs (`timeout` s at
+    most in all): for the kernel itself where the helper plans it (then found in the cache), else
+    not at all once the helper's recording is done (the kernel is not the helper's). Through Triton's
+    hook for a kernel about to compile (`jit_cache_hook`); a hook already set is kept and called, and
+    is back once the helper has finished. A Triton whose hook does not name the kernel: the whole
+    helper is waited for, once."""
     try:
         from triton import knobs
 
         previous = knobs.runtime.jit_cache_hook
     except (ImportError, AttributeError):
         return
+    deadline = time.monotonic() + timeout
 
     def hook(*args, **kwargs):
-        if knobs.runtime.jit_cache_hook is hook:
-            knobs.runtime.jit_cache_hook = previous
+        fn, key = kwargs.get("fn"), kwargs.get("key")
+        module, name = getattr(fn, "module", None), getattr(fn, "name", None)
+        ident = launch_id(module, name, repr(key)) if module and name and key is not None else None
         if helper.running():
             with trace.span("precompile_wait"):
-                helper.wait(timeout)
+                helper.wait(max(0.0, deadline - time.monotonic()), ident)
+        if ident is None or helper.finished() or time.monotonic() >= deadline:
+            if knobs.runtime.jit_cache_hook is hook:
+                knobs.runtime.jit_cache_hook = previous
         return previous(*args, **kwargs) if previous else False
 
     knobs.runtime.jit_cache_hook = hook
+
+
+def _progress_path(done: Path) -> Path:
+    return done.with_suffix(".progress")
 
 
 def _on_exit(fn, *args) -> None:
@@ -263,23 +320,25 @@ def _watch(parent: int) -> None:
 
 
 def run(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, ...], model: str | None,
-        jobs: int, done: Path | None = None) -> dict:
+        jobs: int, done: Path | None = None, rows: tuple[int, ...] | None = None) -> dict:
     """Record and compile (the helper's work) -> what it did. `done`: the marker (default: computed
     here). Two helpers for one set take turns (a lock beside the marker): the second finds it done."""
     import fcntl
 
     t0 = time.perf_counter()
     config, raw = _config(model)
-    done = done or marker(cc, sms, dtype, groups, raw)
+    done = done or marker(cc, sms, dtype, groups + (("one-row",) if rows == (1,) else ()), raw)
     done.parent.mkdir(parents=True, exist_ok=True)
     with open(done.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if done.exists():
             return {"compiled": 0, "failed": 0, "skipped": True, "marker": str(done)}
-        return _run(cc, sms, dtype, groups, config, jobs, done, t0)
+        from . import launches
+
+        return _run(cc, sms, dtype, groups, config, jobs, done, t0, rows or launches.ROWS)
 
 
-def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float) -> dict:
+def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> dict:
     import multiprocessing
 
     from triton.runtime.cache import triton_key
@@ -291,11 +350,21 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float) -> dict:
     # forked workers: this process has made no CUDA context, and its one thread besides this one only
     # sleeps (`_watch`); a spawned worker would import torch again (seconds). Each launch is compiled
     # as soon as it is recorded
-    with multiprocessing.get_context("fork").Pool(max(1, jobs)) as pool:
+    progress = open(_progress_path(done), "w", buffering=1)  # (line-buffered: each line as it happens)
+
+    def note(line: str) -> None:
+        progress.write(line + "\n")
+
+    def found(launch) -> None:
+        ident = launch_id(launch.module, launch.name, launch.jit_key)
+        note(f"P {ident}")
+        pending.append(pool.apply_async(_compile, (launch, cc), callback=lambda r: note(f"D {ident}") if r[0] else None))
+
+    with multiprocessing.get_context("fork").Pool(max(1, jobs)) as pool, progress:
         pending = []
         with trace.span("precompile_record"):
-            recorded, _ = launches.record(cc, (dtype,), groups, config, sms,
-                                          found=lambda launch: pending.append(pool.apply_async(_compile, (launch, cc))))
+            recorded, _ = launches.record(cc, (dtype,), groups, config, sms, found=found, rows=rows)
+        note("R")
         t_rec = time.perf_counter() - t0
         results, lost = [], 0
         with trace.span("precompile_compile", kernels=len(recorded)):
@@ -304,11 +373,12 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float) -> dict:
                     results.append(p.get(max(0.0, t0 + DEADLINE - time.perf_counter())))
                 except multiprocessing.TimeoutError:  # (a worker lost, or a compilation that never ends)
                     lost += 1
-    failed = [label for ok, _, label in results if not ok]
-    # (written whatever failed: a kernel that does not compile here does not in the loading process
-    # either, which falls back loudly (kernels/fallback.py); later commands must not wait for it again)
-    done.write_text(f"{len(recorded)} kernels, sm_{cc[0]}{cc[1]}, {dtype}, {','.join(groups)}; "
-                    f"{len(failed)} failed, {lost} lost\n")
+        failed = [label for ok, _, label in results if not ok]
+        # (written whatever failed: a kernel that does not compile here does not in the loading process
+        # either, which falls back loudly (kernels/fallback.py); later commands must not wait for it
+        # again. Before the pool's teardown: the loading process waits for the marker, not the exit)
+        done.write_text(f"{len(recorded)} kernels, sm_{cc[0]}{cc[1]}, {dtype}, {','.join(groups)}; "
+                        f"{len(failed)} failed, {lost} lost\n")
     slowest = sorted(results, key=lambda r: -r[1])[:5]
     return {"compiled": len(recorded), "failed": len(failed) + lost, "failures": failed, "skipped": False,
             "marker": str(done), "record_seconds": round(t_rec, 2), "seconds": round(time.perf_counter() - t0, 2),
@@ -326,6 +396,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", help="a checkpoint directory or hub repo id (default: the full-size model)")
     p.add_argument("--marker", help="the marker to write (default: computed here)")
     p.add_argument("--parent", type=int, help="end when this process has gone")
+    p.add_argument("--rows", type=int, help="1: a one-stream command's kernels (batched sites at one row)")
     p.add_argument("--jobs", type=int, default=max(1, cpus() - 2))
     p.add_argument("--verbose", action="store_true", help="say what was done on stderr")
     a = p.parse_args(argv)
@@ -335,7 +406,8 @@ def main(argv=None) -> int:
     if found is None:
         return 1
     try:
-        out = run(*found, a.dtype, tuple(a.groups.split(",")), a.model, a.jobs, Path(a.marker) if a.marker else None)
+        out = run(*found, a.dtype, tuple(a.groups.split(",")), a.model, a.jobs, Path(a.marker) if a.marker else None,
+                  (1,) if a.rows == 1 else None)
     except LookupError:
         return 1
     if a.verbose:

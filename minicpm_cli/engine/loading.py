@@ -71,7 +71,7 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
     be = registry.REGISTRY.get(backend)  # (None: auto, or a name that `pick` refuses)
     warmstart.begin(be.triton if be else backend == registry.AUTO and gguf is None, device)  # (before torch)
     name, model_id = pick(model, backend, device, gguf)  # (auto imports torch; a named backend, nothing)
-    _precompile(name, None if random_weights else model_id, device, dtype, batch_invariant)  # (options checked)
+    _precompile(name, None if random_weights else model_id, device, dtype, batch_invariant, rows)  # (checked)
     from . import memory
     from .pipeline import Synthesizer, resolve_device
 
@@ -82,12 +82,14 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
     return synth, name, model_id
 
 
-def _precompile(backend: str, model: Optional[str], device: str, dtype: str, invariant: bool) -> None:
+def _precompile(backend: str, model: Optional[str], device: str, dtype: str, invariant: bool,
+                rows: Optional[int]) -> None:
     """The backend's Triton kernels compiled side by side while it loads, where Triton's cache lacks
-    them (backends/kernels/precompile.py); `model` None: the full-size random one."""
+    them (backends/kernels/precompile.py); `model` None: the full-size random one; `rows` 1: one
+    stream (`say`), whose batched steps run at one row only."""
     from ..backends.kernels import precompile
 
-    helper = precompile.start(backend, device, dtype, invariant=invariant, model=model)
+    helper = precompile.start(backend, device, dtype, invariant=invariant, model=model, rows=rows)
     if helper is not None:
         precompile.wait_before_compiling(helper)
 
