@@ -123,26 +123,31 @@ class Helper:
     def _start(self) -> None:
         ordinal, dtype, groups, model, one_row = self._args
         try:
-            found = gpu(ordinal)
-            if found is None:
-                return
-            (cc, sms), (_, raw) = found, _config(model)
-            done = marker(cc, sms, dtype, groups + (("one-row",) if one_row else ()), raw)
-            if done.exists():
-                return
-            root = str(_package().parent)  # (site-packages, or the checkout: what this process imports)
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-            cmd = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", f"{cc[0]}.{cc[1]}",
-                   "--sms", str(sms), "--dtype", dtype, "--groups", ",".join(groups), "--marker", str(done),
-                   "--parent", str(os.getpid())]
-            cmd += (["--model", model] if model else []) + (["--rows", "1"] if one_row else [])
-            self.marker, self._progress = done, Progress(_progress_path(done))
-            # (run from `root`: `-m` puts the working directory first on the path, and the user's is theirs)
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                         stderr=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)
-            _on_exit(_end, self.proc)
+            with trace.span("precompile_check"):
+                self._check_and_spawn(ordinal, dtype, groups, model, one_row)
         except Exception:  # (a head start only: the loading process compiles what it needs itself)
             pass
+
+    def _check_and_spawn(self, ordinal, dtype, groups, model, one_row) -> None:
+        """The GPU, the marker; the helper process where the marker is missing."""
+        found = gpu(ordinal)
+        if found is None:
+            return
+        (cc, sms), (_, raw) = found, _config(model)
+        done = marker(cc, sms, dtype, groups + (("one-row",) if one_row else ()), raw)
+        if done.exists():
+            return
+        root = str(_package().parent)  # (site-packages, or the checkout: what this process imports)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        cmd = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", f"{cc[0]}.{cc[1]}",
+               "--sms", str(sms), "--dtype", dtype, "--groups", ",".join(groups), "--marker", str(done),
+               "--parent", str(os.getpid())]
+        cmd += (["--model", model] if model else []) + (["--rows", "1"] if one_row else [])
+        self.marker, self._progress = done, Progress(_progress_path(done))
+        # (run from `root`: `-m` puts the working directory first on the path, and the user's is theirs)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)
+        _on_exit(_end, self.proc)
 
     def finished(self) -> bool:
         """The helper has nothing more to give: not started, done (its marker written) or gone."""
@@ -345,8 +350,9 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> d
 
     from . import launches
 
-    launches.import_sites()  # (torch, Triton, the kernels' modules: the forked workers inherit them)
-    triton_key()  # (Triton's hash of itself, 0.4 s, cached: once here instead of once a worker)
+    with trace.span("precompile_import"):
+        launches.import_sites()  # (torch, Triton, the kernels' modules: the forked workers inherit them)
+        triton_key()  # (Triton's hash of itself, 0.4 s, cached: once here instead of once a worker)
     # forked workers: this process has made no CUDA context, and its one thread besides this one only
     # sleeps (`_watch`); a spawned worker would import torch again (seconds). Each launch is compiled
     # as soon as it is recorded
@@ -400,6 +406,7 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=max(1, cpus() - 2))
     p.add_argument("--verbose", action="store_true", help="say what was done on stderr")
     a = p.parse_args(argv)
+    trace.mark("precompile_exec")  # (the helper's process is up: Python, this module, no torch yet)
     if a.parent is not None:
         _watch(a.parent)
     found = ((tuple(int(x) for x in a.cc.split(".")), a.sms) if a.cc else gpu(a.ordinal))
