@@ -283,7 +283,7 @@ def test_the_helper_writes_the_marker_it_is_given(tmp_path):
     assert given.is_file() and "0 failed, 0 lost" in given.read_text()
     assert sorted(p.name for p in given.parent.iterdir()) == ["given", "given.lock", "given.progress"]
     lines = (given.parent / "given.progress").read_text().splitlines()
-    planned = {x[2:] for x in lines if x.startswith("P ")}
+    planned = {x.split()[1] for x in lines if x.startswith("P ")}  # ("P id name")
     assert planned and planned == {x[2:] for x in lines if x.startswith("D ")} and "R" in lines
 
 

@@ -133,8 +133,9 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
     def gate_up(w, x, gain, h, eps, *, warps=4, chunks=2, stages=2, pdl=False):
         cuda_defines.add(decode.gate_up_defines(w, warps, chunks, stages, pdl))
 
-    saved = JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat
-    JITFunction._do_compile, decode.cuda_gate_up, torch.cat = do_compile, gate_up, _meta_cat(torch.cat)
+    saved = JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat, torch.arange
+    JITFunction._do_compile, decode.cuda_gate_up = do_compile, gate_up
+    torch.cat, torch.arange = _meta_cat(torch.cat), _meta_arange(torch.arange)
     driver.set_active(_fake_driver(cc))
     try:
         with targets.planning(cc, sms), torch.inference_mode():
@@ -144,7 +145,8 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
                         where[0] = f"{site} ({dtype})"
                         fn()
     finally:
-        JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat = saved  # (no GPU: no default driver)
+        # (no GPU: no default driver)
+        JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat, torch.arange = saved
     return list(launches.values()), sorted(cuda_defines)
 
 
@@ -170,6 +172,20 @@ def _meta_cat(cat):
         return tensors[0].new_empty(shape)
 
     return meta_cat
+
+
+def _meta_arange(arange):
+    """torch.arange, which on the meta device is a Python reference that imports sympy (0.4 s of the
+    helper's start): made on the CPU (the same shape and dtype) and moved to the meta device."""
+
+    import torch
+
+    def meta_arange(*args, device=None, **kwargs):
+        if device is None or torch.device(device).type != "meta":
+            return arange(*args, device=device, **kwargs)
+        return arange(*args, **kwargs).to("meta")
+
+    return meta_arange
 
 
 def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
@@ -222,7 +238,10 @@ def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
     def prepared(decoder, max_len):
         decoder.fuse()
         decoder.setup_cache(max_len, dtype, meta, rows)
-        decoder.setup_rope(decoder.config.max_positions, meta)
+        # (the tables on the CPU, then as meta tensors: arithmetic on meta tensors runs torch's Python
+        # references, whose first call imports torch._dynamo, 0.5 s of the helper's start)
+        decoder.setup_rope(decoder.config.max_positions, "cpu")
+        decoder.rope_cos, decoder.rope_sin = decoder.rope_cos.to(meta), decoder.rope_sin.to(meta)
         return decoder
 
     tts_cfg = TTSConfig.from_hf(config["tts_config"])

@@ -81,7 +81,7 @@ def launch_id(module: str, name: str, jit_key: str) -> str:
 
 
 class Progress:
-    """The helper's progress file beside the marker, read as it grows: "P id" a kernel planned
+    """The helper's progress file beside the marker, read as it grows: "P id name" a kernel planned
     (recorded), "R" the recording done, "D id" a kernel compiled with its launcher. Written by the
     helper's one process (no two writers), read by the loading process."""
 
@@ -98,7 +98,8 @@ class Progress:
         data = data[: data.rfind(b"\n") + 1]  # (whole lines only: the rest is still being written)
         self.offset += len(data)
         for line in data.decode().splitlines():
-            kind, _, ident = line.partition(" ")
+            kind, _, rest = line.partition(" ")
+            ident = rest.split(" ", 1)[0]
             if kind == "P":
                 self.planned.add(ident)
             elif kind == "D":
@@ -211,7 +212,7 @@ def wait_before_compiling(helper: Helper, timeout: float = WAIT) -> None:
         module, name = getattr(fn, "module", None), getattr(fn, "name", None)
         ident = launch_id(module, name, repr(key)) if module and name and key is not None else None
         if helper.running():
-            with trace.span("precompile_wait"):
+            with trace.span("precompile_wait", kernel=name):
                 helper.wait(max(0.0, deadline - time.monotonic()), ident)
         if ident is None or helper.finished() or time.monotonic() >= deadline:
             if knobs.runtime.jit_cache_hook is hook:
@@ -363,7 +364,7 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> d
 
     def found(launch) -> None:
         ident = launch_id(launch.module, launch.name, launch.jit_key)
-        note(f"P {ident}")
+        note(f"P {ident} {launch.name}")
         pending.append(pool.apply_async(_compile, (launch, cc), callback=lambda r: note(f"D {ident}") if r[0] else None))
 
     with multiprocessing.get_context("fork").Pool(max(1, jobs)) as pool, progress:

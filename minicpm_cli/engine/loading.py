@@ -41,12 +41,10 @@ def pick(model: Optional[str], backend: str, device: str, gguf: Optional[str]) -
     """(the backend `auto` stands for here, the model to load: the backend's default when none is given).
     On a GPU `auto` weighs what is free (engine/memory.py, MINICPM_MEMORY_CAP applied)."""
     check_gguf(backend, gguf)
-    if backend != registry.AUTO:
-        registry.get(backend).check()
-    from . import memory
-    from .pipeline import resolve_device
+    if backend == registry.AUTO:  # (only here is torch imported: a named backend's helper starts before it)
+        from . import memory
+        from .pipeline import resolve_device
 
-    if backend == registry.AUTO:
         dev = resolve_device(device)
         free = memory.available(dev)
         backend = registry.choose(model, dev.type, gguf=gguf, free=free)
