@@ -39,7 +39,12 @@ import json, sys
 from minicpm_cli.backends.kernels import launches
 config = json.loads(open(sys.argv[1]).read())
 keys = lambda *a, **k: sorted(repr(x.key) for x in launches.record((9, 0), ("bfloat16",), *a, **k)[0])
-print(json.dumps({"tts": keys(("tts-invariant",), config), "both": keys(("tts-invariant", "tts"), config),
+calls = []
+final = launches.record((9, 0), ("bfloat16",), ("llm-invariant", "tts"), config, found=calls.append)[0]
+print(json.dumps({"later": sorted({x.name for x in final if x.later}), "tts_later": [x.name for x in final if x.later
+                  and x.where.startswith("TTS")], "found": [[repr(x.key), x.later] for x in calls],
+                  "final": {repr(x.key): x.later for x in final},
+                  "tts": keys(("tts-invariant",), config), "both": keys(("tts-invariant", "tts"), config),
                   "steps": keys(("tts",), config), "one_row": keys(("tts",), config, rows=(1,)),
                   "full": keys(("tts-invariant",)), "where": sorted({x.where for x in launches.record(
                       (9, 0), ("bfloat16",), ("tts-invariant",), config)[0]})}))
@@ -58,6 +63,29 @@ def test_recording_follows_the_groups_and_the_config():
     assert set(got["tts"]) != set(got["full"])  # (the sizes are constants of the kernels)
     assert got["where"] == ["TTS, batch-invariant (bfloat16)"]
     assert got["one_row"] and set(got["one_row"]) < set(got["steps"])  # (a one-stream command's fewer)
+    # the LLM's decoding is recorded `later` (a helper compiles it after the rest), the TTS's steps not
+    assert "rows_attend_dot" in got["later"] and got["tts_later"] == []
+    seen = {}
+    for key, later in got["found"]:  # (a launch is found again only where it was `later` and is wanted sooner)
+        assert key not in seen or (seen[key] and not later)
+        seen[key] = later
+    assert seen == got["final"] and any(later for later in seen.values())
+
+
+def test_a_helper_compiles_what_a_short_request_runs_first():
+    from minicpm_cli.backends.kernels.launches import Launch
+
+    def launch(name, later):
+        return Launch("m", name, (), (), (), (), "here", jit_key=name, later=later)
+
+    submitted, noted = [], []
+    order = precompile.Order(lambda ident, x: submitted.append(x.name), noted.append)
+    for name, later in [("decode", True), ("prompt", False), ("long", True), ("decode", False), ("step", False)]:
+        order.found(launch(name, later))
+    assert submitted == ["prompt", "decode", "step"]  # ("decode": wanted sooner once found for a short request)
+    order.flush()
+    assert submitted == ["prompt", "decode", "step", "long"]
+    assert [x.split()[2] for x in noted] == ["decode", "prompt", "long", "step"]  # (each planned once)
 
 
 @pytest.mark.parametrize("backend, device, env, cpus", [
@@ -117,11 +145,11 @@ def test_the_helper_starts_in_a_group_of_its_own_and_ends_with_us(monkeypatch, t
                                                                    (TINY / "config.json").read_bytes()))
     assert started["cwd"] == str(precompile._package().parent)  # (where minicpm_cli is: not the user's directory)
     assert started["start_new_session"] and started["stdout"] == subprocess.DEVNULL
-    assert started["end"] == (precompile._end, helper.proc) and helper.running()
-    killed = []
-    monkeypatch.setattr(precompile.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
-    precompile._end(helper.proc)
-    assert killed == [(4242, precompile.signal.SIGTERM)]
+    assert started["end"] == (precompile._release, helper.proc) and helper.running()
+    sent = []
+    monkeypatch.setattr(precompile.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    precompile._release(helper.proc)  # (at our normal exit: the helper may finish its work)
+    assert sent == [(4242, precompile.signal.SIGUSR1)]
 
 
 def test_no_helper_process_once_the_marker_is_there(monkeypatch, tmp_path):
@@ -323,6 +351,34 @@ def test_the_helper_ends_when_its_parent_has_gone(tmp_path):
         pytest.fail("the helper outlived its parent")
     assert not (tmp_path / "minicpm-precompiled").exists() or not any(
         not p.suffix for p in (tmp_path / "minicpm-precompiled").iterdir())  # (stopped before done)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_released_helper_finishes_after_its_parent(tmp_path):
+    """A command that ends normally releases its helper (atexit): it finishes and writes its marker, so
+    the next command starts none."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = tmp_path / "minicpm-precompiled" / "given"
+    helper = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", "8.6", "--jobs", "2",
+              "--groups", "tts", "--rows", "1", "--model", str(TINY), "--marker", str(done)]
+    # the parent: starts the helper, waits until it is at work (its progress file), releases it, leaves
+    parent = ("import os, subprocess, sys, time; from pathlib import Path; "
+              "from minicpm_cli.backends.kernels import precompile; "
+              "p = subprocess.Popen(sys.argv[1:] + ['--parent', str(os.getpid())], start_new_session=True, "
+              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid, flush=True); "
+              f"[time.sleep(0.05) for _ in range(2400) if not Path({str(done) + '.progress'!r}).exists()]; "
+              "precompile._release(p); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", parent, *helper], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=180)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 300
+    while _running_in_group(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _running_in_group(pid):
+        os.killpg(pid, 9)
+        pytest.fail("the released helper did not finish")
+    assert "0 failed, 0 lost" in done.read_text()
 
 
 def test_the_helper_gives_up_quietly_without_a_config(tmp_path):

@@ -17,13 +17,16 @@ begins (for a named backend before torch is imported), starts a thread that
    writes the marker (also where a kernel failed: the loading process meets that failure itself).
    Two helpers for one set (replicas starting together) take turns on a lock beside the marker.
 
-The loading process's first compilation waits for the helper (`wait_before_compiling`), then finds
-each kernel in the cache; a kernel the helper did not foresee it compiles itself, as before. The
+The helper compiles what a short read runs first, then the rest (the LLM's decoding, long prompts:
+`Launch.later`). Each compilation of the loading process waits for its kernel while the helper runs
+(`wait_before_compiling`), then finds it in the cache; a kernel the helper did not foresee it
+compiles itself, as before. The
 cache is Triton's own and content-addressed, and the helper compiles each kernel from exactly what
 the JIT would pass (signature, constants, attributes, options): nothing here can change what runs,
 only when it is compiled. The helper is a head start, never a requirement: any failure in it is
-silent, and the loading process meets any real problem itself. It ends with the process that
-started it, however that ends (its whole group: its workers too; it watches its parent). Not started
+silent, and the loading process meets any real problem itself. A command that ends normally lets
+its helper finish what it began (seconds; then the marker spares the next command a helper of its
+own), an interrupted one ends it (its whole group: its workers too; it watches its parent). Not started
 with fewer than MIN_CPUS usable CPUs (its workers would compile the whole set slower than the loading
 process compiles what it needs); MINICPM_PRECOMPILE=0 turns it off.
 """
@@ -148,7 +151,7 @@ class Helper:
         # (run from `root`: `-m` puts the working directory first on the path, and the user's is theirs)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)
-        _on_exit(_end, self.proc)
+        _on_exit(_release, self.proc)
 
     def finished(self) -> bool:
         """The helper has nothing more to give: not started, done (its marker written) or gone."""
@@ -230,12 +233,16 @@ def _on_exit(fn, *args) -> None:
     atexit.register(fn, *args)
 
 
-def _end(proc: subprocess.Popen) -> None:
+def _release(proc: subprocess.Popen) -> None:
+    """At this process's normal exit: the helper may finish without us (SIGUSR1; `_watch`)."""
     if proc.poll() is None:
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.kill(proc.pid, signal.SIGUSR1)
         except OSError:
             pass
+
+
+_RELEASED = threading.Event()  # (in the helper: its parent left normally, see _release)
 
 
 def _package() -> Path:
@@ -315,12 +322,14 @@ def _compile(launch, cc: tuple[int, int]) -> tuple[bool, float, str]:
 
 
 def _watch(parent: int) -> None:
-    """End this process's group (the helper and its workers) once `parent` has gone, however it went
-    (an interrupted command leaves through os._exit, without its atexit functions)."""
+    """End this process's group (the helper and its workers) once `parent` has gone, unless it
+    released the helper first (`_release`, at its normal exit): an interrupted command leaves through
+    os._exit, without its atexit functions, and leaves nothing running behind it."""
     def loop():
         while os.getppid() == parent:
             time.sleep(0.2)
-        os.killpg(0, signal.SIGTERM)
+        if not _RELEASED.is_set():
+            os.killpg(0, signal.SIGTERM)
 
     threading.Thread(target=loop, daemon=True, name="minicpm-precompile-watch").start()
 
@@ -344,6 +353,31 @@ def run(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, ...
         return _run(cc, sms, dtype, groups, config, jobs, done, t0, rows or launches.ROWS)
 
 
+class Order:
+    """The helper's order of compilation: each launch handed to `submit(ident, launch)` as it is
+    recorded, except those a short request does not run (`Launch.later`), held until `flush()`; a
+    held launch recorded again for a short request goes at once. `note(line)` gets "P id name" once
+    a kernel."""
+
+    def __init__(self, submit, note):
+        self.submit, self.note, self.held = submit, note, {}
+
+    def found(self, launch) -> None:
+        ident = launch_id(launch.module, launch.name, launch.jit_key)
+        again = self.held.pop(ident, None) is not None
+        if launch.later:
+            self.held[ident] = launch
+        else:
+            self.submit(ident, launch)
+        if not again:
+            self.note(f"P {ident} {launch.name}")
+
+    def flush(self) -> None:
+        for ident, launch in self.held.items():
+            self.submit(ident, launch)
+        self.held = {}
+
+
 def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> dict:
     import multiprocessing
 
@@ -356,21 +390,21 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> d
         triton_key()  # (Triton's hash of itself, 0.4 s, cached: once here instead of once a worker)
     # forked workers: this process has made no CUDA context, and its one thread besides this one only
     # sleeps (`_watch`); a spawned worker would import torch again (seconds). Each launch is compiled
-    # as soon as it is recorded
+    # as soon as it is recorded, those a short request does not run (`Launch.later`) after the rest
     progress = open(_progress_path(done), "w", buffering=1)  # (line-buffered: each line as it happens)
 
     def note(line: str) -> None:
         progress.write(line + "\n")
 
-    def found(launch) -> None:
-        ident = launch_id(launch.module, launch.name, launch.jit_key)
-        note(f"P {ident} {launch.name}")
+    def submit(ident: str, launch) -> None:
         pending.append(pool.apply_async(_compile, (launch, cc), callback=lambda r: note(f"D {ident}") if r[0] else None))
 
     with multiprocessing.get_context("fork").Pool(max(1, jobs)) as pool, progress:
         pending = []
+        order = Order(submit, note)
         with trace.span("precompile_record"):
-            recorded, _ = launches.record(cc, (dtype,), groups, config, sms, found=found, rows=rows)
+            recorded, _ = launches.record(cc, (dtype,), groups, config, sms, found=order.found, rows=rows)
+        order.flush()
         note("R")
         t_rec = time.perf_counter() - t0
         results, lost = [], 0
@@ -394,6 +428,7 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> d
 
 
 def main(argv=None) -> int:
+    signal.signal(signal.SIGUSR1, lambda *_: _RELEASED.set())  # (first: a release may come at any time)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ordinal", type=int, default=0)
     p.add_argument("--cc", help="compile for this capability (e.g. 9.0) instead of the device's")

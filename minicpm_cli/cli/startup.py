@@ -64,6 +64,7 @@ def _measure(backend: str, which: str, model: str, cache: Path, device: str) -> 
     err = proc.stderr.read().decode(errors="replace")
     code = proc.wait()
     t_done = time.time()
+    _await_helper(log)
     events, spans = {}, {}
     if log.exists():
         for line in log.read_text().splitlines():
@@ -81,6 +82,29 @@ def _measure(backend: str, which: str, model: str, cache: Path, device: str) -> 
                "" if code == 0 else (err.strip().splitlines() or [""])[-1],
                {name: round(total(name), 3) for name in spans},
                max((r["end"] - t0 for r in spans.get("precompile_compile", [])), default=float("nan")))
+
+
+def _await_helper(log: Path, timeout: float = 300) -> None:
+    """A command that ends normally lets its precompile helper finish (backends/kernels/precompile.py):
+    wait for it (its compile span noted, or its process gone), so that the next run neither starts
+    beside it nor finds its work half done."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and log.exists():
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        helper = next((r["pid"] for r in records if r.get("event") == "precompile_exec"), None)
+        if helper is None or any(r.get("span") == "precompile_compile" for r in records) or not _alive(helper):
+            return
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not reaped, does not; the helper runs only
+    on Linux, where /proc tells)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _first_sample(pipe) -> bool:

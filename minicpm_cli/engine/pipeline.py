@@ -22,6 +22,7 @@ stages, the read path, the reply path and their batched forms, each a few lines 
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -168,6 +169,27 @@ def build_codec(ckpt: Checkpoint, vocos: dict[str, Tensor], *, device) -> Codec:
         raise CheckpointError(f"DVAE/Vocos weights do not fit: {e}") from None
 
 
+def _codec_first_run(codec: Codec) -> threading.Thread:
+    """The codec's first run, on a thread of its own and a stream of its own while the LLM loads: the
+    libraries it calls set up (cuBLAS, cuFFT, cuDNN) and its kernels' modules loaded, as CUDA loads
+    them at their first launch. 0.2-0.3 s that a first request spent before its first audio (H100);
+    nothing it computes is kept. Started before the codec is wrapped (its eager decode)."""
+    decode = codec.decode_batch
+
+    def run() -> None:
+        try:
+            with trace.span("codec_first_run"), torch.cuda.stream(torch.cuda.Stream(codec.device)):
+                codes = torch.zeros(1, FRAMES_PER_CALL, codec.num_vq, dtype=torch.long, device=codec.device)
+                decode(codes)
+                torch.cuda.current_stream().synchronize()
+        except Exception:  # (a head start only: the first request meets any real problem itself)
+            pass
+
+    thread = threading.Thread(target=run, daemon=True, name="minicpm-codec-first-run")
+    thread.start()
+    return thread
+
+
 def load_voices(model: str, tokenizers: Tokenizers, *, device, dtype) -> VoiceEncoder:
     """The audio encoder of `model` (a directory, or a hub repo whose shards holding it are fetched now)."""
     root = resolve(model, AUDIO_PREFIXES)
@@ -245,10 +267,14 @@ class Synthesizer:
             tts = build_tts(ckpt, config, device=dev, dtype=dt)
         with trace.span("load_codec"):
             codec = build_codec(ckpt, vocos, device=dev)
+            first_run = _codec_first_run(codec) if dev.type == "cuda" else None
             be.wrap_codec(codec, invariant=batch_invariant)
         with trace.span("load_llm"):
             llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf,
                             rows=rows if rows > 1 else None, invariant=batch_invariant)
+        if first_run is not None:
+            with trace.span("codec_first_run_wait"):
+                first_run.join()  # (before anything captures a CUDA graph: a capture bars other threads' work)
         with trace.span("load_tts_runner"):
             runner = be.tts_runner(tts, rows, invariant=batch_invariant)
         return cls(tokenizers, llm, tts, codec, runner, voices)
