@@ -322,7 +322,7 @@ def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
         prepared(m.model, LLM_CONTEXT)
         invariant.make_invariant(m)
         invariant.invariant_tokens(m.model)
-        _products(m, m.config.decoder.dim)
+        _products(m, m.config.decoder.dim, llm=True)
         attn = m.model.layers[0].self_attn
         c = m.config.decoder
         for nb in sizes:
@@ -356,11 +356,12 @@ def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
             attn(m.model.layers[0].self_attn.kv_cache, empty(2, c.n_heads, t, c.head_dim), empty(2, t, dt=torch.long),
                  slice(0, 2))
 
-    def _products(model, dim):
+    def _products(model, dim, llm=False):
         for mod in model.modules():
             if isinstance(mod, invariant.InvariantLinear):
-                for t in TOKENS:
-                    with _later(t < 16 or t > FIRST_TOKENS):
+                for t in TOKENS:  # (the LLM's: under 16 tokens its decoding, a read's prompt has more; the
+                    # TTS's prompts come in chunks of a few tokens, all of them a short read's)
+                    with _later(llm and (t < 16 or t > FIRST_TOKENS)):
                         mod(empty(t, mod.in_features))
             elif isinstance(mod, invariant.InvariantRMSNorm):
                 for t in (1, 17):
