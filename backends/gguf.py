@@ -50,8 +50,10 @@ def resolve_gguf(spec: str | None) -> Path:
 
 
 def _gpu_used() -> int:
+    """Device memory in use outside torch's allocator (what torch holds, on other threads too, is not
+    llama.cpp's)."""
     free, total = torch.cuda.mem_get_info()
-    return total - free
+    return total - free - torch.cuda.memory_reserved()
 
 
 class GGUFLLM:

@@ -132,7 +132,7 @@ def _fake_gpu(monkeypatch, tmp_path):
     return started
 
 
-def test_the_helper_starts_in_a_group_of_its_own_and_ends_with_us(monkeypatch, tmp_path):
+def test_the_helper_starts_in_a_group_of_its_own_and_ends_with_us_unless_released(monkeypatch, tmp_path):
     started = _fake_gpu(monkeypatch, tmp_path)
     helper = precompile.start("int4", "cuda:1", "auto", invariant=False, model=str(TINY))
     helper._thread.join(10)
@@ -147,11 +147,15 @@ def test_the_helper_starts_in_a_group_of_its_own_and_ends_with_us(monkeypatch, t
                                                                    (TINY / "config.json").read_bytes()))
     assert started["cwd"] == str(precompile._package().parent)  # (where minicpm_cli is: not the user's directory)
     assert started["start_new_session"] and started["stdout"] == subprocess.DEVNULL
-    assert started["end"] == (precompile._release, helper.proc) and helper.running()
-    sent = []
-    monkeypatch.setattr(precompile.os, "kill", lambda pid, sig: sent.append((pid, sig)))
-    precompile._release(helper.proc)  # (at our normal exit: the helper may finish its work)
-    assert sent == [(4242, precompile.signal.SIGUSR1)]
+    fd = int(cmd[cmd.index("--release-fd") + 1])
+    assert started["pass_fds"] == (fd,) and started["end"] == (precompile._end, helper) and helper.running()
+    killed = []
+    monkeypatch.setattr(precompile.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    precompile._end(helper)  # (at our exit, unreleased: the helper's whole group ends)
+    assert killed == [(4242, precompile.signal.SIGTERM)]
+    precompile.release()  # (a command that succeeded: a byte on the pipe, which has no reader here)
+    precompile._end(helper)
+    assert killed == [(4242, precompile.signal.SIGTERM)] and helper._release_fd is None
 
 
 def test_no_helper_process_once_the_marker_is_there(monkeypatch, tmp_path):
@@ -237,6 +241,10 @@ def test_progress_is_read_as_it_grows(tmp_path):
         f.write("\nR\nD c\n")
     progress.read()
     assert progress.planned == {"a", "b", "c"} and progress.done == {"a", "c"} and progress.recorded
+    path.unlink()  # (a helper after one that was stopped writes a new file: read from its start)
+    path.write_text("P d name\nF d\n")
+    progress.read()
+    assert "d" in progress.planned and "d" in progress.done and not progress.recorded  # (F: failed, not waited for)
 
 
 def test_waiting_for_a_kernel_ends_when_it_is_compiled_or_not_planned(tmp_path, monkeypatch):
@@ -357,20 +365,21 @@ def test_the_helper_ends_when_its_parent_has_gone(tmp_path):
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_released_helper_finishes_after_its_parent(tmp_path):
-    """A command that ends normally releases its helper (atexit): it finishes and writes its marker, so
-    the next command starts none."""
+    """A command that succeeds releases its helper: it finishes and writes its marker, so the next
+    command starts none."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = tmp_path / "minicpm-precompiled" / "given"
     helper = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", "8.6", "--jobs", "2",
               "--groups", "tts", "--rows", "1", "--model", str(TINY), "--marker", str(done)]
-    # the parent: starts the helper, waits until it is at work (its progress file), releases it, leaves
-    parent = ("import os, subprocess, sys, time; from pathlib import Path; "
-              "from minicpm_cli.backends.kernels import precompile; "
-              "p = subprocess.Popen(sys.argv[1:] + ['--parent', str(os.getpid())], start_new_session=True, "
-              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid, flush=True); "
+    # the parent: starts the helper, waits until it is at work (its progress file), releases it (a
+    # byte on the helper's pipe, as Helper.release), leaves without its atexit functions
+    parent = ("import os, subprocess, sys, time; from pathlib import Path; r, w = os.pipe(); "
+              "p = subprocess.Popen(sys.argv[1:] + ['--parent', str(os.getpid()), '--release-fd', str(r)], "
+              "start_new_session=True, pass_fds=(r,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+              "print(p.pid, flush=True); "
               f"[time.sleep(0.05) for _ in range(2400) if not Path({str(done) + '.progress'!r}).exists()]; "
-              "precompile._release(p); os._exit(0)")
+              "os.write(w, b'1'); os._exit(0)")
     out = subprocess.run([sys.executable, "-c", parent, *helper], capture_output=True, text=True, env=env, cwd=ROOT,
                          timeout=180)
     pid = int(out.stdout.strip())
@@ -416,3 +425,38 @@ def test_a_first_request_finds_its_kernels_compiled(tmp_path):
         meta = [json.loads(f.read_text()) for f in (cache / d).glob("*.json") if not f.name.startswith("__grp__")]
         missed += [m.get("name", d) for m in meta]
     assert not missed, f"compiled by the request, not the helper: {missed}"
+
+
+@pytest.mark.parametrize("code, released", [(None, True), (0, True), (1, False), (2, False), (130, False)])
+def test_only_a_command_that_succeeded_releases_its_helpers(monkeypatch, code, released):
+    """An error, an interrupt or a kill (SystemExit from the CLI's boundary) ends the helpers with the
+    command; success lets them finish (entry.main -> precompile.release)."""
+    from minicpm_cli.cli import app, entry
+
+    calls = []
+    monkeypatch.setattr(precompile, "release", lambda: calls.append("release"))
+
+    def run():
+        if code is not None:
+            raise SystemExit(code)
+
+    monkeypatch.setattr(app, "main", run)
+    monkeypatch.setattr(entry, "_exit", lambda status: calls.append(("exit", status)))
+    monkeypatch.setattr(entry.signal, "signal", lambda *a: None)  # (the suite keeps its own SIGINT handler)
+    monkeypatch.setattr(entry.sys, "exit", lambda status: calls.append(("exit", status)))
+    entry.main()
+    assert ("release" in calls) == released and calls[-1] == ("exit", code)
+
+
+def test_a_release_is_a_byte_left_on_the_pipe():
+    pipes = [os.pipe() for _ in range(3)]
+    os.write(pipes[0][1], b"1")  # (released, then the parent ended: the byte is still there)
+    os.close(pipes[0][1])
+    os.close(pipes[1][1])  # (ended without a release)
+    try:  # (the third: still held open, nothing written)
+        assert [precompile._released(r) for r, _ in pipes] == [True, False, False]
+        assert precompile._released(None) is False
+    finally:
+        for r, _ in pipes:
+            os.close(r)
+        os.close(pipes[2][1])

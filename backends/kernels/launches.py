@@ -51,6 +51,7 @@ class Launch:
     # recorded only for what a short read does not run (the LLM's decoding, a prompt over FIRST_TOKENS):
     # a helper compiles these after the others (a reply decodes only after its prompt)
     later: bool = dataclasses.field(default=False, compare=False)
+    qualname: str = dataclasses.field(default="", compare=False)  # (the function's, as Triton's hooks name it)
 
     @property
     def key(self) -> tuple:
@@ -127,7 +128,8 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
         fn = self.fn
         launch = Launch(fn.__module__, fn.__name__, _freeze(signature), _freeze(sorted(constexprs.items())),
                         _freeze(sorted(attrs.items())), _freeze(opts), where[0],
-                        copy.deepcopy((signature, constexprs, attrs, dict(options.__dict__))), repr(key), _LATER[0])
+                        copy.deepcopy((signature, constexprs, attrs, dict(options.__dict__))), repr(key), _LATER[0],
+                        fn.__qualname__)
         seen = launches.get(launch.key)
         if seen is None or (seen.later and not launch.later):  # (new, or wanted sooner than first recorded)
             launches[launch.key] = launch if seen is None else dataclasses.replace(seen, later=False)

@@ -17,16 +17,17 @@ begins (for a named backend before torch is imported), starts a thread that
    writes the marker (also where a kernel failed: the loading process meets that failure itself).
    Two helpers for one set (replicas starting together) take turns on a lock beside the marker.
 
-The helper compiles what a short read runs first, then the rest (the LLM's decoding, long prompts:
-`Launch.later`). Each compilation of the loading process waits for its kernel while the helper runs
+The helper compiles what a short read runs first, then the rest (the LLM's decoding and long
+prompts: `Launch.later`). Each compilation of the loading process waits for its kernel while the helper runs
 (`wait_before_compiling`), then finds it in the cache; a kernel the helper did not foresee it
 compiles itself, as before. The
 cache is Triton's own and content-addressed, and the helper compiles each kernel from exactly what
 the JIT would pass (signature, constants, attributes, options): nothing here can change what runs,
 only when it is compiled. The helper is a head start, never a requirement: any failure in it is
-silent, and the loading process meets any real problem itself. A command that ends normally lets
-its helper finish what it began (seconds; then the marker spares the next command a helper of its
-own), an interrupted one ends it (its whole group: its workers too; it watches its parent). Not started
+silent, and the loading process meets any real problem itself. A command that succeeds lets its
+helper finish what it began (seconds; then the marker spares the next command a helper of its own;
+`release`: a byte on a pipe the helper holds); one that fails, is interrupted or killed ends it (its
+whole group: its workers too; it watches its parent). Not started
 with fewer than MIN_CPUS usable CPUs (its workers would compile the whole set slower than the loading
 process compiles what it needs); MINICPM_PRECOMPILE=0 turns it off.
 """
@@ -49,7 +50,7 @@ from ... import trace
 from ...engine import warmstart
 
 ENV = "MINICPM_PRECOMPILE"
-WAIT = 90.0  # seconds a first compilation waits for the helper at most
+WAIT = 90.0  # seconds the loading process's compilations wait for the helper at most, in all
 DEADLINE = 300.0  # seconds the helper's compiling may take before it gives up (a worker lost: no result)
 MIN_CPUS = 8  # fewer usable CPUs: no helper (its few workers would compile the whole set slower than the
 # loading process compiles what it needs, one after another)
@@ -78,22 +79,28 @@ def cpus() -> int:
 
 
 def launch_id(module: str, name: str, jit_key: str) -> str:
-    """One kernel's name in the helper's progress file: its function and the JIT's key, `repr`'d (the
-    same in the helper's recording and in the loading process's launch)."""
+    """One kernel's name in the helper's progress file: its function (module, qualified name: what
+    Triton's hook names) and the JIT's key, `repr`'d (the same in the helper's recording and in the
+    loading process's launch)."""
     return hashlib.sha1(f"{module}.{name}:{jit_key}".encode()).hexdigest()[:20]
 
 
 class Progress:
     """The helper's progress file beside the marker, read as it grows: "P id name" a kernel planned
-    (recorded), "R" the recording done, "D id" a kernel compiled with its launcher. Written by the
-    helper's one process (no two writers), read by the loading process."""
+    (recorded), "R" the recording done, "D id" a kernel compiled with its launcher, "F id" one that
+    failed. Written by one helper process (no two writers; a helper after one that was stopped writes
+    a new file), read by the loading process."""
 
     def __init__(self, path: Path):
         self.path, self.offset, self.planned, self.done, self.recorded = path, 0, set(), set(), False
+        self.inode = None
 
     def read(self) -> None:
         try:
             with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_ino != self.inode or st.st_size < self.offset:  # (a new helper's file: from its start)
+                    self.inode, self.offset, self.recorded = st.st_ino, 0, False
                 f.seek(self.offset)
                 data = f.read()
         except OSError:
@@ -105,7 +112,7 @@ class Progress:
             ident = rest.split(" ", 1)[0]
             if kind == "P":
                 self.planned.add(ident)
-            elif kind == "D":
+            elif kind in ("D", "F"):  # (compiled, or failed: the loading process meets that itself)
                 self.done.add(ident)
             elif kind == "R":
                 self.recorded = True
@@ -119,6 +126,7 @@ class Helper:
     def __init__(self, ordinal: int, dtype: str, groups: tuple[str, ...], model: str | None, one_row: bool = False):
         self.proc: subprocess.Popen | None = None
         self.marker: Path | None = None
+        self._release_fd: int | None = None  # (our end of the pipe the helper reads its release from)
         self._args = ordinal, dtype, groups, model, one_row
         self._progress: Progress | None = None
         self._thread = threading.Thread(target=self._start, daemon=True, name="minicpm-precompile")
@@ -148,10 +156,27 @@ class Helper:
                "--parent", str(os.getpid())]
         cmd += (["--model", model] if model else []) + (["--rows", "1"] if one_row else [])
         self.marker, self._progress = done, Progress(_progress_path(done))
-        # (run from `root`: `-m` puts the working directory first on the path, and the user's is theirs)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)
-        _on_exit(_release, self.proc)
+        read_end, self._release_fd = os.pipe()  # (a byte on it: released; its end without one: stop)
+        try:
+            # (run from `root`: `-m` puts the working directory first on the path, and the user's is theirs)
+            self.proc = subprocess.Popen(cmd + ["--release-fd", str(read_end)], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=root,
+                                         start_new_session=True, pass_fds=(read_end,))
+        finally:
+            os.close(read_end)
+        trace.mark("precompile_spawned", helper=self.proc.pid)
+        _HELPERS.append(self)
+        _on_exit(_end, self)
+
+    def release(self) -> None:
+        """Let the helper finish after this process (its command succeeded): a byte on its pipe."""
+        fd, self._release_fd = self._release_fd, None
+        if fd is not None:
+            try:
+                os.write(fd, b"1")
+            except OSError:  # (the helper is gone already)
+                pass
+            os.close(fd)
 
     def finished(self) -> bool:
         """The helper has nothing more to give: not started, done (its marker written) or gone."""
@@ -181,7 +206,7 @@ def start(backend: str, device: str, dtype: str, *, invariant: bool, model: str 
     device node, a backend that runs Triton kernels of ours, a dtype they compile for, CPUs enough.
     `model`: the checkpoint's directory or hub repo id (a directory's config.json sets the sizes),
     None for the full-size model (random weights); `rows` 1: a one-stream command (its batched sites
-    recorded for one row only). Its process, if any, ends with this one."""
+    recorded for one row only). Its process, if any, ends with this one unless `release()`d first."""
     groups = groups_for(backend, invariant)
     dt = _DTYPES.get(dtype)
     ordinal = warmstart.gpu_ordinal(device)
@@ -233,16 +258,24 @@ def _on_exit(fn, *args) -> None:
     atexit.register(fn, *args)
 
 
-def _release(proc: subprocess.Popen) -> None:
-    """At this process's normal exit: the helper may finish without us (SIGUSR1; `_watch`)."""
-    if proc.poll() is None:
+_HELPERS: list[Helper] = []  # (the helper processes this process started)
+
+
+def release() -> None:
+    """This process's command succeeded: its helpers may finish after it (each then writes its marker,
+    which spares the next command a helper of its own). The CLI calls it at a command's successful end;
+    at any other end (an error, an interrupt, a kill) the helpers end with this process."""
+    for helper in _HELPERS:
+        helper.release()
+
+
+def _end(helper: Helper) -> None:
+    """At this process's exit: an unreleased helper's whole group ends (its workers too)."""
+    if helper._release_fd is not None and helper.proc.poll() is None:
         try:
-            os.kill(proc.pid, signal.SIGUSR1)
+            os.killpg(helper.proc.pid, signal.SIGTERM)
         except OSError:
             pass
-
-
-_RELEASED = threading.Event()  # (in the helper: its parent left normally, see _release)
 
 
 def _package() -> Path:
@@ -321,17 +354,28 @@ def _compile(launch, cc: tuple[int, int]) -> tuple[bool, float, str]:
     return True, time.perf_counter() - t, launch.label()
 
 
-def _watch(parent: int) -> None:
+def _watch(parent: int, release_fd: int | None) -> None:
     """End this process's group (the helper and its workers) once `parent` has gone, unless it
-    released the helper first (`_release`, at its normal exit): an interrupted command leaves through
-    os._exit, without its atexit functions, and leaves nothing running behind it."""
+    released the helper first (a byte on `release_fd`, `Helper.release`): an interrupted command
+    leaves through os._exit, without its atexit functions, and leaves nothing running behind it."""
     def loop():
         while os.getppid() == parent:
             time.sleep(0.2)
-        if not _RELEASED.is_set():
+        if not _released(release_fd):
             os.killpg(0, signal.SIGTERM)
 
     threading.Thread(target=loop, daemon=True, name="minicpm-precompile-watch").start()
+
+
+def _released(fd: int | None) -> bool:
+    """Whether the parent wrote its release on `fd` (it stays in the pipe after the parent's end)."""
+    if fd is None:
+        return False
+    try:
+        os.set_blocking(fd, False)
+        return os.read(fd, 1) == b"1"
+    except OSError:  # (nothing written: BlockingIOError where another process still holds the pipe open)
+        return False
 
 
 def run(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, ...], model: str | None,
@@ -363,7 +407,7 @@ class Order:
         self.submit, self.note, self.held = submit, note, {}
 
     def found(self, launch) -> None:
-        ident = launch_id(launch.module, launch.name, launch.jit_key)
+        ident = launch_id(launch.module, launch.qualname or launch.name, launch.jit_key)
         again = self.held.pop(ident, None) is not None
         if launch.later:
             self.held[ident] = launch
@@ -391,13 +435,14 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> d
     # forked workers: this process has made no CUDA context, and its one thread besides this one only
     # sleeps (`_watch`); a spawned worker would import torch again (seconds). Each launch is compiled
     # as soon as it is recorded, those a short request does not run (`Launch.later`) after the rest
+    _progress_path(done).unlink(missing_ok=True)  # (a new file: a reader of a stopped helper's starts over)
     progress = open(_progress_path(done), "w", buffering=1)  # (line-buffered: each line as it happens)
 
     def note(line: str) -> None:
         progress.write(line + "\n")
 
     def submit(ident: str, launch) -> None:
-        pending.append(pool.apply_async(_compile, (launch, cc), callback=lambda r: note(f"D {ident}") if r[0] else None))
+        pending.append(pool.apply_async(_compile, (launch, cc), callback=lambda r: note(f"{'D' if r[0] else 'F'} {ident}")))
 
     with multiprocessing.get_context("fork").Pool(max(1, jobs)) as pool, progress:
         pending = []
@@ -428,7 +473,6 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> d
 
 
 def main(argv=None) -> int:
-    signal.signal(signal.SIGUSR1, lambda *_: _RELEASED.set())  # (first: a release may come at any time)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ordinal", type=int, default=0)
     p.add_argument("--cc", help="compile for this capability (e.g. 9.0) instead of the device's")
@@ -437,14 +481,15 @@ def main(argv=None) -> int:
     p.add_argument("--groups", required=True)
     p.add_argument("--model", help="a checkpoint directory or hub repo id (default: the full-size model)")
     p.add_argument("--marker", help="the marker to write (default: computed here)")
-    p.add_argument("--parent", type=int, help="end when this process has gone")
+    p.add_argument("--parent", type=int, help="end when this process has gone (unless it released us)")
+    p.add_argument("--release-fd", type=int, help="a pipe on which the parent writes its release")
     p.add_argument("--rows", type=int, help="1: a one-stream command's kernels (batched sites at one row)")
     p.add_argument("--jobs", type=int, default=max(1, cpus() - 2))
     p.add_argument("--verbose", action="store_true", help="say what was done on stderr")
     a = p.parse_args(argv)
     trace.mark("precompile_exec")  # (the helper's process is up: Python, this module, no torch yet)
     if a.parent is not None:
-        _watch(a.parent)
+        _watch(a.parent, a.release_fd)
     found = ((tuple(int(x) for x in a.cc.split(".")), a.sms) if a.cc else gpu(a.ordinal))
     if found is None:
         return 1

@@ -40,6 +40,10 @@ def main() -> None:
         code = INTERRUPTED
     except SystemExit as e:
         code = e.code
+    if code in (None, 0):  # (succeeded: a precompile helper it started may finish after it)
+        helpers = sys.modules.get("minicpm_cli.backends.kernels.precompile")
+        if helpers is not None:
+            helpers.release()
     if code != INTERRUPTED and ("torch" in sys.modules or threading.active_count() > 1):
         sys.exit(code)
     _exit(code)

@@ -85,15 +85,15 @@ def _measure(backend: str, which: str, model: str, cache: Path, device: str) -> 
 
 
 def _await_helper(log: Path, timeout: float = 300) -> None:
-    """A command that ends normally lets its precompile helper finish (backends/kernels/precompile.py):
-    wait for it (its compile span noted, or its process gone), so that the next run neither starts
-    beside it nor finds its work half done."""
+    """A command that succeeds lets its precompile helper finish (backends/kernels/precompile.py):
+    wait for its process to end (its marker written), so that the next run neither starts beside it
+    nor finds its work half done."""
+    if not log.exists():
+        return
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    helper = next((r["helper"] for r in records if r.get("event") == "precompile_spawned"), None)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and log.exists():
-        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-        helper = next((r["pid"] for r in records if r.get("event") == "precompile_exec"), None)
-        if helper is None or any(r.get("span") == "precompile_compile" for r in records) or not _alive(helper):
-            return
+    while helper is not None and _alive(helper) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 

@@ -174,11 +174,14 @@ def _codec_first_run(codec: Codec) -> threading.Thread:
     libraries it calls set up (cuBLAS, cuFFT, cuDNN) and its kernels' modules loaded, as CUDA loads
     them at their first launch. 0.2-0.3 s that a first request spent before its first audio (H100);
     nothing it computes is kept. Started before the codec is wrapped (its eager decode)."""
-    decode = codec.decode_batch
+    decode, built = codec.decode_batch, torch.cuda.Event()
+    built.record(torch.cuda.current_stream(codec.device))  # (the codec's weights copied and cast)
 
     def run() -> None:
         try:
-            with trace.span("codec_first_run"), torch.cuda.stream(torch.cuda.Stream(codec.device)):
+            stream = torch.cuda.Stream(codec.device)
+            stream.wait_event(built)
+            with trace.span("codec_first_run"), torch.cuda.stream(stream):
                 codes = torch.zeros(1, FRAMES_PER_CALL, codec.num_vq, dtype=torch.long, device=codec.device)
                 decode(codes)
                 torch.cuda.current_stream().synchronize()
@@ -269,12 +272,14 @@ class Synthesizer:
             codec = build_codec(ckpt, vocos, device=dev)
             first_run = _codec_first_run(codec) if dev.type == "cuda" else None
             be.wrap_codec(codec, invariant=batch_invariant)
-        with trace.span("load_llm"):
-            llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf,
-                            rows=rows if rows > 1 else None, invariant=batch_invariant)
-        if first_run is not None:
-            with trace.span("codec_first_run_wait"):
-                first_run.join()  # (before anything captures a CUDA graph: a capture bars other threads' work)
+        try:
+            with trace.span("load_llm"):
+                llm = be.create(ckpt, config, device=dev, dtype=dt, max_len=LLM_CONTEXT, gguf=gguf,
+                                rows=rows if rows > 1 else None, invariant=batch_invariant)
+        finally:
+            if first_run is not None:  # (before anything captures a CUDA graph: a capture bars other threads'
+                with trace.span("codec_first_run_wait"):  # work; and not left running where loading failed)
+                    first_run.join()
         with trace.span("load_tts_runner"):
             runner = be.tts_runner(tts, rows, invariant=batch_invariant)
         return cls(tokenizers, llm, tts, codec, runner, voices)
