@@ -338,27 +338,47 @@ def _running_in_group(pgid: int) -> bool:
     return False
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_the_helper_ends_when_its_parent_has_gone(tmp_path):
-    """A command that ends without its atexit functions (an interrupt leaves through os._exit) leaves
-    no helper behind: the helper watches its parent and ends its whole group."""
+PARENT = """
+import os, subprocess, sys, time
+from pathlib import Path
+r, w = os.pipe()
+p = subprocess.Popen(sys.argv[2:] + ["--parent", str(os.getpid()), "--release-fd", str(r)], pass_fds=(r,),
+                     start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(p.pid, flush=True)
+if sys.argv[1]:  # (a progress file to wait for, then a release: the helper at work, let finish)
+    deadline = time.monotonic() + 120
+    while not Path(sys.argv[1]).exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.write(w, b"1")
+os._exit(0)  # (as an interrupt leaves: no atexit functions)
+"""
+
+
+def _orphan(tmp_path, args, release: Path | None, wait: float) -> bool:
+    """Start a helper (`args`) from a parent Python that releases it once `release` (a progress file)
+    exists, or not at all (None), and leaves at once -> whether the helper's whole group ended within
+    `wait` s (else it is killed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
     helper = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", "8.6", "--jobs", "2",
-              "--groups", "tts-invariant,tts", "--model", str(TINY)]
-    # the parent: a Python that starts the helper in a group of its own, says its pid, and leaves at once
-    parent = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[1:] + ['--parent', str(os.getpid())], "
-              "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); print(p.pid); "
-              "os._exit(0)")
-    out = subprocess.run([sys.executable, "-c", parent, *helper], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=60)
+              "--model", str(TINY), *args]
+    out = subprocess.run([sys.executable, "-c", PARENT, str(release or ""), *helper], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=180)
     pid = int(out.stdout.strip())
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + wait
     while _running_in_group(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     if _running_in_group(pid):
         os.killpg(pid, 9)
-        pytest.fail("the helper outlived its parent")
+        return False
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_helper_ends_when_its_parent_has_gone(tmp_path):
+    """A command that ends without releasing its helper (an interrupt leaves through os._exit, without
+    atexit functions) leaves none behind: the helper watches its parent and ends its whole group."""
+    assert _orphan(tmp_path, ["--groups", "tts-invariant,tts"], None, 30), "the helper outlived its parent"
     assert not (tmp_path / "minicpm-precompiled").exists() or not any(
         not p.suffix for p in (tmp_path / "minicpm-precompiled").iterdir())  # (stopped before done)
 
@@ -367,28 +387,9 @@ def test_the_helper_ends_when_its_parent_has_gone(tmp_path):
 def test_a_released_helper_finishes_after_its_parent(tmp_path):
     """A command that succeeds releases its helper: it finishes and writes its marker, so the next
     command starts none."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
     done = tmp_path / "minicpm-precompiled" / "given"
-    helper = [sys.executable, "-m", "minicpm_cli.backends.kernels.precompile", "--cc", "8.6", "--jobs", "2",
-              "--groups", "tts", "--rows", "1", "--model", str(TINY), "--marker", str(done)]
-    # the parent: starts the helper, waits until it is at work (its progress file), releases it (a
-    # byte on the helper's pipe, as Helper.release), leaves without its atexit functions
-    parent = ("import os, subprocess, sys, time; from pathlib import Path; r, w = os.pipe(); "
-              "p = subprocess.Popen(sys.argv[1:] + ['--parent', str(os.getpid()), '--release-fd', str(r)], "
-              "start_new_session=True, pass_fds=(r,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
-              "print(p.pid, flush=True); "
-              f"[time.sleep(0.05) for _ in range(2400) if not Path({str(done) + '.progress'!r}).exists()]; "
-              "os.write(w, b'1'); os._exit(0)")
-    out = subprocess.run([sys.executable, "-c", parent, *helper], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=180)
-    pid = int(out.stdout.strip())
-    deadline = time.monotonic() + 300
-    while _running_in_group(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _running_in_group(pid):
-        os.killpg(pid, 9)
-        pytest.fail("the released helper did not finish")
+    args = ["--groups", "tts", "--rows", "1", "--marker", str(done)]
+    assert _orphan(tmp_path, args, precompile._progress_path(done), 300), "the released helper did not finish"
     assert "0 failed, 0 lost" in done.read_text()
 
 
