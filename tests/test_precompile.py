@@ -78,7 +78,7 @@ def test_a_helper_compiles_what_a_short_request_runs_first():
     from minicpm_cli.backends.kernels.launches import Launch
 
     def launch(name, later):
-        return Launch("m", name, (), (), (), (), "here", jit_key=name, later=later)
+        return Launch("m", name, (), (), (), (), "here", jit_key=name, later=later, qualname=name)
 
     submitted, noted = [], []
     order = precompile.Order(lambda ident, x: submitted.append(x.name), noted.append)

@@ -140,9 +140,8 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
     def gate_up(w, x, gain, h, eps, *, warps=4, chunks=2, stages=2, pdl=False):
         cuda_defines.add(decode.gate_up_defines(w, warps, chunks, stages, pdl))
 
-    saved = JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat, torch.arange
-    JITFunction._do_compile, decode.cuda_gate_up = do_compile, gate_up
-    torch.cat, torch.arange = _meta_cat(torch.cat), _meta_arange(torch.arange)
+    saved = JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat
+    JITFunction._do_compile, decode.cuda_gate_up, torch.cat = do_compile, gate_up, _meta_cat(torch.cat)
     driver.set_active(_fake_driver(cc))
     try:
         with targets.planning(cc, sms), torch.inference_mode():
@@ -152,8 +151,7 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
                         where[0] = f"{site} ({dtype})"
                         fn()
     finally:
-        # (no GPU: no default driver)
-        JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat, torch.arange = saved
+        JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat = saved  # (no GPU: no default driver)
     return list(launches.values()), sorted(cuda_defines)
 
 
@@ -192,20 +190,6 @@ def _meta_cat(cat):
         return tensors[0].new_empty(shape)
 
     return meta_cat
-
-
-def _meta_arange(arange):
-    """torch.arange, which on the meta device is a Python reference that imports sympy (0.4 s of the
-    helper's start): made on the CPU (the same shape and dtype) and moved to the meta device."""
-
-    import torch
-
-    def meta_arange(*args, device=None, **kwargs):
-        if device is None or torch.device(device).type != "meta":
-            return arange(*args, device=device, **kwargs)
-        return arange(*args, **kwargs).to("meta")
-
-    return meta_arange
 
 
 def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
@@ -255,13 +239,16 @@ def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
         m.to(dtype)
         return m
 
-    def prepared(decoder, max_len):
-        decoder.fuse()
-        decoder.setup_cache(max_len, dtype, meta, rows)
+    def rope(decoder):
         # (the tables on the CPU, then as meta tensors: arithmetic on meta tensors runs torch's Python
         # references, whose first call imports torch._dynamo, 0.5 s of the helper's start)
         decoder.setup_rope(decoder.config.max_positions, "cpu")
         decoder.rope_cos, decoder.rope_sin = decoder.rope_cos.to(meta), decoder.rope_sin.to(meta)
+
+    def prepared(decoder, max_len):
+        decoder.fuse()
+        decoder.setup_cache(max_len, dtype, meta, rows)
+        rope(decoder)
         return decoder
 
     tts_cfg = TTSConfig.from_hf(config["tts_config"])
@@ -389,9 +376,8 @@ def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
 
     def int4_variant():  # the int4 backend with --batch-variant: its decode step, its prefill products
         m, w = int4_weights()
-        c = m.config.decoder
         m.model.setup_cache(LLM_CONTEXT, dtype, meta, rows)
-        m.model.setup_rope(c.max_positions, meta)
+        rope(m.model)
         step = TritonDecode(m.model)
         step(step.x, empty(1, dt=torch.long))
         for weight in w.values():

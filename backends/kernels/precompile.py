@@ -18,18 +18,17 @@ begins (for a named backend before torch is imported), starts a thread that
    Two helpers for one set (replicas starting together) take turns on a lock beside the marker.
 
 The helper compiles what a short read runs first, then the rest (the LLM's decoding and long
-prompts: `Launch.later`). Each compilation of the loading process waits for its kernel while the helper runs
-(`wait_before_compiling`), then finds it in the cache; a kernel the helper did not foresee it
-compiles itself, as before. The
-cache is Triton's own and content-addressed, and the helper compiles each kernel from exactly what
-the JIT would pass (signature, constants, attributes, options): nothing here can change what runs,
-only when it is compiled. The helper is a head start, never a requirement: any failure in it is
-silent, and the loading process meets any real problem itself. A command that succeeds lets its
-helper finish what it began (seconds; then the marker spares the next command a helper of its own;
-`release`: a byte on a pipe the helper holds); one that fails, is interrupted or killed ends it (its
-whole group: its workers too; it watches its parent). Not started
-with fewer than MIN_CPUS usable CPUs (its workers would compile the whole set slower than the loading
-process compiles what it needs); MINICPM_PRECOMPILE=0 turns it off.
+prompts: `Launch.later`). Each compilation of the loading process waits for its kernel while the
+helper runs (`wait_before_compiling`), then finds it in the cache; a kernel the helper did not
+foresee it compiles itself, as before. The cache is Triton's own and content-addressed, and the
+helper compiles each kernel from exactly what the JIT would pass (signature, constants, attributes,
+options): nothing here can change what runs, only when it is compiled. The helper is a head start,
+never a requirement: any failure in it is silent, and the loading process meets any real problem
+itself. A command that succeeds lets its helper finish what it began (seconds; then the marker
+spares the next command a helper of its own; `release`: a byte on a pipe the helper holds); one that
+fails, is interrupted or killed ends it (its whole group: its workers too; it watches its parent).
+Not started with fewer than MIN_CPUS usable CPUs (its workers would compile the whole set slower
+than the loading process compiles what it needs); MINICPM_PRECOMPILE=0 turns it off.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ from pathlib import Path
 
 from ... import trace
 from ...engine import warmstart
+from ...engine.warmstart import cpus
 
 ENV = "MINICPM_PRECOMPILE"
 WAIT = 90.0  # seconds the loading process's compilations wait for the helper at most, in all
@@ -68,14 +68,6 @@ def groups_for(backend: str, invariant: bool) -> tuple[str, ...]:
     if backend == "gguf":
         return tts
     return ()
-
-
-def cpus() -> int:
-    """CPUs this process may run on (its affinity, where the system tells it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def launch_id(module: str, name: str, jit_key: str) -> str:
@@ -407,7 +399,7 @@ class Order:
         self.submit, self.note, self.held = submit, note, {}
 
     def found(self, launch) -> None:
-        ident = launch_id(launch.module, launch.qualname or launch.name, launch.jit_key)
+        ident = launch_id(launch.module, launch.qualname, launch.jit_key)
         again = self.held.pop(ident, None) is not None
         if launch.later:
             self.held[ident] = launch

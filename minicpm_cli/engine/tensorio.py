@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .. import trace
+from .warmstart import cpus
 
 DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -39,8 +40,7 @@ CHUNK = 16 << 20  # bytes a read moves into one pinned buffer
 # CPU, so threads up to the CPUs make it faster (15.6 GB to an H100: 4 of 64 MB 13.8 GB/s, 8 of 32 MB
 # 21.6, 16 of 16 MB 28.9, 16 of 32 MB 31.5). 16 of 16 MB: the 256 MB of pinned memory that 4 of 64
 # held, which torch's pinned-memory cache keeps for the process's life
-_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4
-BUFFERS = max(4, min(16, _CPUS))
+BUFFERS = max(4, min(16, cpus()))
 
 
 @dataclass(frozen=True)

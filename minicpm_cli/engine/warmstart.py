@@ -59,6 +59,14 @@ def gpu_ordinal(device: str) -> int | None:
     return int(device[5:]) if device.startswith("cuda:") else 0
 
 
+def cpus() -> int:
+    """CPUs this process may run on (its affinity, where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def gpu_node() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
