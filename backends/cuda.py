@@ -1,5 +1,6 @@
 """CUDA C kernels compiled at run time and launched through the CUDA driver, where Triton's code
-generation is the limit (backends/q4_decode.cu: the int4 decode step's gate/up on the tensor cores).
+generation is the limit (backends/q4_decode.cu: the int4 decode step's gate/up on the tensor cores;
+backends/q4_chain.cu: int4's batch-invariant product at one token).
 
 NVRTC, the runtime compiler, is a library that CUDA builds of torch install with them (the
 `nvidia-cuda-nvrtc` wheel; torch's own jiterator uses it), so like Triton's JIT this needs no
@@ -209,11 +210,16 @@ def _cached_compile(source: str, name: str, arch: str, options: tuple[str, ...])
     return cubin
 
 
+def cubin(file: str, name: str, arch: str, defines: tuple[tuple[str, int], ...]) -> bytes:
+    """Kernel `name` of backends/`file` compiled for sm_`arch` with the -D constants `defines`, through
+    the disk cache (also how a first command's compiling helper fills it: kernels/precompile.py)."""
+    source = (Path(__file__).parent / file).read_text()
+    return _cached_compile(source, name, arch, tuple(f"-D{k}={v}" for k, v in defines))
+
+
 @functools.cache
 def kernel(file: str, name: str, device: torch.device, defines: tuple[tuple[str, int], ...]) -> Kernel:
     """Kernel `name` of backends/`file` compiled for `device` (with its index) with the -D constants
     `defines`."""
     major, minor = torch.cuda.get_device_capability(device)
-    source = (Path(__file__).parent / file).read_text()
-    cubin = _cached_compile(source, name, f"{major}{minor}", tuple(f"-D{k}={v}" for k, v in defines))
-    return Kernel(cubin, name, device)
+    return Kernel(cubin(file, name, f"{major}{minor}", defines), name, device)

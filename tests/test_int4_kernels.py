@@ -175,6 +175,54 @@ def test_cuda_gate_up_matches_float64(dim, inter):
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4608, 3584), (3584, 3584), (37888, 3584), (3584, 18944)])
+def test_q4_chain_gives_the_triton_products_bits(n, k):
+    """`q4_chain` (backends/q4_chain.cu) at Qwen2-7B's shapes, 1 to 8 tokens, its one-token shape
+    and others (16 and 32 rows a warp, short and long chunks), with and without a bias (zero points
+    and scales per row): bit for bit `_q4_mm` with `q4_invariant`'s launch shape, which is what
+    every token count's row gives (batch invariance). With the bias the sum, scale and bias take one
+    FMA, as Triton's compiler contracts them: separate roundings differed in 1-4 of 4608 outputs."""
+    from minicpm_cli.backends.gptq import kernel_words
+    from minicpm_cli.backends.kernels.common import Weight
+    from minicpm_cli.backends.kernels.q4 import chain_shape, q4_chain, q4_chain_fits, q4_invariant_config, q4_mm
+
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda", generator=g)
+    z = torch.randint(1, 17, (n, 1), device="cuda", generator=g).float()
+    s = torch.rand(n, 1, device="cuda", generator=g) * 1e-2 + 1e-3
+    w = Weight(kernel_words(q), s, z, k)
+    shapes = [{"rows": 32, "warps": 2, "steps": 8, "stages": 3}, {"rows": 16, "warps": 2, "steps": 16, "stages": 2}]
+    for m in (1, 2, 3, 8):
+        x = (torch.randn(m, k, device="cuda", generator=g) * 2).to(torch.bfloat16)
+        assert q4_chain_fits(x, w)
+        for bias in (None, (torch.randn(n, device="cuda", generator=g) * 2).to(torch.bfloat16)):
+            ref = q4_mm(x, w, bias, cfg=q4_invariant_config(m, w))
+            for shape in shapes + ([chain_shape(m, w)] if chain_shape(m, w) else []):
+                assert torch.equal(q4_chain(x, w, bias, **shape), ref), (m, shape, bias is None)
+            assert torch.equal(q4_mm(x[:1], w, bias, cfg=q4_invariant_config(1, w))[0], ref[0])
+
+
+def test_q4_chain_takes_one_token_of_the_large_weights_with_the_tritons_parts():
+    """`chain_shape`: one token of gate/up (many rows) and of down (long rows) at Qwen2-7B's shapes,
+    nothing for q/k/v and o or for more tokens; `chain_defines` cuts K where `q4_invariant` does."""
+    from minicpm_cli.backends.kernels.common import Weight, split_k
+    from minicpm_cli.backends.kernels.q4 import chain_defines, chain_shape, q4_invariant_config
+
+    def weight(n, k):
+        return Weight(torch.zeros((n + 3) // 4, k // 8, 4, dtype=torch.int32), torch.ones(n, 1), torch.zeros(n, 1), k)
+
+    for (n, k), want in {(37888, 3584): 32, (3584, 18944): 16, (4608, 3584): None, (3584, 3584): None}.items():
+        w = weight(n, k)
+        shape = chain_shape(1, w)
+        assert (shape and shape["rows"]) == want, (n, k)
+        assert chain_shape(2, w) is None
+        d = dict(chain_defines(1, w, False, False, **(shape or {})))
+        assert (d["SPLIT"], d["KS"]) == split_k(k, 64, q4_invariant_config(1, w)[5])
+        assert d["MT"] == 1 and dict(chain_defines(5, w, True, False))["MT"] == 8
+    assert chain_shape(1, weight(37888, 3584 + 64)) is None  # (K not whole 16-step chunks in each part)
+
+
 @pytest.mark.parametrize("pipe", [False, True])
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group,block_k,split", [(-1, 64, 4), (-1, 32, 1), (-1, 64, 1), (-1, 32, 3), (32, 32, 3),

@@ -93,10 +93,10 @@ def problems(result: dict) -> list[str]:
             for arch, results in result["results"].items() for r in results if r["problems"]]
 
 
-def test_every_launch_is_planned_and_the_cuda_kernel_compiles_everywhere(tmp_path):
+def test_every_launch_is_planned_and_the_cuda_kernels_compile_everywhere(tmp_path):
     """Every launch site runs for every architecture (recorded, not compiled: the full sweep below);
-    programmatic dependent launch only from sm_90; q4_decode.cu through NVRTC and the norm kernel
-    compiled for each and within its limits."""
+    programmatic dependent launch only from sm_90; the CUDA C kernels (q4_decode.cu, q4_chain.cu)
+    through NVRTC and the norm kernel compiled for each and within its limits."""
     from minicpm_cli.backends import cuda
     from minicpm_cli.errors import BackendError
 
@@ -104,12 +104,12 @@ def test_every_launch_is_planned_and_the_cuda_kernel_compiles_everywhere(tmp_pat
         cuda._nvrtc()
     except BackendError:
         pytest.skip("no NVRTC here: pip install nvidia-cuda-nvrtc (in the test extra)")
-    result = sweep(tmp_path, "--kernels", "q4_rms_gate_up,_rms_norm", "--dtypes", "bfloat16")
+    result = sweep(tmp_path, "--kernels", "q4_rms_gate_up,q4_chain,_rms_norm", "--dtypes", "bfloat16")
     assert set(result["results"]) == ARCHS
     assert not problems(result), problems(result)
     for arch, results in result["results"].items():
         names = {r["kernel"].split("(")[0].split("[")[0] for r in results}
-        assert names == {"q4_rms_gate_up", "_rms_norm"}, arch
+        assert names == {"q4_rms_gate_up", "q4_chain", "_rms_norm"}, arch
         hopper = arch in ("sm_90", "sm_120")
         assert bool(result["pdl"][arch]) == hopper, arch  # every step kernel of the plan, or none
         assert all(r["pdl"] == hopper for r in results if r["kernel"].startswith("q4_rms_gate_up"))

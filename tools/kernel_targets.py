@@ -12,11 +12,12 @@ worker processes, and each one's shared memory (Triton's metadata, plus the stat
 of the CUBIN), registers and local memory (cuobjdump's resource usage) and threads are checked:
 shared memory within the block's opt-in limit, registers at most 255 a thread and, allocated per
 warp in units of 256, 64 K a block, at most 1024 threads, griddepcontrol (programmatic dependent
-launch) only from sm_90 on. backends/q4_decode.cu (the int4 decode step's gate/up) is compiled by
-NVRTC (backends/cuda.py's own call, `--gpu-architecture=sm_XX`) with the constants its launch
-asks for, and checked the same way, its shared memory static (48 KB at most).
+launch) only from sm_90 on. The CUDA C kernels (backends/q4_decode.cu, the int4 decode step's
+gate/up; backends/q4_chain.cu, int4's batch-invariant one-token product) are compiled by NVRTC
+(backends/cuda.py's own call, `--gpu-architecture=sm_XX`) with the constants their launches ask
+for, and checked the same way, their shared memory static (48 KB at most).
 
-Needs: Triton (ptxas and cuobjdump come with it); for q4_decode.cu, NVRTC (the nvidia-cuda-nvrtc
+Needs: Triton (ptxas and cuobjdump come with it); for the CUDA C kernels, NVRTC (the nvidia-cuda-nvrtc
 wheel, in the test extra); a CPU build of torch is enough. Must not run under TRITON_INTERPRET.
 """
 
@@ -99,21 +100,22 @@ def compile_triton(launch: Launch, cc: tuple[int, int]) -> dict:
                               smem_static=res.get("shared", 0), pdl=pdl)}
 
 
-def compile_cuda(defines: tuple, cc: tuple[int, int]) -> dict:
+def compile_cuda(item: tuple, cc: tuple[int, int]) -> dict:
     from minicpm_cli.backends import cuda
 
     start = time.perf_counter()
-    source = (ROOT / "backends" / "q4_decode.cu").read_text()
+    file, name, defines = item
+    source = (ROOT / "backends" / file).read_text()
     d = dict(defines)
-    label = "q4_rms_gate_up(" + ",".join(f"{k}={v}" for k, v in defines) + ")"
+    label = f"{name}(" + ",".join(f"{k}={v}" for k, v in defines) + ")"
     try:
-        cubin = cuda.compile_cubin(source, "q4_rms_gate_up", f"{cc[0]}{cc[1]}", tuple(f"-D{k}={v}" for k, v in defines))
+        cubin = cuda.compile_cubin(source, name, f"{cc[0]}{cc[1]}", tuple(f"-D{k}={v}" for k, v in defines))
     except Exception as e:
-        return {"kernel": label, "where": "int4 decode (NVRTC)", "problems": [f"does not compile: {e}"[:500]],
+        return {"kernel": label, "where": "int4 (NVRTC)", "problems": [f"does not compile: {e}"[:500]],
                 "seconds": time.perf_counter() - start}
     res = resources(cubin)
     threads = 32 * d["WARPS"]
-    return {"kernel": label, "where": "int4 decode (NVRTC)", "smem": 0, "regs": res["reg"], "local": res.get("local", 0),
+    return {"kernel": label, "where": "int4 (NVRTC)", "smem": 0, "regs": res["reg"], "local": res.get("local", 0),
             "threads": threads, "pdl": bool(d["PDL"]), "seconds": time.perf_counter() - start,
             "problems": check(cc, regs=res["reg"], threads=threads, smem=0, smem_static=res.get("shared", 0),
                               pdl=bool(d["PDL"]))}
@@ -126,7 +128,7 @@ def _job(args):
 
 def sweep(ccs, jobs: int = 2, dtypes=DTYPES, nvrtc: bool = True, kernels: set[str] | None = None) -> dict:
     """{architecture name: [result of each distinct kernel]} and timings; `kernels`: compile only these
-    (names of Triton kernels, q4_rms_gate_up for the CUDA C one), the rest only recorded."""
+    (names of Triton kernels, q4_rms_gate_up and q4_chain for the CUDA C ones), the rest only recorded."""
     from minicpm_cli.backends.kernels import targets
 
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -136,10 +138,10 @@ def sweep(ccs, jobs: int = 2, dtypes=DTYPES, nvrtc: bool = True, kernels: set[st
     for cc in ccs:
         launches, defines = record(cc, dtypes)
         pdl[targets.limits(cc).name] = sorted({launch.name for launch in launches if dict(launch.options)["launch_pdl"]}
-                                              | {"q4_rms_gate_up" for d in defines if dict(d)["PDL"]})
+                                              | {name for _, name, d in defines if dict(d)["PDL"]})
         work += [("triton", launch, cc) for launch in launches if kernels is None or launch.name in kernels]
-        if nvrtc and (kernels is None or "q4_rms_gate_up" in kernels):
-            work += [("cuda", d, cc) for d in defines]
+        if nvrtc:
+            work += [("cuda", item, cc) for item in defines if kernels is None or item[1] in kernels]
     recorded = time.perf_counter() - start
     results: dict[str, list] = {targets.limits(cc).name: [] for cc in ccs}
     # (spawned workers: a fork of a process that has run torch may hang)
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
                    help="compute capabilities, e.g. 80,86,89,90,120")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--dtypes", default=",".join(DTYPES))
-    p.add_argument("--no-nvrtc", action="store_true", help="skip backends/q4_decode.cu")
+    p.add_argument("--no-nvrtc", action="store_true", help="skip the CUDA C kernels (backends/*.cu)")
     p.add_argument("--kernels", help="compile only these kernels (comma-separated names; all are recorded)")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)

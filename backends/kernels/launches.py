@@ -107,8 +107,8 @@ def _freeze(v):
 
 def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | None = None, sms: int | None = None,
            found=None, rows=ROWS) -> tuple[list[Launch], list[tuple]]:
-    """(Triton launches, q4_decode.cu constants) of the launch sites of `groups` for capability cc, in the
-    order the sites first launch them; `config`: the checkpoint's config.json (None: the full-size
+    """(Triton launches, CUDA C kernels as (file, kernel, constants): q4_decode.cu's and q4_chain.cu's)
+    of the launch sites of `groups` for capability cc, in the order the sites first launch them; `config`: the checkpoint's config.json (None: the full-size
     model's); `sms`: the GPU's multiprocessors (None: the representative card's, targets.py);
     `found(launch)`, if given, is called with each new launch as it is recorded; `rows`: the batch
     sizes to launch the batched sites at (a one-stream command: (1,))."""
@@ -116,7 +116,7 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from . import decode, targets
+    from . import decode, q4, targets
 
     launches: dict[tuple, Launch] = {}
     cuda_defines: set[tuple] = set()
@@ -138,10 +138,14 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
         return None  # nothing compiled, nothing launched
 
     def gate_up(w, x, gain, h, eps, *, warps=4, chunks=2, stages=2, pdl=False):
-        cuda_defines.add(decode.gate_up_defines(w, warps, chunks, stages, pdl))
+        cuda_defines.add(("q4_decode.cu", "q4_rms_gate_up", decode.gate_up_defines(w, warps, chunks, stages, pdl)))
 
-    saved = JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat
-    JITFunction._do_compile, decode.cuda_gate_up, torch.cat = do_compile, gate_up, _meta_cat(torch.cat)
+    def chain(x, w, bias, *, pdl=False, **shape):
+        cuda_defines.add(("q4_chain.cu", "q4_chain", q4.chain_defines(x.shape[0], w, bias is not None, pdl, **shape)))
+        return torch.empty(x.shape[0], w.n, dtype=x.dtype, device=x.device)
+
+    saved = JITFunction._do_compile, decode.cuda_gate_up, q4.q4_chain, driver._active, torch.cat
+    JITFunction._do_compile, decode.cuda_gate_up, q4.q4_chain, torch.cat = do_compile, gate_up, chain, _meta_cat(torch.cat)
     driver.set_active(_fake_driver(cc))
     try:
         with targets.planning(cc, sms), torch.inference_mode():
@@ -151,7 +155,7 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
                         where[0] = f"{site} ({dtype})"
                         fn()
     finally:
-        JITFunction._do_compile, decode.cuda_gate_up, driver._active, torch.cat = saved  # (no GPU: no default driver)
+        JITFunction._do_compile, decode.cuda_gate_up, q4.q4_chain, driver._active, torch.cat = saved  # (no GPU: no default driver)
     return list(launches.values()), sorted(cuda_defines)
 
 

@@ -346,6 +346,20 @@ def _compile(launch, cc: tuple[int, int]) -> tuple[bool, float, str]:
     return True, time.perf_counter() - t, launch.label()
 
 
+def _compile_cuda(item: tuple, cc: tuple[int, int]) -> tuple[bool, float, str]:
+    """(compiled, seconds, label): one recorded CUDA C kernel (file, kernel, constants) compiled by
+    NVRTC into backends/cuda.py's disk cache (a worker's job; the loading process reads it there)."""
+    from .. import cuda
+
+    file, name, defines = item
+    t = time.perf_counter()
+    try:
+        cuda.cubin(file, name, f"{cc[0]}{cc[1]}", defines)
+    except Exception:
+        return False, time.perf_counter() - t, name
+    return True, time.perf_counter() - t, name
+
+
 def _watch(parent: int, release_fd: int | None) -> None:
     """End this process's group (the helper and its workers) once `parent` has gone, unless it
     released the helper first (a byte on `release_fd`, `Helper.release`): an interrupted command
@@ -440,12 +454,14 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> d
         pending = []
         order = Order(submit, note)
         with trace.span("precompile_record"):
-            recorded, _ = launches.record(cc, (dtype,), groups, config, sms, found=order.found, rows=rows)
+            recorded, cuda_kernels = launches.record(cc, (dtype,), groups, config, sms, found=order.found, rows=rows)
         order.flush()
+        for item in cuda_kernels:  # (NVRTC's: no Triton kernel waits for them, so last)
+            pending.append(pool.apply_async(_compile_cuda, (item, cc)))
         note("R")
         t_rec = time.perf_counter() - t0
         results, lost = [], 0
-        with trace.span("precompile_compile", kernels=len(recorded)):
+        with trace.span("precompile_compile", kernels=len(recorded) + len(cuda_kernels)):
             for p in pending:
                 try:
                     results.append(p.get(max(0.0, t0 + DEADLINE - time.perf_counter())))
@@ -455,10 +471,10 @@ def _run(cc, sms, dtype, groups, config, jobs, done: Path, t0: float, rows) -> d
         # (written whatever failed: a kernel that does not compile here does not in the loading process
         # either, which falls back loudly (kernels/fallback.py); later commands must not wait for it
         # again. Before the pool's teardown: the loading process waits for the marker, not the exit)
-        done.write_text(f"{len(recorded)} kernels, sm_{cc[0]}{cc[1]}, {dtype}, {','.join(groups)}; "
+        done.write_text(f"{len(recorded) + len(cuda_kernels)} kernels, sm_{cc[0]}{cc[1]}, {dtype}, {','.join(groups)}; "
                         f"{len(failed)} failed, {lost} lost\n")
     slowest = sorted(results, key=lambda r: -r[1])[:5]
-    return {"compiled": len(recorded), "failed": len(failed) + lost, "failures": failed, "skipped": False,
+    return {"compiled": len(recorded) + len(cuda_kernels), "failed": len(failed) + lost, "failures": failed, "skipped": False,
             "marker": str(done), "record_seconds": round(t_rec, 2), "seconds": round(time.perf_counter() - t0, 2),
             "compile_seconds": round(sum(r[1] for r in results), 2),
             "slowest": [(label, round(t, 2)) for _, t, label in slowest]}

@@ -253,9 +253,14 @@ def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
     are (backends/invariant.py): K-blocks of 64 and a split chosen from the weight alone (the one
     `q4_mm_config` takes at 16 tokens), whatever the count; tokens in tiles of up to 128 (which do
     not change a row's sums), at most MM_MAX_M at a time (which bounds the split's scratch). One
-    token too: the GEMV's sums differ from a batch's."""
+    token too: the GEMV's sums differ from a batch's. Where `chain_shape` names one (one token of
+    gate/up or down), `q4_chain` gives the same sums sooner."""
     if w.group != w.k:
         raise ValueError("the batch-invariant 4-bit product takes one-group weights (the official layout)")
+    m = x.shape[0]
+    if m <= CHAIN_MAX_M and q4_chain_fits(x, w) and (shape := chain_shape(m, w)) is not None:
+        return CHAIN.guard(lambda: q4_chain(x, w, bias, **shape),
+                           lambda: q4_mm(x, w, bias, cfg=q4_invariant_config(m, w)), x.device)
     outs = []
     for t0 in range(0, x.shape[0], MM_MAX_M):
         part = x[t0 : t0 + MM_MAX_M]
@@ -268,6 +273,71 @@ def q4_invariant_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int
     `q4_mm_config` takes at 16 tokens, whatever m; tiles of up to 128 tokens."""
     _, _, _, warps, _, split = q4_mm_config(16, w)
     return 64, min(max(16, triton.next_power_of_2(m)), 128), 64, warps, 4 if m <= 128 else 3, split
+
+
+CHAIN_MAX_M = 8  # tokens `q4_chain` takes (the columns of one MMA)
+CHAIN = Fallback("the 4-bit one-token product in CUDA C")  # (its twin: `_q4_mm`, the same bits)
+
+
+def q4_chain_fits(x: Tensor, w: Weight) -> bool:
+    """Whether `q4_chain` takes this product: a one-group 4-bit weight of whole 32-row tiles and
+    K in 64s, 1 to CHAIN_MAX_M bfloat16 tokens on a GPU with bfloat16 tensor-core products
+    (compute capability 8.0 and later)."""
+    from . import targets
+
+    cc = targets.capability(x.device)
+    return (w.q4 and w.group == w.k and x.dtype == torch.bfloat16 and cc is not None and cc >= (8, 0)
+            and 1 <= x.shape[0] <= CHAIN_MAX_M and w.n % 32 == 0 and w.k % 64 == 0)
+
+
+def chain_shape(m: int, w: Weight) -> dict | None:
+    """`q4_chain`'s launch shape for m tokens of w where it is faster than `_q4_mm` (a sweep of
+    both at Qwen2-7B's shapes on an H200, docs/journal.md): one token of a weight of many rows
+    (gate/up: 32 rows a warp, 16-step chunks, three in flight: 31.3 us against 42.2) or of long
+    rows (down: 16 rows, 8-step chunks, two: 19.2 against 24.4); None elsewhere (q/k/v and o, and
+    more tokens, were slower on it)."""
+    if m != 1:
+        return None
+    if w.n >= 4 * w.k:
+        shape = {"rows": 32, "warps": 2, "steps": 16, "stages": 3}
+    elif w.k >= 4 * w.n:
+        shape = {"rows": 16, "warps": 2, "steps": 8, "stages": 2}
+    else:
+        return None
+    split, ks = split_k(w.k, 64, q4_invariant_config(m, w)[5])
+    whole = all(v % (16 * shape["steps"]) == 0 for v in (ks, w.k - ks * (split - 1)))  # whole chunks a part
+    return shape if whole and w.n % shape["rows"] == 0 else None
+
+
+def chain_defines(m: int, w: Weight, has_bias: bool, pdl: bool, rows: int = 32, warps: int = 4, steps: int = 4,
+                  stages: int = 4) -> tuple[tuple[str, int], ...]:
+    """The compile-time constants (NVRTC -D) of backends/q4_chain.cu for `q4_chain`: the parts of K
+    `q4_invariant` cuts for m tokens, and the launch shape."""
+    split, ks = split_k(w.k, 64, q4_invariant_config(m, w)[5])
+    return (("N", w.n), ("K", w.k), ("KS", ks), ("SPLIT", split), ("MT", triton.next_power_of_2(m)), ("ROWS", rows),
+            ("WARPS", warps), ("STEPS", steps), ("STAGES", stages), ("HAS_BIAS", int(has_bias)), ("PDL", int(pdl)))
+
+
+def q4_chain(x: Tensor, w: Weight, bias: Tensor | None, *, pdl: bool = False, **shape) -> Tensor:
+    """`q4_invariant` for 1 to CHAIN_MAX_M tokens (`q4_chain_fits`) on the CUDA C kernel of
+    backends/q4_chain.cu: the same bits, its own launch shape (`shape`: rows, warps, steps,
+    stages). `pdl`: launched as a programmatic dependent of the previous kernel."""
+    from .. import cuda
+
+    m = x.shape[0]
+    defines = chain_defines(m, w, bias is not None, pdl, **shape)
+    split, warps, rows = (dict(defines)[k] for k in ("SPLIT", "WARPS", "ROWS"))
+    kernel = cuda.kernel("q4_chain.cu", "q4_chain", x.device, defines)
+    tiles = w.n // rows
+    y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
+    if split > 1:
+        part = torch.empty(tiles * split * 8 * rows, dtype=torch.float32, device=x.device)
+        count = _counters(x.device, tiles)
+    else:
+        part = count = y
+    kernel((triton.cdiv(tiles, warps), split), 32 * warps, x, w.w, w.scales, w.zeros,
+           bias if bias is not None else y, y, part, count, m, pdl=pdl)
+    return y
 
 
 FALLBACK = Fallback("the 4-bit products")  # (kernels/fallback.py: `q4_eager` where the kernels cannot run)
