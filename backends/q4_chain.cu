@@ -228,13 +228,28 @@ q4_chain(const u16* x, const uint4* __restrict__ w, const float* __restrict__ sc
     last = __shfl_sync(0xffffffffu, last, 0);
     if (!last) return;
     __threadfence();
-    const float* all = part + (long long)tile * SPLIT * 32 * FRAG + lane * FRAG;
+    // every part's sums requested at once (one after another, the last warp waited SPLIT round
+    // trips to L2), then added in order
+    const float4* all = (const float4*)(part + (long long)tile * SPLIT * 32 * FRAG + lane * FRAG);
+    float4 p[SPLIT][FRAG / 4];
 #pragma unroll
-    for (int i = 0; i < FRAG; i++) acc[i] = __ldcg(all + i);
-#pragma unroll 1
-    for (int j = 1; j < SPLIT; j++) {
+    for (int j = 0; j < SPLIT; j++)
 #pragma unroll
-        for (int i = 0; i < FRAG; i++) acc[i] += __ldcg(all + j * 32 * FRAG + i);
+        for (int i = 0; i < FRAG / 4; i++) p[j][i] = __ldcg(all + j * 8 * FRAG + i);
+#pragma unroll
+    for (int i = 0; i < FRAG / 4; i++) {
+        float4 t = p[0][i];
+#pragma unroll
+        for (int j = 1; j < SPLIT; j++) {
+            t.x += p[j][i].x;
+            t.y += p[j][i].y;
+            t.z += p[j][i].z;
+            t.w += p[j][i].w;
+        }
+        acc[4 * i] = t.x;
+        acc[4 * i + 1] = t.y;
+        acc[4 * i + 2] = t.z;
+        acc[4 * i + 3] = t.w;
     }
     if (lane == 0) count[tile] = 0;
 #endif

@@ -203,20 +203,20 @@ def test_q4_chain_gives_the_triton_products_bits(n, k):
             assert torch.equal(q4_mm(x[:1], w, bias, cfg=q4_invariant_config(1, w))[0], ref[0])
 
 
-def test_q4_chain_takes_one_token_of_the_large_weights_with_the_tritons_parts():
-    """`chain_shape`: one token of gate/up (many rows) and of down (long rows) at Qwen2-7B's shapes,
-    nothing for q/k/v and o or for more tokens; `chain_defines` cuts K where `q4_invariant` does."""
+def test_q4_chain_takes_one_token_and_a_few_of_down_with_the_tritons_parts():
+    """`chain_shape`: a shape for one token of each of Qwen2-7B's projections, for 2-8 tokens only
+    of down (long rows); `chain_defines` cuts K where `q4_invariant` does."""
     from minicpm_cli.backends.kernels.common import Weight, split_k
     from minicpm_cli.backends.kernels.q4 import chain_defines, chain_shape, q4_invariant_config
 
     def weight(n, k):
         return Weight(torch.zeros((n + 3) // 4, k // 8, 4, dtype=torch.int32), torch.ones(n, 1), torch.zeros(n, 1), k)
 
-    for (n, k), want in {(37888, 3584): 32, (3584, 18944): 16, (4608, 3584): None, (3584, 3584): None}.items():
+    for (n, k), want in {(37888, 3584): (32, None), (3584, 18944): (16, 32), (4608, 3584): (32, None),
+                         (3584, 3584): (16, None)}.items():
         w = weight(n, k)
         shape = chain_shape(1, w)
-        assert (shape and shape["rows"]) == want, (n, k)
-        assert chain_shape(2, w) is None
+        assert (shape["rows"], (chain_shape(8, w) or {}).get("rows")) == want, (n, k)
         d = dict(chain_defines(1, w, False, False, **(shape or {})))
         assert (d["SPLIT"], d["KS"]) == split_k(k, 64, q4_invariant_config(1, w)[5])
         assert d["MT"] == 1 and dict(chain_defines(5, w, True, False))["MT"] == 8

@@ -253,8 +253,8 @@ def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
     are (backends/invariant.py): K-blocks of 64 and a split chosen from the weight alone (the one
     `q4_mm_config` takes at 16 tokens), whatever the count; tokens in tiles of up to 128 (which do
     not change a row's sums), at most MM_MAX_M at a time (which bounds the split's scratch). One
-    token too: the GEMV's sums differ from a batch's. Where `chain_shape` names one (one token of
-    gate/up or down), `q4_chain` gives the same sums sooner."""
+    token too: the GEMV's sums differ from a batch's. Where `chain_shape` names one (one token, and
+    up to 8 of down), `q4_chain` gives the same sums sooner."""
     if w.group != w.k:
         raise ValueError("the batch-invariant 4-bit product takes one-group weights (the official layout)")
     m = x.shape[0]
@@ -291,17 +291,22 @@ def q4_chain_fits(x: Tensor, w: Weight) -> bool:
 
 
 def chain_shape(m: int, w: Weight) -> dict | None:
-    """`q4_chain`'s launch shape for m tokens of w where it is faster than `_q4_mm` (a sweep of
-    both at Qwen2-7B's shapes on an H200, docs/journal.md): one token of a weight of many rows
-    (gate/up: 32 rows a warp, 16-step chunks, three in flight: 31.3 us against 42.2) or of long
-    rows (down: 16 rows, 8-step chunks, two: 19.2 against 24.4); None elsewhere (q/k/v and o, and
-    more tokens, were slower on it)."""
-    if m != 1:
-        return None
-    if w.n >= 4 * w.k:
+    """`q4_chain`'s launch shape for m tokens of w where it is faster than `_q4_mm` (sweeps of both
+    at Qwen2-7B's shapes on an H200, docs/journal.md; us a call, `_q4_mm` first). One token: a
+    weight of many rows (gate/up 42.1 -> 31.4: 32 rows a warp, chunks of 16 steps, three in flight),
+    of long rows (down 24.2 -> 16.2: 16 rows, 8 steps, two), of more rows than inputs (q/k/v 9.1 ->
+    7.5: 32 rows, four warps a block), else (o 7.9 -> 6.6: 16 rows, 4 steps, four). 2-8 tokens:
+    long rows only (down at 8 tokens 24.3 -> 20.6); None elsewhere (gate/up at 8 tokens 41.2
+    against 55.7, o 7.9 against 8.3)."""
+    if m == 1 and w.n >= 4 * w.k:
         shape = {"rows": 32, "warps": 2, "steps": 16, "stages": 3}
     elif w.k >= 4 * w.n:
-        shape = {"rows": 16, "warps": 2, "steps": 8, "stages": 2}
+        shape = {"rows": 16, "warps": 2, "steps": 8, "stages": 2} if m == 1 else {"rows": 32, "warps": 1, "steps": 8,
+                                                                                  "stages": 3}
+    elif m == 1 and w.n > w.k:
+        shape = {"rows": 32, "warps": 4, "steps": 8, "stages": 2}
+    elif m == 1:
+        shape = {"rows": 16, "warps": 2, "steps": 4, "stages": 4}
     else:
         return None
     split, ks = split_k(w.k, 64, q4_invariant_config(m, w)[5])
