@@ -1,7 +1,7 @@
 // The batch-invariant 4-bit product for a few tokens (1 to 8) in CUDA C, compiled at run time by
 // NVRTC (backends/cuda.py): the same sums, bit for bit, as Triton's `q4_invariant`
-// (backends/kernels/q4.py) at any token count, in less time at one token, where Triton's 16-token
-// tile spends its time unpacking and changing layouts (docs/journal.md).
+// (backends/kernels/q4.py) at any token count, in less time at one token (and a few of down),
+// where Triton's 16-token tile spends its time unpacking and changing layouts (docs/journal.md).
 //
 // What a row of the output sums, as `_q4_mm` does with `q4_invariant_config`'s launch shape: the
 // inputs cut into SPLIT parts of KS (the last one shorter); in each part, a chain of tensor-core
@@ -20,10 +20,12 @@
 // column g is token g's inputs (zero past m). Words and inputs come through shared memory, a
 // warp's own, in STAGES chunks of STEPS steps in flight (cp.async, 16 contiguous bytes a lane: the
 // words of a quad's consecutive inputs, runs of 32 STEPS bytes; the inputs after the wait for the
-// previous kernel), read back by each group with 16-byte loads (8 with 16 rows). Measured on an
-// H200 at one token (docs/journal.md): gate/up 42.2 -> 31.3 us, down 24.4 -> 19.2; q/k/v and o,
-// and more tokens, stay on `_q4_mm`, which was faster there. The words through registers instead
-// of cp.async were no faster.
+// previous kernel), read back by each group with 16-byte loads (8 with 16 rows). A split tile's
+// last warp requests every part's sums at once, then adds them in order. Measured on an H200 at
+// one token (docs/journal.md; us, `_q4_mm` first): gate/up 42.1 -> 31.4, down 24.2 -> 16.2, q/k/v
+// 9.1 -> 7.5, o 7.9 -> 6.6 (`chain_shape` in backends/kernels/q4.py picks the launch shapes; at 2-8
+// tokens only down is faster here). The words through registers instead of cp.async were no
+// faster.
 //
 // Compile-time constants (NVRTC -D): N (rows), K (inputs), KS (inputs a part), SPLIT (parts), MT
 // (token places: m rounded up to 1, 2, 4 or 8), ROWS (16 or 32 a warp), WARPS (warps a block),

@@ -326,7 +326,8 @@ def chain_defines(m: int, w: Weight, has_bias: bool, pdl: bool, rows: int = 32, 
 def q4_chain(x: Tensor, w: Weight, bias: Tensor | None, *, pdl: bool = False, **shape) -> Tensor:
     """`q4_invariant` for 1 to CHAIN_MAX_M tokens (`q4_chain_fits`) on the CUDA C kernel of
     backends/q4_chain.cu: the same bits, its own launch shape (`shape`: rows, warps, steps,
-    stages). `pdl`: launched as a programmatic dependent of the previous kernel."""
+    stages; `chain_shape`'s where it is faster). `pdl`: launched as a programmatic dependent of
+    the previous kernel."""
     from .. import cuda
 
     m = x.shape[0]
