@@ -157,10 +157,11 @@ class FusedTokens:
         first = self.m.layers[0].self_attn
         self.h, self.d = first.n_heads, first.head_dim
         # the layer's kernels launch as programmatic dependents of the one before (kernels/common.py)
-        # where its products do (invariant_mm: 5.68 -> 5.59 ms a 7B token on an H100); int4's 4-bit
-        # products launch plainly, and with them it measured 3.48 -> 3.52 ms: not there
+        # where its products do: invariant_mm (5.68 -> 5.59 ms a 7B token on an H100), and int4's
+        # 4-bit products where they run on q4_chain (one token; Triton's `_q4_mm` launches plainly,
+        # and with all of them plain int4 measured 3.48 -> 3.52 ms)
         self.pdl = targets.pdl(self.m.embed_tokens.weight.device) and all(
-            type(p) is InvariantLinear for layer in self.m.layers
+            type(p) is InvariantLinear or getattr(p, "invariant", False) for layer in self.m.layers
             for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))
 
     @staticmethod
@@ -198,11 +199,14 @@ class FusedTokens:
 
 def _product(linear, x: Tensor, pdl: bool) -> Tensor:
     """A fused token's projection: with `pdl` an `InvariantLinear` as a programmatic dependent launch
-    (the products' eager twin where their kernel cannot run, as `InvariantLinear`'s own), else as
-    the module runs it."""
+    (the products' eager twin where their kernel cannot run, as `InvariantLinear`'s own), and an
+    invariant 4-bit one (gptq.Q4Linear) as one where it runs on q4_chain; else as the module runs
+    it."""
     if pdl and type(linear) is InvariantLinear:
         return PRODUCTS.guard(lambda: invariant_mm(x, linear.weight, linear.bias, pdl=True),
                               lambda: F.linear(x, linear.weight, linear.bias), x.device)
+    if pdl and getattr(linear, "invariant", False):
+        return linear(x, pdl=True)
     return linear(x)
 
 

@@ -392,10 +392,11 @@ def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
                     seen.add(cfg)
                     q4.q4_linear(empty(t, weight.k), weight, None)
 
-    def int4_invariant():  # the int4 backend's batch-invariant products
-        for weight in int4_weights()[1].values():
+    def int4_invariant():  # the int4 backend's batch-invariant products (the fused token's: programmatic
+        for name, weight in int4_weights()[1].items():  # dependents where the GPU has them, q/k/v's bias)
+            bias = empty(weight.n) if name == "qkv" else None
             for t in TOKENS:
-                q4.q4_invariant(empty(t, weight.k), weight, None)
+                q4.q4_invariant(empty(t, weight.k), weight, bias, pdl=targets.pdl(meta))
 
     class _Q4(nn.Module):
         def __init__(self, weight, bias=None):

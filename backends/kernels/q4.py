@@ -248,18 +248,19 @@ def _counters(device: torch.device, n: int) -> Tensor:
     return kept[-1][:n]
 
 
-def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
+def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None, pdl: bool = False) -> Tensor:
     """`q4_mm` cut so that a token's row of the output does not depend on how many tokens there
     are (backends/invariant.py): K-blocks of 64 and a split chosen from the weight alone (the one
     `q4_mm_config` takes at 16 tokens), whatever the count; tokens in tiles of up to 128 (which do
     not change a row's sums), at most MM_MAX_M at a time (which bounds the split's scratch). One
     token too: the GEMV's sums differ from a batch's. Where `chain_shape` names one (one token, and
-    up to 8 of down), `q4_chain` gives the same sums sooner."""
+    up to 8 of down), `q4_chain` gives the same sums sooner, as a programmatic dependent launch with
+    `pdl` (`_q4_mm` launches plainly)."""
     if w.group != w.k:
         raise ValueError("the batch-invariant 4-bit product takes one-group weights (the official layout)")
     m = x.shape[0]
     if m <= CHAIN_MAX_M and q4_chain_fits(x, w) and (shape := chain_shape(m, w)) is not None:
-        return CHAIN.guard(lambda: q4_chain(x, w, bias, **shape),
+        return CHAIN.guard(lambda: q4_chain(x, w, bias, pdl=pdl, **shape),
                            lambda: q4_mm(x, w, bias, cfg=q4_invariant_config(m, w)), x.device)
     outs = []
     for t0 in range(0, x.shape[0], MM_MAX_M):
