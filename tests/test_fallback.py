@@ -92,6 +92,20 @@ def test_invariant_product_falls_back_to_linear(monkeypatch, capsys):
     assert failing.calls == 1
 
 
+def test_a_stage_with_a_twin_says_it_keeps_its_output(capsys):
+    """A stage whose stand-in gives the same output (int4's CUDA C one-token product, whose twin is
+    the Triton product of the same bits) names it, and does not say it loses batch invariance."""
+    from minicpm_cli.backends.cuda import KernelError
+
+    stage = fallback.Fallback("the 4-bit one-token product in CUDA C", twin="Triton's kernel (the same bits)")
+    for _ in range(2):
+        assert stage.guard(lambda: (_ for _ in ()).throw(KernelError("no NVRTC", "q4_chain")), lambda: 7,
+                           torch.device("cpu")) == 7
+    lines = warnings(capsys.readouterr().err)
+    assert len(lines) == 1 and "q4_chain" in lines[0], lines
+    assert "on Triton's kernel (the same bits) from now on" in lines[0] and "not batch-invariant" not in lines[0]
+
+
 def test_other_errors_are_not_swallowed(monkeypatch):
     """Only a kernel that cannot run on this GPU falls back: a bug of ours is raised as it is."""
     stage = fallback.Fallback("a stage")

@@ -185,7 +185,8 @@ def test_q4_chain_gives_the_triton_products_bits(n, k):
     FMA, as Triton's compiler contracts them: separate roundings differed in 1-4 of 4608 outputs."""
     from minicpm_cli.backends.gptq import kernel_words
     from minicpm_cli.backends.kernels.common import Weight
-    from minicpm_cli.backends.kernels.q4 import chain_shape, q4_chain, q4_chain_fits, q4_invariant_config, q4_mm
+    from minicpm_cli.backends.kernels.q4 import (chain_shape, chain_whole, q4_chain, q4_chain_fits,
+                                                 q4_invariant_config, q4_mm)
 
     g = torch.Generator(device="cuda").manual_seed(n + k)
     q = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda", generator=g)
@@ -198,8 +199,9 @@ def test_q4_chain_gives_the_triton_products_bits(n, k):
         assert q4_chain_fits(x, w)
         for bias in (None, (torch.randn(n, device="cuda", generator=g) * 2).to(torch.bfloat16)):
             ref = q4_mm(x, w, bias, cfg=q4_invariant_config(m, w))
-            for shape in shapes + ([chain_shape(m, w)] if chain_shape(m, w) else []):
-                assert torch.equal(q4_chain(x, w, bias, **shape), ref), (m, shape, bias is None)
+            for shape in shapes + [chain_shape(m, w) or shapes[0]]:
+                if chain_whole(m, w, shape["steps"]):  # (the parts depend on the GPU's SM count)
+                    assert torch.equal(q4_chain(x, w, bias, **shape), ref), (m, shape, bias is None)
             assert torch.equal(q4_mm(x[:1], w, bias, cfg=q4_invariant_config(1, w))[0], ref[0])
 
 

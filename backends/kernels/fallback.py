@@ -79,8 +79,10 @@ def gpu_name(device: torch.device) -> str:
 class Fallback:
     """One stage's choice between its kernels and its eager path (module docstring)."""
 
-    def __init__(self, stage: str):
-        self.stage = stage
+    def __init__(self, stage: str, twin: str | None = None):
+        """`twin`: what the stage runs instead where that is not the eager path (a kernel that gives
+        the same output, so the stage stays batch-invariant)."""
+        self.stage, self.twin = stage, twin
         self.failed = False
 
     def guard(self, kernel: Callable, eager: Callable, device: torch.device):
@@ -101,5 +103,7 @@ class Fallback:
             return
         _warned.add((name, self.stage))
         why = " ".join(str(e).split()) or type(e).__name__
+        instead = (f"on {self.twin} from now on (slower)" if self.twin
+                   else "on the eager path from now on (slower, and not batch-invariant)")
         print(f"minicpm: warning: kernel {name} cannot run on {gpu_name(device)} ({why[:200]}): {self.stage} runs "
-              "on the eager path from now on (slower, and not batch-invariant)", file=sys.stderr, flush=True)
+              f"{instead}", file=sys.stderr, flush=True)

@@ -392,11 +392,12 @@ def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
                     seen.add(cfg)
                     q4.q4_linear(empty(t, weight.k), weight, None)
 
-    def int4_invariant():  # the int4 backend's batch-invariant products (the fused token's: programmatic
-        for name, weight in int4_weights()[1].items():  # dependents where the GPU has them, q/k/v's bias)
-            bias = empty(weight.n) if name == "qkv" else None
-            for t in TOKENS:
-                q4.q4_invariant(empty(t, weight.k), weight, bias, pdl=targets.pdl(meta))
+    def int4_invariant():  # the int4 backend's batch-invariant products, with q/k/v's bias: 1-8 tokens take
+        for name, weight in int4_weights()[1].items():  # q4_chain (in 1, 2, 4 or 8 token places) where it is
+            bias = empty(weight.n) if name == "qkv" else None  # faster, launched plainly and (the fused token
+            for t in sorted({*TOKENS, 4, 5, 8, 9}):  # where the GPU has it) as a programmatic dependent
+                for pdl in sorted({False, targets.pdl(meta)}):
+                    q4.q4_invariant(empty(t, weight.k), weight, bias, pdl=pdl)
 
     class _Q4(nn.Module):
         def __init__(self, weight, bias=None):

@@ -303,7 +303,7 @@ def marker(cc: tuple[int, int], sms: int | None, dtype: str, groups: tuple[str, 
     h = hashlib.sha256()
     package, backends = _package(), Path(__file__).resolve().parents[1]
     for base in [package] + ([] if backends.is_relative_to(package) else [backends]):  # (a checkout's ../backends)
-        for path in sorted(base.rglob("*.py")):
+        for path in sorted([*base.rglob("*.py"), *base.rglob("*.cu")]):  # (the CUDA C the helper compiles too)
             h.update(str(path.relative_to(base)).encode() + b"\0" + path.read_bytes())
     h.update(repr((triton.__version__, cc, sms, dtype, groups)).encode() + (config or b""))
     return Path(knobs.cache.dir) / "minicpm-precompiled" / h.hexdigest()[:32]  # (Triton's own cache folder)
@@ -352,12 +352,13 @@ def _compile_cuda(item: tuple, cc: tuple[int, int]) -> tuple[bool, float, str]:
     from .. import cuda
 
     file, name, defines = item
+    label = f"{name}(" + ",".join(f"{k}={v}" for k, v in defines) + ")"
     t = time.perf_counter()
     try:
         cuda.cubin(file, name, f"{cc[0]}{cc[1]}", defines)
-    except Exception:
-        return False, time.perf_counter() - t, name
-    return True, time.perf_counter() - t, name
+    except Exception as e:
+        return False, time.perf_counter() - t, f"{label}: {' '.join(str(e).split())[:300]}"
+    return True, time.perf_counter() - t, label
 
 
 def _watch(parent: int, release_fd: int | None) -> None:

@@ -168,7 +168,9 @@ def _q4_mm(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr, cnt_ptr, M, N: 
 
 @triton.jit
 def _q4_mm_out(acc, s_ptr, b_ptr, out_ptr, n, nm, t, tm, N: tl.constexpr, HAS_BIAS: tl.constexpr, dtype: tl.constexpr):
-    """`_q4_mm`'s tile from its sums (rows n, tokens t): row scale, bias, one rounding (as addmm)."""
+    """`_q4_mm`'s tile from its sums (rows n, tokens t): row scale, bias, one rounding (as addmm). The
+    compiler makes one FMA of the scale and the bias, which backends/q4_chain.cu repeats for the same
+    bits: `q4_mm` launches with FP fusion on whatever Triton's default (TRITON_DEFAULT_FP_FUSION)."""
     y = acc * tl.load(s_ptr + n, mask=nm, other=0.0)[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=nm, other=0.0).to(tl.float32)[:, None]
@@ -225,7 +227,7 @@ def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -
     _q4_mm[grid](x, *w.args(), bias if bias is not None else y, y, part, count, m, N=w.n, K=w.k,
                  HAS_BIAS=bias is not None, BLOCK_N=bn, BLOCK_T=bt, BLOCK_K=bk, SPLIT=split, KS=ks, STAGES=stages,
                  **dict(zip(("MAGIC", "BASE", "ONE", "FMA"), _MAGIC.get(x.dtype, (0, 0.0, 0, "")))),
-                 INTERPRETED=INTERPRETED, num_warps=warps)
+                 INTERPRETED=INTERPRETED, num_warps=warps, enable_fp_fusion=True)  # (q4_chain's bits: below)
     return y
 
 
@@ -259,7 +261,7 @@ def q4_invariant(x: Tensor, w: Weight, bias: Tensor | None, pdl: bool = False) -
     if w.group != w.k:
         raise ValueError("the batch-invariant 4-bit product takes one-group weights (the official layout)")
     m = x.shape[0]
-    if m <= CHAIN_MAX_M and q4_chain_fits(x, w) and (shape := chain_shape(m, w)) is not None:
+    if m <= CHAIN_MAX_M and q4_chain_fits(x, w, bias) and (shape := chain_shape(m, w)) is not None:
         return CHAIN.guard(lambda: q4_chain(x, w, bias, pdl=pdl, **shape),
                            lambda: q4_mm(x, w, bias, cfg=q4_invariant_config(m, w)), x.device)
     outs = []
@@ -277,18 +279,27 @@ def q4_invariant_config(m: int, w: Weight) -> tuple[int, int, int, int, int, int
 
 
 CHAIN_MAX_M = 8  # tokens `q4_chain` takes (the columns of one MMA)
-CHAIN = Fallback("the 4-bit one-token product in CUDA C")  # (its twin: `_q4_mm`, the same bits)
+CHAIN = Fallback("the 4-bit one-token product in CUDA C", twin="Triton's kernel (the same bits)")
 
 
-def q4_chain_fits(x: Tensor, w: Weight) -> bool:
+def q4_chain_fits(x: Tensor, w: Weight, bias: Tensor | None = None) -> bool:
     """Whether `q4_chain` takes this product: a one-group 4-bit weight of whole 32-row tiles and
-    K in 64s, 1 to CHAIN_MAX_M bfloat16 tokens on a GPU with bfloat16 tensor-core products
+    K in 64s, 1 to CHAIN_MAX_M bfloat16 tokens, contiguous from a 16-byte boundary (its inputs are
+    copied 16 bytes at a time), a bfloat16 bias if any, on a GPU with bfloat16 tensor-core products
     (compute capability 8.0 and later)."""
     from . import targets
 
     cc = targets.capability(x.device)
     return (w.q4 and w.group == w.k and x.dtype == torch.bfloat16 and cc is not None and cc >= (8, 0)
-            and 1 <= x.shape[0] <= CHAIN_MAX_M and w.n % 32 == 0 and w.k % 64 == 0)
+            and 1 <= x.shape[0] <= CHAIN_MAX_M and w.n % 32 == 0 and w.k % 64 == 0 and x.is_contiguous()
+            and x.data_ptr() % 16 == 0 and (bias is None or bias.dtype == torch.bfloat16))
+
+
+def chain_whole(m: int, w: Weight, steps: int) -> bool:
+    """Whether each part of K that `q4_invariant` cuts for m tokens is whole chunks of `steps`
+    16-input steps (q4_chain.cu asserts it; the parts depend on the GPU's SM count)."""
+    split, ks = split_k(w.k, 64, q4_invariant_config(m, w)[5])
+    return all(v % (16 * steps) == 0 for v in (ks, w.k - ks * (split - 1)))
 
 
 def chain_shape(m: int, w: Weight) -> dict | None:
@@ -310,9 +321,7 @@ def chain_shape(m: int, w: Weight) -> dict | None:
         shape = {"rows": 16, "warps": 2, "steps": 4, "stages": 4}
     else:
         return None
-    split, ks = split_k(w.k, 64, q4_invariant_config(m, w)[5])
-    whole = all(v % (16 * shape["steps"]) == 0 for v in (ks, w.k - ks * (split - 1)))  # whole chunks a part
-    return shape if whole and w.n % shape["rows"] == 0 else None
+    return shape if chain_whole(m, w, shape["steps"]) and w.n % shape["rows"] == 0 else None
 
 
 def chain_defines(m: int, w: Weight, has_bias: bool, pdl: bool, rows: int = 32, warps: int = 4, steps: int = 4,
