@@ -245,17 +245,15 @@ class Q4Linear(nn.Module):
     def forward(self, x: Tensor, pdl: bool = False) -> Tensor:
         """`pdl` (invariant only): where the product runs on q4_chain, launched as a programmatic
         dependent of the previous kernel (backends/invariant.py's fused token)."""
-        from functools import partial
-
         from .kernels.q4 import FALLBACK, q4_eager, q4_invariant, q4_linear
 
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.perm is not None:
             x = x.index_select(1, self.perm)
-        product = partial(q4_invariant, pdl=pdl) if self.invariant else q4_linear
         x, w = x.contiguous(), self.kernel_weight()
-        y = FALLBACK.guard(lambda: product(x, w, self.bias), lambda: q4_eager(x, w, self.bias), x.device)
+        y = FALLBACK.guard(lambda: q4_invariant(x, w, self.bias, pdl) if self.invariant else q4_linear(x, w, self.bias),
+                           lambda: q4_eager(x, w, self.bias), x.device)
         return y.reshape(*shape[:-1], self.out_features)
 
     @property

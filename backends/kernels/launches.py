@@ -108,8 +108,8 @@ def _freeze(v):
 def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | None = None, sms: int | None = None,
            found=None, rows=ROWS) -> tuple[list[Launch], list[tuple]]:
     """(Triton launches, CUDA C kernels as (file, kernel, constants): q4_decode.cu's and q4_chain.cu's)
-    of the launch sites of `groups` for capability cc, in the order the sites first launch them; `config`: the checkpoint's config.json (None: the full-size
-    model's); `sms`: the GPU's multiprocessors (None: the representative card's, targets.py);
+    of the launch sites of `groups` for capability cc, in the order the sites first launch them;
+    `config`: the checkpoint's config.json (None: the full-size model's); `sms`: the GPU's multiprocessors (None: the representative card's, targets.py);
     `found(launch)`, if given, is called with each new launch as it is recorded; `rows`: the batch
     sizes to launch the batched sites at (a one-stream command: (1,))."""
     import torch

@@ -295,10 +295,17 @@ def q4_chain_fits(x: Tensor, w: Weight, bias: Tensor | None = None) -> bool:
             and x.data_ptr() % 16 == 0 and (bias is None or bias.dtype == torch.bfloat16))
 
 
+def invariant_parts(m: int, w: Weight) -> tuple[int, int]:
+    """(parts, inputs a part) of K that `q4_invariant` sums separately for m tokens (`q4_mm`'s split
+    of its launch shape), which `q4_chain` repeats."""
+    _, _, bk, _, _, split = q4_invariant_config(m, w)
+    return split_k(w.k, min(bk, max(16, triton.next_power_of_2(w.k))), split)
+
+
 def chain_whole(m: int, w: Weight, steps: int) -> bool:
     """Whether each part of K that `q4_invariant` cuts for m tokens is whole chunks of `steps`
     16-input steps (q4_chain.cu asserts it; the parts depend on the GPU's SM count)."""
-    split, ks = split_k(w.k, 64, q4_invariant_config(m, w)[5])
+    split, ks = invariant_parts(m, w)
     return all(v % (16 * steps) == 0 for v in (ks, w.k - ks * (split - 1)))
 
 
@@ -328,7 +335,7 @@ def chain_defines(m: int, w: Weight, has_bias: bool, pdl: bool, rows: int = 32, 
                   stages: int = 4) -> tuple[tuple[str, int], ...]:
     """The compile-time constants (NVRTC -D) of backends/q4_chain.cu for `q4_chain`: the parts of K
     `q4_invariant` cuts for m tokens, and the launch shape."""
-    split, ks = split_k(w.k, 64, q4_invariant_config(m, w)[5])
+    split, ks = invariant_parts(m, w)
     return (("N", w.n), ("K", w.k), ("KS", ks), ("SPLIT", split), ("MT", triton.next_power_of_2(m)), ("ROWS", rows),
             ("WARPS", warps), ("STEPS", steps), ("STAGES", stages), ("HAS_BIAS", int(has_bias)), ("PDL", int(pdl)))
 
