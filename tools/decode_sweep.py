@@ -6,10 +6,14 @@ the package: the tables in docs/journal.md and `TritonDecode.cfg` come from runs
     python tools/decode_sweep.py --backend int4 --alt /tmp/old/backends/kernels --alt-set down=8,1024,2,3,1 --rounds 5
     python tools/decode_sweep.py --backend int4 --alt-set down=4,1024,1,4,1,1 --alt-set down=8,1024,2,4,2,1
     python tools/decode_sweep.py --backend int4 --check --alt-set gate_up_cuda=0   # the Triton gate/up
+    python tools/decode_sweep.py --backend compile --invariant --profile   # the product's default token
 
 Builds the full-size LLM with random weights (as `minicpm bench --random-weights`), prefills a
 prompt, and times one decode token as CUDA-graph replays (median; the position stays put) and as
-synchronised `forward` calls (as the reply loop runs them, the bench's figure). `--profile` lists
+synchronised `forward` calls (as the reply loop runs them, the bench's figure). The token is the
+batch-variant one (`TritonDecode`, `--batch-variant`'s) unless `--invariant` asks for the product's
+default, the batch-invariant layer (backends/invariant.py, `FusedTokens`), which takes `--profile`
+and `--pdl` only. `--profile` lists
 the step's kernels with their time per step (torch.profiler, the kernels of the graph). `--sweep`
 times every candidate launch shape of the named kernels (`TritonDecode.cfg`: rows per program, K
 per iteration, warps, stages[, split], pipe; "attn": cache slots per block, warps), one kernel at a time
@@ -43,8 +47,14 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def token_key(llm):
+    """The key of one row's token graph: the batch-variant "decode", or the invariant layer's batch
+    of one row (`CompiledLLM.decode_rows`)."""
+    return ("batch", 1, llm.max_len) if llm.invariant else "decode"
+
+
 def replay_ms(llm, n: int) -> float:
-    return graph_ms(llm.graphs.graphs["decode"][0], n)
+    return graph_ms(llm.graphs.graphs[token_key(llm)][0], n)
 
 
 def graph_ms(graph, n: int) -> float:
@@ -74,7 +84,7 @@ def forward_ms(llm, n: int, pos: int) -> float:
 
 
 def recapture(llm, pos: int) -> None:
-    llm.graphs.graphs.pop("decode", None)
+    llm.graphs.graphs.pop(token_key(llm), None)
     llm.pos = pos
     llm.forward([5])
     torch.cuda.synchronize()
@@ -84,7 +94,7 @@ def profile(llm, steps: int = 10) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    graph = llm.graphs.graphs["decode"][0]
+    graph = llm.graphs.graphs[token_key(llm)][0]
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             graph.replay()
@@ -204,17 +214,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--check", action="store_true",
                     help="before timing, compare each variant's logits for one token with the current kernels'")
+    ap.add_argument("--invariant", action="store_true",
+                    help="the batch-invariant token (the product's default) instead of TritonDecode's")
     args = ap.parse_args()
+    if args.invariant and (args.alt or args.alt_set or args.sweep or args.set or args.check):
+        ap.error("--invariant times and profiles the invariant layer as it is: no --alt, --sweep, --set or --check")
 
     dev = torch.device("cuda")
     ckpt = RandomCheckpoint(SyntheticSpec.full())
-    llm = backends.get(args.backend).create(ckpt, ckpt.config, device=dev, dtype=torch.bfloat16, max_len=LLM_CONTEXT)
+    llm = backends.get(args.backend).create(ckpt, ckpt.config, device=dev, dtype=torch.bfloat16, max_len=LLM_CONTEXT,
+                                            invariant=args.invariant)
     td = llm.triton
-    print(f"{torch.cuda.get_device_name()} | {llm.version} | {args.backend}, position {args.prompt}")
+    kind = "batch-invariant token" if llm.invariant else "TritonDecode token"
+    print(f"{torch.cuda.get_device_name()} | {llm.version} | {args.backend}, {kind}, position {args.prompt}")
     llm.reset()
     llm.forward(list(range(1000, 1000 + args.prompt)))
     pos = llm.pos
-    reshape(td, args.set, dev)
+    if not llm.invariant:
+        reshape(td, args.set, dev)
 
     def measure(label: str) -> float:
         recapture(llm, pos)
@@ -241,9 +258,14 @@ def main() -> None:
             print(f"{name} ({t.cfg}): graph replay median {statistics.median(got[name][0]):.3f} ms, "
                   f"forward median {statistics.median(got[name][1]):.3f} ms")
         llm.triton = td
+    pdl_ok = llm.tokens.pdl if llm.invariant else True
     for pdl in ([True, False] if args.pdl == "both" else [args.pdl == "on"]):
-        td.pdl = pdl
-        measure(f"step, PDL {'on' if pdl else 'off'}, cfg {td.cfg}")
+        if llm.invariant:  # (PDL only where FusedTokens found it: Hopper and later, products that launch so)
+            pdl = llm.tokens.pdl = pdl and pdl_ok
+            measure(f"step, PDL {'on' if pdl else 'off'}")
+        else:
+            td.pdl = pdl
+            measure(f"step, PDL {'on' if pdl else 'off'}, cfg {td.cfg}")
         if args.profile:
             profile(llm)
     for name in [n for n in args.sweep.split(",") if n]:
