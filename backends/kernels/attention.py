@@ -174,8 +174,14 @@ def rows_attend_dot(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, 
         tl.store(base + D, m, mask=gm)
         tl.store(base + D + 1, total, mask=gm)
         if arrive_last(cnt_ptr + hk * GROUP, n_used):
+            # every head's partials requested before the first output is stored: one round trip to
+            # L2, not GROUP (a store may alias a later load, so the compiler keeps them in order)
+            ms, ls, accs = (), (), ()
             for i in tl.static_range(GROUP):
-                _merge(part_ptr, out_ptr, hk * GROUP + i, n_used, SPLITS, D)
+                m_i, l_i, a_i = _merge_load(part_ptr, hk * GROUP + i, n_used, SPLITS, D)
+                ms, ls, accs = ms + (m_i,), ls + (l_i,), accs + (a_i,)
+            for i in tl.static_range(GROUP):
+                _merge_store(ms[i], ls[i], accs[i], out_ptr, hk * GROUP + i, D)
             tl.store(cnt_ptr + hk * GROUP, 0)
 
 
@@ -228,14 +234,28 @@ def _split(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos, part_ptr, scale, max_len, h, j, 
 def _merge(part_ptr, out_ptr, h, n_used, SPLITS: tl.constexpr, D: tl.constexpr):
     """Head h's output from its n_used splits' partials in `part`, merged in a fixed order (read past
     L1: other programs may have written them)."""
+    ms, ls, accs = _merge_load(part_ptr, h, n_used, SPLITS, D)
+    _merge_store(ms, ls, accs, out_ptr, h, D)
+
+
+@triton.jit
+def _merge_load(part_ptr, h, n_used, SPLITS: tl.constexpr, D: tl.constexpr):
+    """`_merge`'s loads: head h's splits' (max, sum, unnormalised output) from `part`."""
     dd = tl.arange(0, D)
     js = tl.arange(0, triton.next_power_of_2(SPLITS))
     jm = js < n_used
     rows = part_ptr + (h * SPLITS + js) * (D + 2)
     ms = tl.load(rows + D, mask=jm, other=float("-inf"), cache_modifier=".cg")
-    w = tl.exp(ms - tl.max(ms, 0))
     ls = tl.load(rows + D + 1, mask=jm, other=0.0, cache_modifier=".cg")
     accs = tl.load(rows[:, None] + dd[None, :], mask=jm[:, None], other=0.0, cache_modifier=".cg")
+    return ms, ls, accs
+
+
+@triton.jit
+def _merge_store(ms, ls, accs, out_ptr, h, D: tl.constexpr):
+    """`_merge`'s arithmetic on `_merge_load`'s partials, and head h's output stored."""
+    dd = tl.arange(0, D)
+    w = tl.exp(ms - tl.max(ms, 0))
     y = tl.sum(w[:, None] * accs, 0) / tl.sum(w * ls, 0)
     tl.store(out_ptr + h * D + dd, y.to(out_ptr.dtype.element_ty))
 
