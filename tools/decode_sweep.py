@@ -225,6 +225,8 @@ def main() -> None:
     llm = backends.get(args.backend).create(ckpt, ckpt.config, device=dev, dtype=torch.bfloat16, max_len=LLM_CONTEXT,
                                             invariant=args.invariant)
     td = llm.triton
+    if args.invariant and llm.tokens is None:
+        sys.exit("this model's layers do not fit the invariant token layer (FusedTokens.fits): nothing to time")
     kind = "batch-invariant token" if llm.invariant else "TritonDecode token"
     print(f"{torch.cuda.get_device_name()} | {llm.version} | {args.backend}, {kind}, position {args.prompt}")
     llm.reset()
@@ -258,10 +260,12 @@ def main() -> None:
             print(f"{name} ({t.cfg}): graph replay median {statistics.median(got[name][0]):.3f} ms, "
                   f"forward median {statistics.median(got[name][1]):.3f} ms")
         llm.triton = td
-    pdl_ok = llm.tokens.pdl if llm.invariant else True
-    for pdl in ([True, False] if args.pdl == "both" else [args.pdl == "on"]):
-        if llm.invariant:  # (PDL only where FusedTokens found it: Hopper and later, products that launch so)
-            pdl = llm.tokens.pdl = pdl and pdl_ok
+    pdls = [True, False] if args.pdl == "both" else [args.pdl == "on"]
+    if llm.invariant and not llm.tokens.pdl:  # (PDL only where FusedTokens found it: Hopper on, its products)
+        pdls = [False]
+    for pdl in pdls:
+        if llm.invariant:
+            llm.tokens.pdl = pdl
             measure(f"step, PDL {'on' if pdl else 'off'}")
         else:
             td.pdl = pdl

@@ -132,8 +132,9 @@ def rows_attend_dot(q_ptr, kc_ptr, vc_ptr, vis_ptr, pos_ptr, out_ptr, part_ptr, 
     GP rows): program (hk, j, b) takes row b's blocks j, j + SPLITS, ... up to its position, scores
     Q K^T and P V on the tensor cores (P rounded to the cache's dtype), online softmax in float32,
     and leaves each head's (unnormalised output, max, sum) in `part` as `rows_attend` does; the
-    last split to finish merges the group's heads (`_merge`). Not `rows_attend`'s bits: its own,
-    the same whatever the rows beside (a row's products take only its own K/V and queries)."""
+    last split to finish merges the group's heads (`_merge_load` for all, then `_merge_store`). Not
+    `rows_attend`'s bits: its own, the same whatever the rows beside (a row's products take only its
+    own K/V and queries)."""
     hk, j, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_ptr += b * H * D
     kc_ptr += b * kv_row
