@@ -252,8 +252,9 @@ class Q4Linear(nn.Module):
         if self.perm is not None:
             x = x.index_select(1, self.perm)
         x, w = x.contiguous(), self.kernel_weight()
-        y = FALLBACK.guard(lambda: q4_invariant(x, w, self.bias, pdl) if self.invariant else q4_linear(x, w, self.bias),
-                           lambda: q4_eager(x, w, self.bias), x.device)
+        b = self.bias
+        kernel = (lambda: q4_invariant(x, w, b, pdl)) if self.invariant else (lambda: q4_linear(x, w, b))
+        y = FALLBACK.guard(kernel, lambda: q4_eager(x, w, b), x.device)
         return y.reshape(*shape[:-1], self.out_features)
 
     @property

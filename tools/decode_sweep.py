@@ -264,12 +264,8 @@ def main() -> None:
     if llm.invariant and not llm.tokens.pdl:  # (PDL only where FusedTokens found it: Hopper on, its products)
         pdls = [False]
     for pdl in pdls:
-        if llm.invariant:
-            llm.tokens.pdl = pdl
-            measure(f"step, PDL {'on' if pdl else 'off'}")
-        else:
-            td.pdl = pdl
-            measure(f"step, PDL {'on' if pdl else 'off'}, cfg {td.cfg}")
+        (llm.tokens if llm.invariant else td).pdl = pdl
+        measure(f"step, PDL {'on' if pdl else 'off'}" + ("" if llm.invariant else f", cfg {td.cfg}"))
         if args.profile:
             profile(llm)
     for name in [n for n in args.sweep.split(",") if n]:

@@ -109,9 +109,10 @@ def record(cc: tuple[int, int], dtypes=DTYPES, groups=GROUPS, config: dict | Non
            found=None, rows=ROWS) -> tuple[list[Launch], list[tuple]]:
     """(Triton launches, CUDA C kernels as (file, kernel, constants): q4_decode.cu's and q4_chain.cu's)
     of the launch sites of `groups` for capability cc, in the order the sites first launch them;
-    `config`: the checkpoint's config.json (None: the full-size model's); `sms`: the GPU's multiprocessors (None: the representative card's, targets.py);
-    `found(launch)`, if given, is called with each new launch as it is recorded; `rows`: the batch
-    sizes to launch the batched sites at (a one-stream command: (1,))."""
+    `config`: the checkpoint's config.json (None: the full-size model's); `sms`: the GPU's
+    multiprocessors (None: the representative card's, targets.py); `found(launch)`, if given, is
+    called with each new launch as it is recorded; `rows`: the batch sizes to launch the batched
+    sites at (a one-stream command: (1,))."""
     import torch
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
@@ -392,10 +393,14 @@ def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
                     seen.add(cfg)
                     q4.q4_linear(empty(t, weight.k), weight, None)
 
-    def int4_invariant():  # the int4 backend's batch-invariant products, with q/k/v's bias: 1-8 tokens take
-        for name, weight in int4_weights()[1].items():  # q4_chain (in 1, 2, 4 or 8 token places) where it is
-            bias = empty(weight.n) if name == "qkv" else None  # faster, launched plainly and (the fused token
-            for t in sorted({*TOKENS, 4, 5, 8, 9}):  # where the GPU has it) as a programmatic dependent
+    def int4_invariant():
+        # the int4 backend's batch-invariant products, with q/k/v's bias: 1-8 tokens take q4_chain
+        # where it is faster (in 1, 2, 4 or 8 token places: 4, 5, 8 and 9 reach the last two and the
+        # Triton product beyond), launched plainly and, where the GPU has it, as a programmatic
+        # dependent (the fused token's)
+        for name, weight in int4_weights()[1].items():
+            bias = empty(weight.n) if name == "qkv" else None
+            for t in sorted({*TOKENS, 4, 5, 8, 9}):
                 for pdl in sorted({False, targets.pdl(meta)}):
                     q4.q4_invariant(empty(t, weight.k), weight, bias, pdl=pdl)
 

@@ -210,13 +210,19 @@ _MAGIC = {torch.bfloat16: (0x4300, 128.0, 0x3F80, "fma.rn.bf16x2"),  # `_q4_mm`:
 MM_MAX_M = 512  # prefills up to this many tokens take `q4_mm` (the range swept); above, dequantize + cuBLAS
 
 
+def q4_mm_parts(w: Weight, bk: int, split: int) -> tuple[int, int, int]:
+    """`_q4_mm`'s (K-block, parts, inputs a part) for w from a launch shape's K-block and split: the
+    block no longer than K's power of two, the parts whole blocks (`split_k`)."""
+    bk = min(bk, max(16, triton.next_power_of_2(w.k)))
+    return (bk, *split_k(w.k, bk, split))
+
+
 def q4_mm(x: Tensor, w: Weight, bias: Tensor | None, cfg: tuple | None = None) -> Tensor:
     """x (M, K) contiguous @ W^T + bias -> (M, N) in x's dtype on `_q4_mm` (one-group 4-bit W);
     `cfg` (BLOCK_N, BLOCK_T, BLOCK_K, warps, stages, split) overrides `q4_mm_config`."""
     m = x.shape[0]
     bn, bt, bk, warps, stages, split = cfg or q4_mm_config(m, w)
-    bk = min(bk, max(16, triton.next_power_of_2(w.k)))
-    split, ks = split_k(w.k, bk, split)
+    bk, split, ks = q4_mm_parts(w, bk, split)
     grid = (triton.cdiv(w.n, bn), triton.cdiv(m, bt), split)
     y = torch.empty(m, w.n, dtype=x.dtype, device=x.device)
     if split > 1:
@@ -299,7 +305,7 @@ def invariant_parts(m: int, w: Weight) -> tuple[int, int]:
     """(parts, inputs a part) of K that `q4_invariant` sums separately for m tokens (`q4_mm`'s split
     of its launch shape), which `q4_chain` repeats."""
     _, _, bk, _, _, split = q4_invariant_config(m, w)
-    return split_k(w.k, min(bk, max(16, triton.next_power_of_2(w.k))), split)
+    return q4_mm_parts(w, bk, split)[1:]
 
 
 def chain_whole(m: int, w: Weight, steps: int) -> bool:
@@ -319,9 +325,10 @@ def chain_shape(m: int, w: Weight) -> dict | None:
     against 55.7, o 7.9 against 8.3)."""
     if m == 1 and w.n >= 4 * w.k:
         shape = {"rows": 32, "warps": 2, "steps": 16, "stages": 3}
+    elif m == 1 and w.k >= 4 * w.n:
+        shape = {"rows": 16, "warps": 2, "steps": 8, "stages": 2}
     elif w.k >= 4 * w.n:
-        shape = {"rows": 16, "warps": 2, "steps": 8, "stages": 2} if m == 1 else {"rows": 32, "warps": 1, "steps": 8,
-                                                                                  "stages": 3}
+        shape = {"rows": 32, "warps": 1, "steps": 8, "stages": 3}
     elif m == 1 and w.n > w.k:
         shape = {"rows": 32, "warps": 4, "steps": 8, "stages": 2}
     elif m == 1:
