@@ -13,8 +13,10 @@ Each figure is the median over --rounds rounds of --steps replays timed with CUD
 graph's capture and --warmup replays; the first run of a shape (Triton and torch.compile
 compilation, capture) is reported apart. `--cfg` overrides `BatchDecode.cfg` entries (weight rows a
 program, warps, step rows a program); `--mma-cfg`, `MMADecode.cfg` entries, one variant timed per
-JSON. `--check` also compares each row's codes and raw logits with those of its step alone: the
-single step (`kernels`), or the tensor-core step of one row (`mma`).
+JSON. `--check-tiles` compares each variant's step outputs with the first variant's, each from the
+cache rows the first one started from (the timed steps in between write others). `--check` also
+compares each row's codes and raw logits with those of its step alone: the single step
+(`kernels`), or the tensor-core step of one row (`mma`).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=None, help="step rows a program at most, every kernel")
     ap.add_argument("--check", action="store_true", help="compare each row's codes with the single step's")
     ap.add_argument("--check-tiles", action="store_true", help="mma: compare each variant's step outputs (final norm, "
-                    "logits, codes) with the first variant's at the same rows, bit for bit")
+                    "logits, codes) with the first variant's at the same rows and cache contents, bit for bit")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
@@ -128,9 +130,14 @@ def main() -> None:
                 continue
             setup_rows(runner, nb, args.pos)
             if args.check_tiles and path == "mma":
-                out = step_outputs(runner, nb, args.sampled)
-                first = tiles_ref.setdefault(nb, out)
-                tiles_equal = all(torch.equal(a, b) for a, b in zip(first, out))
+                if nb not in tiles_ref:  # the first variant: the cache rows it starts from, its outputs
+                    saved = caches(runner, nb)
+                    tiles_ref[nb] = (saved, step_outputs(runner, nb, args.sampled))
+                    out = tiles_ref[nb][1]
+                else:  # from the same cache rows (the timed steps since wrote others)
+                    set_caches(runner, tiles_ref[nb][0])
+                    out = step_outputs(runner, nb, args.sampled)
+                tiles_equal = all(torch.equal(a, b) for a, b in zip(tiles_ref[nb][1], out))
             r = time_step(runner, nb, args.sampled, path == "mma", args.steps, args.rounds, args.warmup)
             r["path"] = path if nb > 1 or path == "mma" else "single"
             single_done |= r["path"] == "single"
@@ -151,6 +158,19 @@ def main() -> None:
     if args.json:
         print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype,
                           "pos": args.pos, "results": results}))
+
+
+def caches(runner: GraphTTSRunner, nb: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A copy of every layer's K and V cache rows 0..nb-1."""
+    return [(a.self_attn.kv_cache.k[:nb].clone(), a.self_attn.kv_cache.v[:nb].clone())
+            for a in runner.model.model.layers]
+
+
+def set_caches(runner: GraphTTSRunner, saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Cache rows back as `caches` copied them."""
+    for a, (k, v) in zip(runner.model.model.layers, saved):
+        a.self_attn.kv_cache.k[: k.shape[0]].copy_(k)
+        a.self_attn.kv_cache.v[: v.shape[0]].copy_(v)
 
 
 @torch.inference_mode()
