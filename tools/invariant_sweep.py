@@ -1,6 +1,7 @@
 """Launch shapes of the batch-invariant products, kept to the bits of the current shape (a
 developer tool, not part of the package: `mm_config`'s prompt shapes for 17-32 and 129-512 tokens
-come from runs of it; its one-token sweeps found nothing faster, docs/journal.md).
+come from runs of it; its one-token sweeps found nothing more than 1% faster on an H100 or 2-4% on an
+H200, docs/journal.md).
 
     python tools/invariant_sweep.py --kind bf16 --m 1           # invariant_mm (compile's products)
     python tools/invariant_sweep.py --kind q4 --m 1 --jobs 14   # q4_invariant (int4's)
@@ -65,8 +66,9 @@ def candidates(kind: str, name: str, m: int, base: tuple) -> list[tuple]:
     tokens tiles from half the count's power of two (at most 128) up to that power (at least 32)."""
     n, k = SHAPES[name]
     if m == 1:
-        bts, grid = (base[1],), ((32, 64, 128), (128, 256, 512) if kind == "bf16" else (64, 128, 256), (4, 8),
-                                 (4, 6, 8) if kind == "bf16" else (3, 4, 6))
+        bts, grid = (base[1],), ((16, 32, 64, 128) if kind == "bf16" else (32, 64, 128),
+                                 (128, 256, 512) if kind == "bf16" else (64, 128, 256),
+                                 (2, 4, 8) if kind == "bf16" else (4, 8), (4, 6, 8, 10) if kind == "bf16" else (3, 4, 6))
     else:
         p2 = 1 << (m - 1).bit_length()
         bts = tuple(bt for bt in (32, 64, 128, 256) if min(p2 // 2, 128) <= bt <= max(p2, 32))
