@@ -1,15 +1,15 @@
 """Where the time of a batch goes: N reads (or replies) started together, each stage timed.
 
     python tools/batch_profile.py [--streams 16] [--workload read|reply|bulk] [--lines N] [--backend compile]
-                                  [--arrival-rate R] [--cprofile] [--timeline] [--stalls RUNS]
+                                  [--arrival-rate R] [--cprofile [FILE]] [--timeline] [--stalls RUNS]
 
 Full-size random weights, lengths forced as `bench --random-weights` forces them. After a warm-up
 batch, one batch runs with every stage wrapped in a device-synchronised timer (so the total is
 longer than an untimed run's): the batched TTS steps and LLM tokens, the prefills of each stream
 (LLM prompt, TTS text chunks), the codec, and what is left (host work between them). With
 --arrival-rate R the streams arrive as `bench --arrival-rate` makes them (their first audio then
-counts from each one's arrival). With
---cprofile, a second batch runs under cProfile (host time by function). With --stalls RUNS, RUNS
+counts from each one's arrival). With --cprofile, a second batch runs under cProfile (host time by
+function; with a FILE, its profile dumped there for pstats). With --stalls RUNS, RUNS
 untimed batches (as bench runs them, seeds moving on) each report their wall time and what paused
 them: CUDA graphs captured mid-run (key and time), frames torch.compile compiled, garbage
 collections over 20 ms.
@@ -138,7 +138,8 @@ def main() -> None:
     ap.add_argument("--stalls", type=int, default=0, metavar="RUNS", help="RUNS untimed batches, each with its "
                     "mid-run graph captures, torch.compile frames and long garbage collections")
     ap.add_argument("--arrival-rate", type=float, default=None, help="streams arriving at R a second (read, reply)")
-    ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--cprofile", nargs="?", const="", default=None, metavar="FILE",
+                    help="a batch under cProfile: its top functions (and with FILE, pstats' dump of it there)")
     ap.add_argument("--timeline", action="store_true", help="the timed batch's stages in order, until the last "
                     "stream's first audio (ms from the start; gaps are host work)")
     args = ap.parse_args()
@@ -183,12 +184,14 @@ def main() -> None:
                 break
             print(f"  {(start - t0) * 1e3:8.1f} +{(start - prev) * 1e3:6.1f} gap  {key:22s} {(end - start) * 1e3:7.2f} ms")
             prev = end
-    if args.cprofile:
+    if args.cprofile is not None:
         prof = cProfile.Profile()
         prof.enable()
         batch(synth, args.workload, args.streams, opts, args.lines)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        if args.cprofile:
+            prof.dump_stats(args.cprofile)
 
 
 if __name__ == "__main__":

@@ -73,11 +73,15 @@ Rows = "slice | Tensor"  # cache rows of a batch: a slice (a view) or a (B,) ind
 class KVCache(nn.Module):
     """One row of K/V slots per sequence (`rows` of them), written at input positions."""
 
-    def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device, rows: int = 1):
+    def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device, rows: int = 1,
+                 store: Tensor | None = None):
+        """`store`: (2, rows, Hkv, S, D) zeros whose halves become k and v (views), else their own."""
         super().__init__()
         shape = (rows, n_kv_heads, max_len, head_dim)  # (rows, Hkv, S, D)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        if store is None:
+            store = torch.zeros((2,) + shape, dtype=dtype, device=device)
+        self.register_buffer("k", store[0], persistent=False)
+        self.register_buffer("v", store[1], persistent=False)
 
     def write(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Rows) -> None:
         """k/v (B, Hkv, T, D) into `rows` at input_pos ((T,) or (B, T))."""
@@ -249,10 +253,13 @@ class Decoder(nn.Module):
         self.rope_cos, self.rope_sin = emb.cos(), emb.sin()
 
     def setup_cache(self, max_len: int, dtype: torch.dtype, device, rows: int = 1) -> None:
-        """A KV cache of `rows` sequences of max_len slots each."""
+        """A KV cache of `rows` sequences of max_len slots each, every layer's K and V views of one
+        tensor (`kv_store`: layers, 2, rows, Hkv, S, D), so that a row is zeroed in one launch."""
         c = self.config
-        for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(max_len, c.n_kv_heads, c.head_dim, dtype, device, rows)
+        self.kv_store = torch.zeros((len(self.layers), 2, rows, c.n_kv_heads, max_len, c.head_dim), dtype=dtype,
+                                    device=device)
+        for layer, store in zip(self.layers, self.kv_store):
+            layer.self_attn.kv_cache = KVCache(max_len, c.n_kv_heads, c.head_dim, dtype, device, rows, store)
 
     def fuse(self) -> None:
         for layer in self.layers:
@@ -260,7 +267,13 @@ class Decoder(nn.Module):
             layer.mlp.fuse()
 
     def reset_cache(self, row: int | None = None) -> None:
-        """Zero the cache (one row of it, when given)."""
+        """Zero the cache (one row of it, when given): in one launch where every layer's K and V are
+        still views of `kv_store` (a module moved with `to` has copies instead)."""
+        store = getattr(self, "kv_store", None)
+        if store is not None and all(layer.self_attn.kv_cache is not None and layer.self_attn.kv_cache.k._base is store
+                                     and layer.self_attn.kv_cache.v._base is store for layer in self.layers):
+            (store if row is None else store[:, :, row]).zero_()
+            return
         for layer in self.layers:
             if layer.self_attn.kv_cache is not None:
                 c = layer.self_attn.kv_cache
