@@ -73,6 +73,8 @@ Rows = "slice | Tensor"  # cache rows of a batch: a slice (a view) or a (B,) ind
 class KVCache(nn.Module):
     """One row of K/V slots per sequence (`rows` of them), written at input positions."""
 
+    replaced = 0  # K or V tensors assigned in place of a cache's own, any cache's (`Decoder.reset_cache`)
+
     def __init__(self, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device, rows: int = 1,
                  store: Tensor | None = None):
         """`store`: (2, rows, Hkv, S, D) zeros whose halves become k and v (views), else their own."""
@@ -82,6 +84,11 @@ class KVCache(nn.Module):
             store = torch.zeros((2,) + shape, dtype=dtype, device=device)
         self.register_buffer("k", store[0], persistent=False)
         self.register_buffer("v", store[1], persistent=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in ("k", "v"):
+            KVCache.replaced += 1
+        super().__setattr__(name, value)
 
     def write(self, input_pos: Tensor, k: Tensor, v: Tensor, rows: Rows) -> None:
         """k/v (B, Hkv, T, D) into `rows` at input_pos ((T,) or (B, T))."""
@@ -260,6 +267,18 @@ class Decoder(nn.Module):
                                     device=device)
         for layer, store in zip(self.layers, self.kv_store):
             layer.self_attn.kv_cache = KVCache(max_len, c.n_kv_heads, c.head_dim, dtype, device, rows, store)
+        self._kv_views, self._kv_replaced = self._kv_layout(), KVCache.replaced
+
+    def _kv_layout(self) -> list:
+        """Where every layer's K and V are (pointer, shape, strides)."""
+        return [(t.data_ptr(), t.shape, t.stride()) for layer in self.layers if layer.self_attn.kv_cache is not None
+                for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)]
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if getattr(self, "kv_store", None) is not None and self._kv_layout() != self._kv_views:
+            self.kv_store = None  # (moved: the caches are copies; the old store is not kept alive)
+        return out
 
     def fuse(self) -> None:
         for layer in self.layers:
@@ -267,11 +286,11 @@ class Decoder(nn.Module):
             layer.mlp.fuse()
 
     def reset_cache(self, row: int | None = None) -> None:
-        """Zero the cache (one row of it, when given): in one launch where every layer's K and V are
-        still views of `kv_store` (a module moved with `to` has copies instead)."""
+        """Zero the cache (one row of it, when given): as one op on `kv_store` while every layer's K
+        and V are still its views (one launch; a few where the row spans more than 2 GB), else layer
+        by layer (a module moved with `to` has copies; a cache may have been given other tensors)."""
         store = getattr(self, "kv_store", None)
-        if store is not None and all(layer.self_attn.kv_cache is not None and layer.self_attn.kv_cache.k._base is store
-                                     and layer.self_attn.kv_cache.v._base is store for layer in self.layers):
+        if store is not None and KVCache.replaced == self._kv_replaced:  # (no K or V assigned since: O(1))
             (store if row is None else store[:, :, row]).zero_()
             return
         for layer in self.layers:
