@@ -261,7 +261,7 @@ class Decoder(nn.Module):
 
     def setup_cache(self, max_len: int, dtype: torch.dtype, device, rows: int = 1) -> None:
         """A KV cache of `rows` sequences of max_len slots each, every layer's K and V views of one
-        tensor (`kv_store`: layers, 2, rows, Hkv, S, D), so that a row is zeroed in one launch."""
+        tensor (`kv_store`: layers, 2, rows, Hkv, S, D), so that a row is zeroed in one op."""
         c = self.config
         self.kv_store = torch.zeros((len(self.layers), 2, rows, c.n_kv_heads, max_len, c.head_dim), dtype=dtype,
                                     device=device)
