@@ -267,17 +267,13 @@ class Decoder(nn.Module):
                                     device=device)
         for layer, store in zip(self.layers, self.kv_store):
             layer.self_attn.kv_cache = KVCache(max_len, c.n_kv_heads, c.head_dim, dtype, device, rows, store)
-        self._kv_views, self._kv_replaced = self._kv_layout(), KVCache.replaced
-
-    def _kv_layout(self) -> list:
-        """Where every layer's K and V are (pointer, shape, strides)."""
-        return [(t.data_ptr(), t.shape, t.stride()) for layer in self.layers if layer.self_attn.kv_cache is not None
-                for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)]
+        self._kv_replaced = KVCache.replaced
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        if getattr(self, "kv_store", None) is not None and self._kv_layout() != self._kv_views:
-            self.kv_store = None  # (moved: the caches are copies; the old store is not kept alive)
+        store, first = getattr(self, "kv_store", None), self.layers[0].self_attn.kv_cache
+        if store is not None and (first is None or first.k.data_ptr() != store.data_ptr()):
+            self.kv_store = None  # (moved: every cache is a copy now; the old store is not kept alive)
         return out
 
     def fuse(self) -> None:
