@@ -1,5 +1,5 @@
 """Launch shapes of the batch-invariant products, kept to the bits of the current shape (a
-developer tool, not part of the package: `mm_config`'s prompt shapes for 17-32 and 129-512 tokens
+developer tool, not part of the package: `mm_config`'s prompt shapes for 17-32, 33-64 and 129-512 tokens
 come from runs of it; its one-token sweeps found nothing more than 1% faster on an H100 or 2-4% on an
 H200, docs/journal.md).
 
@@ -72,7 +72,9 @@ def candidates(kind: str, name: str, m: int, base: tuple) -> list[tuple]:
     else:
         p2 = 1 << (m - 1).bit_length()
         bts = tuple(bt for bt in (32, 64, 128, 256) if min(p2 // 2, 128) <= bt <= max(p2, 32))
-        grid = ((64, 128), (64, 128), (4, 8), (3, 4))
+        # (weight rows a program from 16: a short prompt's o and down have 56 programs at 64 rows)
+        grid = ((16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (3, 4, 6)) if kind == "bf16" else \
+            ((64, 128), (64, 128), (4, 8), (3, 4))
     out = []
     for bt in bts:
         for bn, bk, w, s in itertools.product(*grid):
