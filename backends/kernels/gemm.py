@@ -68,7 +68,7 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     read by fewer programs). From sweeps at the 7B's shapes in CUDA graphs on an H100
     (docs/journal.md); for 65-128 tokens against the 7B's gate/up (37888 x 3584), 128 x 128 tiles
     read the weights once: 123 us against 200 with 64 x 64 (qkv, o and down stay: 64 x 64 is as
-    fast or faster there); 33-64 tokens (a read's prompt) by the 7B's shape, q/k/v's aside (an H200's
+    fast or faster there); 17-32 and 33-64 tokens (a read's prompt) by the 7B's shape (an H200's
     sweep: the prefill of a 51-token prompt 5.71 -> 5.25 ms); 129-512 tokens by the 7B's shape (at 256 tokens a layer's four products
     took 305 us against 443 with one shape for all). None of these changes a token's sums
     (tests/test_invariant.py checks every one at the 7B's shapes on a GPU; tools/invariant_sweep.py
@@ -82,9 +82,17 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     program; tools/kernel_targets.py compiles what comes out for each architecture."""
     if m <= 16:  # (a long K, down_proj's: narrower tiles, deeper pipelining)
         cfg = (32, 16, 256, 4, 6) if k >= 4 * n else (64, 16, 256, 4, 4)
-    elif m <= 32 and n >= 2048 and k >= 2048:  # (a short prompt on the 7B's shapes: 3-5% faster than 64-token
-        # tiles at 32 tokens, tools/invariant_sweep.py; the TTS's keep theirs)
-        cfg = 64, 32, 128, 4, 4
+    elif m <= 32 and n >= 2048 and k >= 2048:  # (a short prompt on the 7B's shapes; the TTS's keep theirs;
+        # swept on an H200 at 32 tokens: q/k/v 12.3 -> 10.9 us, o 11.2 -> 9.8, gate/up 69.1 -> 66.7, down
+        # 49.7 -> 38.7; lm_head, not swept at this count, keeps its tile)
+        if 4 * k <= n < 16 * k:  # gate/up
+            cfg = 128, 32, 64, 8, 3
+        elif k >= 4 * n:  # down
+            cfg = 32, 32, 256, 4, 6
+        elif n < 16 * k:  # q/k/v, o
+            cfg = 64, 32, 128, 4, 6
+        else:
+            cfg = 64, 32, 128, 4, 4
     elif m <= 64 and n >= 2048 and k >= 2048 and (n <= k or n >= 4 * k):  # (33-64 tokens, a read's
         # prompt, on the 7B's shapes but q/k/v's, which keeps its tile; swept on an H200 at 51 tokens,
         # tools/invariant_sweep.py: o 12.7 -> 10.8 us, down 56.6 -> 47.0, gate/up 78.0 -> 71.6)
