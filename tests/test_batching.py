@@ -75,8 +75,9 @@ def test_replies_and_reads_share_a_batch(synth, monkeypatch):
     while reads step the TTS alongside; prompts and TTS text chunks of a round prefill together."""
     import minicpm_cli.engine.batching as batching
 
-    sizes = {"prompts": [], "chunks": [], "choices": []}
-    for name, obj, attr in (("prompts", synth.llm, "prefill_rows"), ("chunks", synth.tts, "prefill_rows")):
+    sizes = {"prompts": [], "chunks": [], "choices": [], "starts": [], "lengths": []}
+    for name, obj, attr in (("prompts", synth.llm, "prefill_rows"), ("chunks", synth.tts, "prefill_rows"),
+                            ("starts", synth.tts, "reset_rows"), ("lengths", synth.tts, "set_text_len_rows")):
         fn = getattr(obj, attr)
         monkeypatch.setattr(obj, attr, lambda rows, *a, fn=fn, name=name: (sizes[name].append(len(rows)),
                                                                              fn(rows, *a))[1])
@@ -100,6 +101,44 @@ def test_replies_and_reads_share_a_batch(synth, monkeypatch):
     for a, b in zip(alone, batched):
         _same(a, b)
     assert max(sizes["prompts"]) > 1 and max(sizes["chunks"]) > 1 and max(sizes["choices"]) > 1
+    assert max(sizes["starts"]) > 1 and max(sizes["lengths"]) > 1
+
+
+def test_rows_start_together_as_each_alone(synth):
+    """`reset_rows` and `set_text_len_rows` leave every row as `start_row` and `set_text_len_row`
+    leave it, and the other rows as they were (runs of rows and rows apart)."""
+    tts = synth.tts
+    caches = [t for layer in tts.model.model.layers for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)]
+
+    def dirty():
+        for t in caches:
+            t.fill_(1.0)
+        tts.bos_b.fill_(False)
+        tts.vis_b[:, : tts.L].fill_(-1)
+        tts.positions[:] = [5] * ROWS
+
+    def state():
+        return [t.clone() for t in caches] + [tts.bos_b.clone(), tts.vis_b.clone(), torch.tensor(tts.positions)]
+
+    kept = state()
+    for started, lengths in (([0, 2], {0: 5, 1: 4, 2: 9}), ([1, 0], {0: 3, 1: 0})):
+        dirty()
+        for r, n in lengths.items():
+            if r in started:
+                tts.start_row(r, n)
+            else:
+                tts.set_text_len_row(r, n)
+        alone = state()
+        dirty()
+        tts.reset_rows(started)
+        tts.set_text_len_rows(list(lengths), list(lengths.values()))
+        together = state()
+        for a, b in zip(alone, together):
+            assert torch.equal(a, b)
+        assert all(bool((t[r] == 1).all()) == (r not in started) for t in caches for r in range(ROWS))
+    for t, k in zip(caches + [tts.bos_b, tts.vis_b], kept):  # (the module's synthesizer, as it was)
+        t.copy_(k)
+    tts.positions[:] = kept[-1].tolist()
 
 
 def test_in_order_keeps_rows_busy_behind_a_long_job(synth):

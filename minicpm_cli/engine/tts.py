@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..models.chattts import ChatTTS
 from .sampling import choose, noise, top_k, top_p
-from .tensorio import Upload
+from .tensorio import Upload, to_device
 
 # Per-codebook temperatures hard-coded by every caller in the reference.
 TEMPERATURES = (0.1, 0.3, 0.1, 0.3)
@@ -132,16 +132,36 @@ class TTSRunner:
     # --- any row ---
 
     def start_row(self, row: int, n: int) -> None:
-        self.model.model.reset_cache(row)
-        self.positions[row] = self.L - 1
-        self.bos_b[row].fill_(True)
+        self.reset_rows([row])
         self.set_text_len_row(row, n)
+
+    def reset_rows(self, rows: list[int]) -> None:
+        """A new segment in each of `rows`: cache zeroed, next query at the [Ptts] slot with [bos] as
+        its input; each run of consecutive rows in one op a tensor (a batch's streams that start in
+        one round hold rows 0..n-1: a few launches for all of them, not a few each)."""
+        for a, b in _runs(sorted(rows)):
+            self.model.model.reset_cache(slice(a, b))
+            self.bos_b[a:b].fill_(True)
+        for r in rows:
+            self.positions[r] = self.L - 1
 
     def set_text_len_row(self, row: int, n: int) -> None:
         """_build_streaming_mask(n): [Stts], [spk_emb], n text tokens and [Etts] visible; [PAD]s not."""
+        self.vis_b[row, : self.L].copy_(self._text_visible_from(n))
+
+    def set_text_len_rows(self, rows: list[int], ns: list[int]) -> None:
+        """`set_text_len_row` for each row and its n, in one upload and a few launches for all."""
+        if len(rows) == 1:
+            self.set_text_len_row(rows[0], ns[0])
+            return
+        at = to_device([rows, ns], self.device)
+        self.vis_b[at[0], : self.L] = self._text_visible_from(at[1][:, None])
+
+    def _text_visible_from(self, n: int | Tensor) -> Tensor:
+        """The text slots' `vis_b` for n text tokens ((L,); n a (k, 1) tensor: (k, L))."""
         s = self.slots[: self.L]
         visible = (s <= n + 2) & (s < self.L - 1)  # the reference's mask also marks [Ptts], but no query sees it
-        self.vis_b[row, : self.L].copy_(torch.where(visible, self._text_from, self.never))
+        return torch.where(visible, self._text_from, self.never)
 
     def _prefill(self, ids: Tensor, begin: Tensor, kv_len: int, spk: Tensor | None, rows=None) -> None:
         """ids at positions begin.. (`begin` a 1-element device tensor, so a graph can replay this
@@ -394,6 +414,17 @@ class TTSRunner:
         bos.copy_(bos & ~adv)
 
 
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted rows as runs of consecutive rows [a, b)."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
+
+
 @dataclass
 class Call:
     """One stream's generate() call in progress (see TTSRunner.call / step_calls)."""
@@ -417,16 +448,23 @@ class TTSLane:
         self.config, self.L, self.device, self.dtype = runner.config, runner.L, runner.device, runner.dtype
         self.batcher = None
         self.prefiller = None  # (row, ids, begin, spk) -> None: a batch's text prefills, run together
+        self.starter = None  # (row, n, reset) -> None: a batch's starts and text lengths, set together
 
     @property
     def pos(self) -> int:
         return self.runner.positions[self.row]
 
     def start(self, n: int) -> None:
-        self.runner.start_row(self.row, n)
+        if self.starter is not None:
+            self.starter(self.row, n, True)
+        else:
+            self.runner.start_row(self.row, n)
 
     def set_text_len(self, n: int) -> None:
-        self.runner.set_text_len_row(self.row, n)
+        if self.starter is not None:
+            self.starter(self.row, n, False)
+        else:
+            self.runner.set_text_len_row(self.row, n)
 
     def prefill(self, ids: list[int], begin: int, spk: Tensor | None = None) -> None:
         if self.prefiller is not None:
