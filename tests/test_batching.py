@@ -106,39 +106,53 @@ def test_replies_and_reads_share_a_batch(synth, monkeypatch):
 
 def test_rows_start_together_as_each_alone(synth):
     """`reset_rows` and `set_text_len_rows` leave every row as `start_row` and `set_text_len_row`
-    leave it, and the other rows as they were (runs of rows and rows apart)."""
+    leave it, and the other rows as they were (runs of rows and rows apart): a started row's cache
+    zeroed, [bos] its input, its next query at [Ptts]; each row's text slots visible as
+    _build_streaming_mask(n) makes them."""
     tts = synth.tts
+    rows, L = len(tts.positions), tts.L
     caches = [t for layer in tts.model.model.layers for t in (layer.self_attn.kv_cache.k, layer.self_attn.kv_cache.v)]
 
     def dirty():
         for t in caches:
             t.fill_(1.0)
         tts.bos_b.fill_(False)
-        tts.vis_b[:, : tts.L].fill_(-1)
-        tts.positions[:] = [5] * ROWS
+        tts.vis_b[:, :L].fill_(-1)
+        tts.positions[:] = [5] * rows
 
     def state():
         return [t.clone() for t in caches] + [tts.bos_b.clone(), tts.vis_b.clone(), torch.tensor(tts.positions)]
 
+    def visible(n):  # [Stts], [spk_emb], n text tokens and [Etts]; [Ptts] and the [PAD]s never
+        s = torch.arange(L)
+        return torch.where((s <= n + 2) & (s < L - 1), tts._text_from, tts.never)
+
     kept = state()
-    for started, lengths in (([0, 2], {0: 5, 1: 4, 2: 9}), ([1, 0], {0: 3, 1: 0})):
-        dirty()
-        for r, n in lengths.items():
-            if r in started:
-                tts.start_row(r, n)
-            else:
-                tts.set_text_len_row(r, n)
-        alone = state()
-        dirty()
-        tts.reset_rows(started)
-        tts.set_text_len_rows(list(lengths), list(lengths.values()))
-        together = state()
-        for a, b in zip(alone, together):
-            assert torch.equal(a, b)
-        assert all(bool((t[r] == 1).all()) == (r not in started) for t in caches for r in range(ROWS))
-    for t, k in zip(caches + [tts.bos_b, tts.vis_b], kept):  # (the module's synthesizer, as it was)
-        t.copy_(k)
-    tts.positions[:] = kept[-1].tolist()
+    try:
+        for started, lengths in (([0, 2], {0: 5, 1: 4, 2: 9}), ([1, 0], {0: 3, 1: 0})):
+            dirty()
+            for r, n in lengths.items():
+                if r in started:
+                    tts.start_row(r, n)
+                else:
+                    tts.set_text_len_row(r, n)
+            alone = state()
+            dirty()
+            tts.reset_rows(started)
+            tts.set_text_len_rows(list(lengths), list(lengths.values()))
+            together = state()
+            for a, b in zip(alone, together):
+                assert torch.equal(a, b)
+            for r in range(rows):
+                assert all(bool((t[r] == (0 if r in started else 1)).all()) for t in caches)
+                assert bool(tts.bos_b[r]) == (r in started)
+                assert tts.positions[r] == (L - 1 if r in started else 5)
+                want = visible(lengths[r]) if r in lengths else torch.full((L,), -1)
+                assert torch.equal(tts.vis_b[r, :L].cpu(), want.to(tts.vis_b.dtype))
+    finally:  # (the module's synthesizer, as it was)
+        for t, k in zip(caches + [tts.bos_b, tts.vis_b], kept):
+            t.copy_(k)
+        tts.positions[:] = kept[-1].tolist()
 
 
 def test_in_order_keeps_rows_busy_behind_a_long_job(synth):

@@ -60,8 +60,8 @@ def test_product_configurations_fit_by_capability(cc, dtype):
     """`mm_config` gives up stages, then tiles, where a block's shared memory is smaller; on sm_90 the
     bfloat16 shapes are the H100's own (what the sweeps chose)."""
     size = torch.finfo(dtype).bits // 8
-    for m in (1, 16, 17, 128, 129, 512, 513, 4096):
-        for n, k in ((4608, 3584), (3584, 18944), (37888, 3584), (151666, 3584)):
+    for m in (1, 16, 17, 32, 33, 64, 128, 129, 512, 513, 4096):
+        for n, k in ((4608, 3584), (3584, 3584), (3584, 18944), (37888, 3584), (151666, 3584)):
             bn, bt, bk, warps, stages = mm_config(m, n, k, cc, dtype)
             assert _smem(bn, bt, bk, stages, size, cc) <= targets.limits(cc).smem_block
             if cc == (9, 0) and dtype == torch.bfloat16:

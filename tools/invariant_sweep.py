@@ -72,7 +72,8 @@ def candidates(kind: str, name: str, m: int, base: tuple) -> list[tuple]:
     else:
         p2 = 1 << (m - 1).bit_length()
         bts = tuple(bt for bt in (16, 32, 64, 128, 256) if min(p2 // 2, 128) <= bt <= max(p2, 32))
-        # (weight rows a program from 16: a short prompt's o and down have 56 programs at 64 rows)
+        # (weight rows a program from 16: a short prompt's o and down have 56 programs at 64 rows;
+        # the 16-token tile for 9-32 tokens, 4-bit sweeps included)
         grid = ((16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (3, 4, 6)) if kind == "bf16" else \
             ((64, 128), (64, 128), (4, 8), (3, 4))
     out = []

@@ -69,8 +69,8 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     (docs/journal.md); for 65-128 tokens against the 7B's gate/up (37888 x 3584), 128 x 128 tiles
     read the weights once: 123 us against 200 with 64 x 64 (qkv, o and down stay: 64 x 64 is as
     fast or faster there); 17-32 and 33-64 tokens (a read's prompt) by the 7B's shape (an H200's
-    sweep: the prefill of a 51-token prompt 5.71 -> 5.25 ms); 129-512 tokens by the 7B's shape (at 256 tokens a layer's four products
-    took 305 us against 443 with one shape for all). None of these changes a token's sums
+    sweep: the prefill of a 51-token prompt 5.71 -> 5.25 ms); 129-512 tokens by the 7B's shape (at
+    256 tokens a layer's four products took 305 us against 443 with one shape for all). None of these changes a token's sums
     (tests/test_invariant.py checks every one at the 7B's shapes on a GPU; tools/invariant_sweep.py
     keeps only shapes that give the current bits): the K-blocks are summed in order, each `tl.dot` a
     chain of 16-wide products in order, so K-blocks of 64 or 256 add the same products in the same
@@ -95,7 +95,8 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
             cfg = 64, 32, 128, 4, 4
     elif m <= 64 and n >= 2048 and k >= 2048 and (n <= k or n >= 4 * k):  # (33-64 tokens, a read's
         # prompt, on the 7B's shapes but q/k/v's, which keeps its tile; swept on an H200 at 51 tokens,
-        # tools/invariant_sweep.py: o 12.7 -> 10.8 us, down 56.6 -> 47.0, gate/up 78.0 -> 71.6)
+        # tools/invariant_sweep.py: o 12.7 -> 10.8 us, down 56.6 -> 47.0, gate/up 78.0 -> 71.6; lm_head
+        # takes gate/up's tile, its best at 64 tokens, 262.7 us)
         cfg = (128, 64, 64, 8, 3) if n >= 4 * k else (64, 32, 128, 4, 6)
     elif m <= 128:  # (65+ rows of a long product, the 7B's gate/up and lm_head: each weight tile read once)
         cfg = (128, 128, 128, 8, 3) if m > 64 and n >= 4 * k and k >= 2048 else (64, 64, 128, 4, 4)

@@ -7,9 +7,9 @@ decode audio, choose or decode one LLM token, start a TTS segment or set its tex
 hands the engine a request and waits. The engine runs rounds: admit every waiting stream that has a
 free lane; resume the streams whose requests were answered (each runs on until its next request),
 doing together, as often as they pile up, the round's TTS segment starts and text lengths
-(`TTSRunner.reset_rows`, `set_text_len_rows`), TTS text prefills (`TTSRunner.prefill_rows`, one padded forward), codec decodes (on
-CUDA, one batched call per length: `Codec.decode_batch`) and LLM token choices (`llm.next_tokens`,
-row by row, one copy of all the chosen ids to the host); then the LLM prompts waiting (in groups of
+(`TTSRunner.reset_rows`, `set_text_len_rows`), TTS text prefills (`TTSRunner.prefill_rows`, one
+padded forward), codec decodes (on CUDA, one batched call per length: `Codec.decode_batch`) and LLM
+token choices (`llm.next_tokens`, row by row, one copy of all the chosen ids to the host); then the LLM prompts waiting (in groups of
 similar length, `prompt_groups`, each one padded forward: `LLMStage.prefill_rows`), one batched LLM
 token for every stream that asked for one (`LLMStage.decode_rows`) and one batched TTS step for
 every open generate() call (`TTSRunner.step_calls`). A stream joins the batch at the next step and
@@ -177,7 +177,7 @@ class Engine:
         self.llm_prompts: dict[int, tuple[greenlet.greenlet, list[int]]] = {}
         self.picks: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # LLM tokens to choose (LLMLane.pick)
         self.tts_prefills: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # (ids, begin, spk)
-        self.tts_starts: dict[int, tuple[greenlet.greenlet, tuple[int, bool]]] = {}  # (n, reset): TTSLane.start
+        self.tts_starts: dict[int, tuple[greenlet.greenlet, tuple[int, bool]]] = {}  # (n, reset): start, text length
         self.decodes: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # codes to decode
         self.parked: dict[int, tuple[greenlet.greenlet, Callable[[], bool]]] = {}  # waiting for ready()
         self.running: dict[int, Stream] = {}  # the stream on each row taken
@@ -243,8 +243,9 @@ class Engine:
             if not (self.picks or self.tts_starts or self.tts_prefills or self.decodes):
                 break
             with torch.inference_mode():
-                if self.tts_starts:
-                    self._start_text()
+                if self.tts_starts:  # (first, alone: the streams started go on to their first prefill,
+                    self._start_text()  # which then joins the others' in one forward)
+                    continue
                 if self.picks:
                     self.pick_tokens()
                 if self.tts_prefills:

@@ -282,9 +282,10 @@ class Decoder(nn.Module):
             layer.mlp.fuse()
 
     def reset_cache(self, row: int | slice | None = None) -> None:
-        """Zero the cache (one row of it, or a run of rows, when given): as one op on `kv_store` while every layer's K
-        and V are still its views (one launch; a few where the row spans more than 2 GB), else layer
-        by layer (a module moved with `to` has copies; a cache may have been given other tensors)."""
+        """Zero the cache (one row of it, or a run of rows, when given): as one op on `kv_store` while
+        every layer's K and V are still its views (one launch; a few where the row spans more than 2
+        GB), else layer by layer (a module moved with `to` has copies; a cache may have been given
+        other tensors)."""
         store = getattr(self, "kv_store", None)
         if store is not None and KVCache.replaced == self._kv_replaced:  # (no K or V assigned since: O(1))
             (store if row is None else store[:, :, row]).zero_()
