@@ -1,7 +1,7 @@
 """Launch shapes of the batch-invariant products, kept to the bits of the current shape (a
-developer tool, not part of the package: `mm_config`'s prompt shapes for 17-32, 33-64 and 129-512 tokens
-come from runs of it; its one-token sweeps found nothing more than 1% faster on an H100 or 2-4% on an
-H200, docs/journal.md).
+developer tool, not part of the package: `mm_config`'s prompt shapes for 17-32, 33-64 and 129-512
+tokens come from runs of it; its one-token sweeps found nothing more than 1% faster on an H100 or
+2-4% on an H200, docs/journal.md).
 
     python tools/invariant_sweep.py --kind bf16 --m 1           # invariant_mm (compile's products)
     python tools/invariant_sweep.py --kind q4 --m 1 --jobs 14   # q4_invariant (int4's)

@@ -68,9 +68,10 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     read by fewer programs). From sweeps at the 7B's shapes in CUDA graphs on an H100
     (docs/journal.md); for 65-128 tokens against the 7B's gate/up (37888 x 3584), 128 x 128 tiles
     read the weights once: 123 us against 200 with 64 x 64 (qkv, o and down stay: 64 x 64 is as
-    fast or faster there); 17-32 and 33-64 tokens (a read's prompt) by the 7B's shape (an H200's
-    sweep: the prefill of a 51-token prompt 5.71 -> 5.25 ms); 129-512 tokens by the 7B's shape (at
-    256 tokens a layer's four products took 305 us against 443 with one shape for all). None of these changes a token's sums
+    fast or faster there); 17-32 and 33-64 tokens (a read's prompt) by the 7B's projection
+    (`SHORT_PROMPT_TILES`; the prefill of a 51-token prompt 5.71 -> 5.25 ms on an H200); 129-512
+    tokens by the 7B's shape (at 256 tokens a layer's four products took 305 us against 443 with one
+    shape for all). None of these changes a token's sums
     (tests/test_invariant.py checks every one at the 7B's shapes on a GPU; tools/invariant_sweep.py
     keeps only shapes that give the current bits): the K-blocks are summed in order, each `tl.dot` a
     chain of 16-wide products in order, so K-blocks of 64 or 256 add the same products in the same
@@ -82,24 +83,10 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
     program; tools/kernel_targets.py compiles what comes out for each architecture."""
     if m <= 16:  # (a long K, down_proj's: narrower tiles, deeper pipelining)
         cfg = (32, 16, 256, 4, 6) if k >= 4 * n else (64, 16, 256, 4, 4)
-    elif m <= 32 and n >= 2048 and k >= 2048:  # (a short prompt on the 7B's shapes; the TTS's keep theirs;
-        # swept on an H200 at 32 tokens: q/k/v 12.3 -> 10.9 us, o 11.2 -> 9.8, gate/up 69.1 -> 66.7, down
-        # 49.7 -> 38.7; lm_head, not swept at this count, keeps its tile)
-        if 4 * k <= n < 16 * k:  # gate/up
-            cfg = 128, 32, 64, 8, 3
-        elif k >= 4 * n:  # down
-            cfg = 32, 32, 256, 4, 6
-        elif n < 16 * k:  # q/k/v, o
-            cfg = 64, 32, 128, 4, 6
-        else:
-            cfg = 64, 32, 128, 4, 4
-    elif m <= 64 and n >= 2048 and k >= 2048 and (n <= k or n >= 4 * k):  # (33-64 tokens, a read's
-        # prompt, on the 7B's shapes but q/k/v's, which keeps its tile; swept on an H200 at 51 tokens,
-        # tools/invariant_sweep.py: o 12.7 -> 10.8 us, down 56.6 -> 47.0, gate/up 78.0 -> 71.6; lm_head
-        # takes gate/up's tile, its best at 64 tokens, 262.7 us)
-        cfg = (128, 64, 64, 8, 3) if n >= 4 * k else (64, 32, 128, 4, 6)
+    elif m <= 64 and n >= 2048 and k >= 2048:  # (a short prompt on the 7B's shapes; the TTS's keep theirs)
+        cfg = SHORT_PROMPT_TILES[32 if m <= 32 else 64][_projection(n, k)]
     elif m <= 128:  # (65+ rows of a long product, the 7B's gate/up and lm_head: each weight tile read once)
-        cfg = (128, 128, 128, 8, 3) if m > 64 and n >= 4 * k and k >= 2048 else (64, 64, 128, 4, 4)
+        cfg = (128, 128, 128, 8, 3) if n >= 4 * k and k >= 2048 else (64, 64, 128, 4, 4)
     elif m <= 512:  # (a prompt's tokens: swept at 256 and 512 on the 7B's shapes, tools/invariant_sweep.py)
         if n >= 4 * k and k >= 2048:  # gate/up: one tile of all the tokens, each weight tile read once
             cfg = 128, 256, 64, 8, 4
@@ -125,6 +112,31 @@ def mm_config(m: int, n: int, k: int, cc: tuple[int, int] | None = None,
         else:
             bn //= 2
     return bn, bt, bk, warps, stages
+
+
+# a short prompt's tiles by projection (`_projection`), for 17-32 and 33-64 tokens: swept on an H200
+# (tools/invariant_sweep.py, us a product). At 32 tokens q/k/v 12.3 -> 10.9, o 11.2 -> 9.8, gate/up
+# 69.1 -> 66.7, down 49.7 -> 38.7 (lm_head not swept there: its tile before); at 51, o 12.7 -> 10.8,
+# down 56.6 -> 47.0, gate/up 78.0 -> 71.6, q/k/v as fast on its tile before, lm_head best on gate/up's
+# (262.7 at 64 tokens)
+SHORT_PROMPT_TILES = {
+    32: {"qkv": (64, 32, 128, 4, 6), "o": (64, 32, 128, 4, 6), "gate_up": (128, 32, 64, 8, 3),
+         "down": (32, 32, 256, 4, 6), "lm_head": (64, 32, 128, 4, 4)},
+    64: {"qkv": (64, 64, 128, 4, 4), "o": (64, 32, 128, 4, 6), "gate_up": (128, 64, 64, 8, 3),
+         "down": (64, 32, 128, 4, 6), "lm_head": (128, 64, 64, 8, 3)},
+}
+
+
+def _projection(n: int, k: int) -> str:
+    """Which of the 7B's products a weight (N, K) is shaped like: lm_head (N >= 16 K), gate/up (N >=
+    4 K), down (K >= 4 N), q/k/v (K < N < 4 K) or o (the rest)."""
+    if n >= 16 * k:
+        return "lm_head"
+    if n >= 4 * k:
+        return "gate_up"
+    if k >= 4 * n:
+        return "down"
+    return "qkv" if n > k else "o"
 
 
 def _smem(bn: int, bt: int, bk: int, stages: int, size: int, cc: tuple[int, int]) -> int:

@@ -9,11 +9,11 @@ free lane; resume the streams whose requests were answered (each runs on until i
 doing together, as often as they pile up, the round's TTS segment starts and text lengths
 (`TTSRunner.reset_rows`, `set_text_len_rows`), TTS text prefills (`TTSRunner.prefill_rows`, one
 padded forward), codec decodes (on CUDA, one batched call per length: `Codec.decode_batch`) and LLM
-token choices (`llm.next_tokens`, row by row, one copy of all the chosen ids to the host); then the LLM prompts waiting (in groups of
-similar length, `prompt_groups`, each one padded forward: `LLMStage.prefill_rows`), one batched LLM
-token for every stream that asked for one (`LLMStage.decode_rows`) and one batched TTS step for
-every open generate() call (`TTSRunner.step_calls`). A stream joins the batch at the next step and
-leaves when it ends.
+token choices (`llm.next_tokens`, row by row, one copy of all the chosen ids to the host); then the
+LLM prompts waiting (in groups of similar length, `prompt_groups`, each one padded forward:
+`LLMStage.prefill_rows`), one batched LLM token for every stream that asked for one
+(`LLMStage.decode_rows`) and one batched TTS step for every open generate() call
+(`TTSRunner.step_calls`). A stream joins the batch at the next step and leaves when it ends.
 
 A stream may also wait for something from outside (text still arriving over a server's socket): its
 lane's `park(ready)` parks it, holding its row, and each round resumes the parked streams whose
@@ -177,7 +177,7 @@ class Engine:
         self.llm_prompts: dict[int, tuple[greenlet.greenlet, list[int]]] = {}
         self.picks: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # LLM tokens to choose (LLMLane.pick)
         self.tts_prefills: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # (ids, begin, spk)
-        self.tts_starts: dict[int, tuple[greenlet.greenlet, tuple[int, bool]]] = {}  # (n, reset): start, text length
+        self.tts_starts: dict[int, tuple[greenlet.greenlet, tuple[int, bool]]] = {}  # (n, reset): starts, lengths
         self.decodes: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # codes to decode
         self.parked: dict[int, tuple[greenlet.greenlet, Callable[[], bool]]] = {}  # waiting for ready()
         self.running: dict[int, Stream] = {}  # the stream on each row taken
@@ -310,11 +310,11 @@ class Engine:
         """The waiting TTS segment starts (a row zeroed, its text length set) and text lengths, all
         together: a few launches for the round, where each stream's own took a few (0.2 ms a stream
         on an H200; 128 replies start in one round)."""
-        rows = sorted(self.tts_starts)
+        starts = sorted((r, n, reset) for r, (_, (n, reset)) in self.tts_starts.items())
         tts = self.synth.tts
-        tts.reset_rows([r for r in rows if self.tts_starts[r][1][1]])
-        tts.set_text_len_rows(rows, [self.tts_starts[r][1][0] for r in rows])
-        for r in rows:
+        tts.reset_rows([r for r, _, reset in starts if reset])
+        tts.set_text_len_rows([r for r, _, _ in starts], [n for _, n, _ in starts])
+        for r, _, _ in starts:
             self.ready.append((self.tts_starts.pop(r)[0], None))
 
     def _prefill_text(self) -> None:

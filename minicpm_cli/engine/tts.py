@@ -92,8 +92,8 @@ class TTSRunner:
         self.trace: list[tuple[Tensor, Tensor]] | None = None  # (raw logits, probs) per step, for tests
         self.positions = [self.L - 1] * rows  # each row's next query position (host)
         self.lanes = [TTSLane(self, b) for b in range(rows)]
-        for b in range(rows):
-            self.start_row(b, 0)
+        self.reset_rows(list(range(rows)))
+        self.set_text_len_rows(list(range(rows)), [0] * rows)
 
     # --- row 0, the single-stream interface (a lane) ---
 
