@@ -17,7 +17,7 @@ import torch
 from minicpm_cli.engine.batching import LOOKAHEAD, Job, Stream, in_order, prompt_groups
 from minicpm_cli.engine.llm import LLMSampling, next_token, next_tokens
 from minicpm_cli.engine.pipeline import Synthesizer
-from minicpm_cli.engine.sampling import Sampling
+from minicpm_cli.engine.sampling import Sampling, TokenNoise
 
 ROWS = 3
 # (text, sampling, frames per text token or None): short texts whose random-weight speech ends soon,
@@ -217,15 +217,34 @@ def test_prompt_groups_pad_least():
 
 
 def test_next_tokens_chooses_each_row_as_next_token_alone():
+    """Row by row what each stream chooses alone, over more choices than a block of draws holds."""
     torch.manual_seed(0)
     logits = torch.randn(4, 300) * 3
     windows = [[1, 2, 3], [5], [7, 7, 8, 9, 10], [299]]
     s = LLMSampling(temperature=0.7, top_k=20, repetition_penalty=1.3)
-    gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2), None]
-    together = next_tokens(logits, windows, s, gens, banned=[4], vocab=290)
-    gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2), None]
-    alone = [next_token(logits[i], windows[i], s, gens[i], banned=[4], vocab=290) for i in range(4)]
-    assert together.tolist() == [int(t) for t in alone]
+
+    def noises():
+        return [None, TokenNoise(torch.Generator().manual_seed(1)), TokenNoise(torch.Generator().manual_seed(2)), None]
+
+    steps = TokenNoise.BLOCK + 3
+    batched, single = noises(), noises()
+    together = [next_tokens(logits, windows, s, batched, banned=[4], vocab=290).tolist() for _ in range(steps)]
+    alone = [[int(next_token(logits[i], windows[i], s, single[i], banned=[4], vocab=290)) for i in range(4)]
+             for _ in range(steps)]
+    assert together == alone
+    assert len({t[1] for t in together}) > 1  # (the sampled rows draw, the greedy ones do not)
+    assert len({t[0] for t in together}) == 1
+
+
+def test_token_noise_draws_from_the_warped_distribution():
+    """Exp(1) draws by rank give each candidate its probability after the warpers: three tokens with
+    logits log(0.5), log(0.3), log(0.2), temperature 1, no top-k or top-p cut, 6,000 draws."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    s = LLMSampling(temperature=1.0, top_k=3, top_p=1.0, repetition_penalty=1.0)
+    noise = TokenNoise(torch.Generator().manual_seed(0))
+    got = torch.tensor([int(next_token(logits[0], [], s, noise)) for _ in range(6000)])
+    freq = torch.bincount(got, minlength=3).float() / len(got)
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2]), atol=0.025), freq
 
 
 def test_a_cancelled_stream_frees_its_row_and_leaves_the_others_alone(synth):

@@ -80,11 +80,11 @@ class LLMLane:
             return self.batcher(self.row, ids)
         return self.stage.forward_row(self.row, ids, embeds, embed_at)
 
-    def pick(self, logits: Tensor, window: list[int], s: LLMSampling, generator, banned, vocab) -> int:
+    def pick(self, logits: Tensor, window: list[int], s: LLMSampling, noise, banned, vocab) -> int:
         """`llm.next_token`'s choice, on the host: with an engine, made together with the other
         streams' of the round that share its settings, and fetched with all of theirs in one copy
         (one wait for the device instead of one a stream)."""
-        args = (logits, window, s, generator, banned, vocab)
+        args = (logits, window, s, noise, banned, vocab)
         if self.picker is None:
             return int(next_token(*args))
         return self.picker(self.row, args)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sampling import choose, noise, top_p
+from .sampling import TokenNoise, choose, token_noise, top_p
 from .tensorio import to_device
 from .text import ASSISTANT_TTS_PREFIX, Tokenizers
 
@@ -62,17 +62,18 @@ class Piece:
     spk_hidden: Tensor | None = None  # first piece only: LLM hidden state at <|spk|>
 
 
-def next_token(logits: Tensor, window: list[int], s: LLMSampling, generator: torch.Generator | None,
+def next_token(logits: Tensor, window: list[int], s: LLMSampling, noise: TokenNoise | None,
                banned: list[int] | None = None, vocab: int | None = None) -> Tensor:
-    """transformers' order: repetition penalty, temperature, top-k, top-p, then a draw (or argmax).
-    `banned` ids and ids from `vocab` on are never chosen (forced-length benchmark runs)."""
-    return next_tokens(logits[None], [window], s, [generator], banned, vocab)[0]
+    """transformers' order: repetition penalty, temperature, top-k, top-p, then a draw with the
+    stream's `noise` (or the argmax when None). `banned` ids and ids from `vocab` on are never chosen
+    (forced-length benchmark runs)."""
+    return next_tokens(logits[None], [window], s, [noise], banned, vocab)[0]
 
 
-def next_tokens(logits: Tensor, windows: list[list[int]], s: LLMSampling, generators: list,
+def next_tokens(logits: Tensor, windows: list[list[int]], s: LLMSampling, noises: list[TokenNoise | None],
                 banned: list[int] | None = None, vocab: int | None = None) -> Tensor:
     """`next_token` for several streams with the same settings at once: logits (n, V), each row with
-    its own window and generator (None: greedy) -> (n,) ids. Every step works row by row."""
+    its own window and noise (None: greedy) -> (n,) ids. Every step works row by row."""
     scores = logits.float()
     dev = scores.device
     if banned:
@@ -90,12 +91,13 @@ def next_tokens(logits: Tensor, windows: list[list[int]], s: LLMSampling, genera
     # not the whole vocabulary (what top-k masks has probability 0 either way)
     best, ids = torch.topk(scores, min(max(s.top_k, 1), scores.shape[1]))
     probs = top_p(best, s.top_p).softmax(-1)
-    if all(g is None for g in generators):
+    if all(n is None for n in noises):
         return ids[:, 0]  # (the argmax of the probabilities: topk puts the best first)
-    V = scores.shape[1]
-    q = [torch.ones(1, V, device=dev) if g is None else noise((1, V), g, dev)
-         for g in generators]  # (argmax(p / 1) is the greedy choice)
-    return ids.gather(1, choose(probs, torch.cat(q).gather(1, ids))[:, None])[:, 0]
+    k = ids.shape[1]
+    one = probs.new_ones(k) if None in noises else None  # (argmax(p / 1) is the greedy choice)
+    q = [one if n is None else n.next(k) for n in noises]
+    q = q[0][None] if len(q) == 1 else torch.stack(q)
+    return ids.gather(1, choose(probs, q)[:, None])[:, 0]
 
 
 def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator: torch.Generator | None,
@@ -109,6 +111,7 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
     terminators = {tok.im_end_id, tok.endoftext_id}
     # the chosen id, on the host (a batch's lane: chosen and fetched together with the other streams')
     pick = getattr(llm, "pick", None) or (lambda *args: int(next_token(*args)))
+    noise = token_noise(generator)
     banned = sorted(terminators | {tok.tts_eos_id}) if force_length else None
     vocab = len(tok.llm) if force_length else None
     forced = tok.encode_llm(FORCED_REPLY_TEXT) if force_length else None
@@ -130,7 +133,7 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
         new: list[int] = []
         ended = False
         for k in range(TOKENS_PER_PIECE):
-            t = pick(logits, window, s, generator, banned, vocab)
+            t = pick(logits, window, s, noise, banned, vocab)
             if forced is not None:
                 t = forced[(produced + k) % len(forced)]
             new.append(t)

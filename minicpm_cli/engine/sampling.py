@@ -3,7 +3,9 @@
 The warpers reproduce transformers' TopPLogitsWarper and TopKLogitsWarper (the reference applies
 top-p first, then top-k). Sampling draws from the softmax with exponential noise (argmax of p/q with
 q ~ Exp(1) is a draw from p) so that it never needs `torch.multinomial`'s host round trip; greedy
-decoding is the argmax of the same probabilities.
+decoding is the argmax of the same probabilities. Any fixed assignment of independent draws to the
+candidates gives a draw from p, so an LLM token's noise goes by the candidates' rank in its top-k
+(`TokenNoise`: k values a token, drawn many tokens at a time), not by vocabulary id.
 """
 
 from __future__ import annotations
@@ -59,3 +61,34 @@ def choose(probs: Tensor, q: Tensor | None) -> Tensor:
     if q is None:
         return probs.argmax(dim=-1)
     return (probs / q).argmax(dim=-1)
+
+
+class TokenNoise:
+    """A stream's Exp(1) draws for its LLM token choices (`llm.next_tokens`): k values a choice, one
+    for each of its top-k candidates by rank, drawn from the stream's generator BLOCK choices at a
+    time in one kernel. A choice then launches nothing of its own, and a batch of streams' choices
+    stacks their rows in one copy (drawing a whole vocabulary a token, each stream had two launches
+    a token: 256 for 128 streams). The draws depend only on the generator and on how many choices
+    the stream has made, so a seeded stream chooses the same alone or in a batch."""
+
+    BLOCK = 64
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+        self.block: Tensor | None = None
+        self.used = 0
+
+    def next(self, k: int) -> Tensor:
+        """The next choice's k draws (k,). A block whose width is not k is dropped (the top-k of a
+        stream's choices changes only where the vocabulary is smaller than its top_k)."""
+        if self.block is None or self.used == len(self.block) or self.block.shape[1] != k:
+            self.block = noise((self.BLOCK, k), self.generator, self.generator.device)
+            self.used = 0
+        self.used += 1
+        return self.block[self.used - 1]
+
+
+def token_noise(generator: torch.Generator | None) -> TokenNoise | None:
+    """A stream's `TokenNoise` from its sampling generator (on the device of its logits); None when
+    greedy."""
+    return None if generator is None else TokenNoise(generator)
