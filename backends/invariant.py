@@ -8,8 +8,8 @@ compile and int4 backends now run one kind of arithmetic at every batch size (do
 
 - every Linear of the LLM and the TTS (projections, lm_head, the TTS's speaker projector) runs
   `invariant_mm` (kernels/gemm.py): all of K summed in order by one program, never split, whatever
-  the number of tokens; every RMSNorm a program a row (`make_invariant` swaps the modules' classes
-  in place, weights untouched);
+  the number of tokens; every RMSNorm, and the speaker vectors' L2 normalisation, a program a row
+  (`make_invariant` swaps the modules' classes in place, weights untouched);
 - an LLM token, alone or batched, is the same layer (in a CUDA graph per row count) with its
   attention on `attend_rows` (kernels/attention.py), which reads each row's position on the device
   and splits the cache slots the same way at every row count (`RowsAttention`); `FusedTokens` runs
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import triton
 from torch import Tensor, nn
 
+from minicpm_cli.models.chattts import UnitNorm
 from minicpm_cli.models.transformer import Block, RMSNorm
 
 from .eager import decode_batch
@@ -48,7 +49,7 @@ from .kernels.attention import attend_rows, prompt_attend
 from .kernels.gemm import invariant_mm, warm
 from .kernels import targets
 from .kernels.fallback import Fallback
-from .kernels.norm import add_rms_norm, rms_norm
+from .kernels.norm import add_rms_norm, rms_norm, unit_norm
 from .kernels.token import rope_rows, rope_write, silu_mul
 
 CODEC_BATCH = 8  # rows of every codec decode in the invariant mode
@@ -85,15 +86,32 @@ class InvariantRMSNorm(RMSNorm):
         return NORMS.guard(kernel, lambda: RMSNorm.forward(self, x), x.device)
 
 
+class InvariantUnitNorm(UnitNorm):
+    """The speaker vector's normalisation as one kernel, a program a row (kernels/norm.py): torch's
+    reductions split a row otherwise at other row counts, so a batch's speaker vectors would not be
+    what each gets alone."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        def kernel():
+            n = x.shape[-1]
+            out = torch.empty_like(x)
+            unit_norm(x.contiguous().view(-1, n), self.eps, out.view(-1, n))
+            return out
+
+        return NORMS.guard(kernel, lambda: UnitNorm.forward(self, x), x.device)
+
+
 def make_invariant(module: nn.Module) -> None:
-    """Every plain nn.Linear in `module` becomes an InvariantLinear and every RMSNorm an
-    InvariantRMSNorm, in place, weights untouched; a quantized Linear that has an invariant product
-    of its own (`invariant`) is switched to it."""
+    """Every plain nn.Linear in `module` becomes an InvariantLinear, every RMSNorm an
+    InvariantRMSNorm and a UnitNorm an InvariantUnitNorm, in place, weights untouched; a quantized
+    Linear that has an invariant product of its own (`invariant`) is switched to it."""
     for m in module.modules():
         if type(m) is nn.Linear:
             m.__class__ = InvariantLinear
         elif type(m) is RMSNorm:
             m.__class__ = InvariantRMSNorm
+        elif type(m) is UnitNorm:
+            m.__class__ = InvariantUnitNorm
         elif hasattr(type(m), "invariant"):  # a 4-bit Linear (gptq.Q4Linear): its own invariant product
             m.invariant = True
 

@@ -72,12 +72,14 @@ def test_say_many_keeps_input_order_and_equals_say(synth):
 
 def test_replies_and_reads_share_a_batch(synth, monkeypatch):
     """Replies decode their LLM tokens batched (decode_rows) and choose them together (next_tokens)
-    while reads step the TTS alongside; prompts and TTS text chunks of a round prefill together."""
+    while reads step the TTS alongside; prompts and TTS text chunks of a round prefill together, and
+    their speaker vectors are projected together."""
     import minicpm_cli.engine.batching as batching
 
-    sizes = {"prompts": [], "chunks": [], "choices": [], "starts": [], "lengths": []}
+    sizes = {"prompts": [], "chunks": [], "choices": [], "starts": [], "lengths": [], "speakers": []}
     for name, obj, attr in (("prompts", synth.llm, "prefill_rows"), ("chunks", synth.tts, "prefill_rows"),
-                            ("starts", synth.tts, "reset_rows"), ("lengths", synth.tts, "set_text_len_rows")):
+                            ("starts", synth.tts, "reset_rows"), ("lengths", synth.tts, "set_text_len_rows"),
+                            ("speakers", synth.tts, "speakers")):
         fn = getattr(obj, attr)
         monkeypatch.setattr(obj, attr, lambda rows, *a, fn=fn, name=name: (sizes[name].append(len(rows)),
                                                                              fn(rows, *a))[1])
@@ -101,7 +103,7 @@ def test_replies_and_reads_share_a_batch(synth, monkeypatch):
     for a, b in zip(alone, batched):
         _same(a, b)
     assert max(sizes["prompts"]) > 1 and max(sizes["chunks"]) > 1 and max(sizes["choices"]) > 1
-    assert max(sizes["starts"]) > 1 and max(sizes["lengths"]) > 1
+    assert max(sizes["starts"]) > 1 and max(sizes["lengths"]) > 1 and max(sizes["speakers"]) > 1
 
 
 def test_rows_start_together_as_each_alone(synth):

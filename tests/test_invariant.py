@@ -19,10 +19,12 @@ import torch
 pytest.importorskip("triton")
 
 from minicpm_cli.backends.compile import CompiledLLM, GraphCodec, GraphTTSRunner
-from minicpm_cli.backends.invariant import CODEC_BATCH, InvariantLinear, InvariantRMSNorm, fixed_batches, make_invariant
+from minicpm_cli.backends.invariant import (CODEC_BATCH, InvariantLinear, InvariantRMSNorm, InvariantUnitNorm,
+                                           fixed_batches, make_invariant)
 from minicpm_cli.backends.kernels.gemm import invariant_mm, mm_config
 from minicpm_cli.engine.batching import Stream
 from minicpm_cli.engine.pipeline import Synthesizer
+from minicpm_cli.models.chattts import UnitNorm
 from minicpm_cli.models.transformer import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -44,11 +46,28 @@ def test_product_rows_do_not_depend_on_tile_or_count(dtype):
 
 def test_make_invariant_swaps_linears_and_norms_in_place():
     m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.Linear(3, 2)), RMSNorm(2, 1e-6),
-                            torch.nn.ReLU())
+                            torch.nn.ReLU(), UnitNorm())
     w = m[0].weight
     make_invariant(m)
     assert type(m[0]) is InvariantLinear and type(m[1][0]) is InvariantLinear and m[0].weight is w
-    assert type(m[2]) is InvariantRMSNorm and type(m[3]) is torch.nn.ReLU
+    assert type(m[2]) is InvariantRMSNorm and type(m[3]) is torch.nn.ReLU and type(m[4]) is InvariantUnitNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unit_norm_is_normalize_a_row_at_a_time(dtype):
+    """The speaker vectors' kernel: F.normalize's values (its rounding of the norm included), each
+    row's bits the same alone as among others, a zero row left zero."""
+    torch.manual_seed(0)
+    x = (torch.randn(5, 768, device=DEVICE) * torch.tensor([1, 10, 0.01, 3, 0], device=DEVICE)[:, None]).to(dtype)
+    norm = InvariantUnitNorm()
+    got = norm(x)
+    ref = torch.nn.functional.normalize(x.float(), dim=-1)
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -7  # (the interpreter truncates to bfloat16)
+    torch.testing.assert_close(got.float(), ref, rtol=tol, atol=tol)
+    assert not got[4].any()
+    for i in range(5):
+        assert torch.equal(norm(x[i : i + 1])[0], got[i])
+    assert torch.equal(norm(x[1]), got[1])  # (a vector: one row)
 
 
 def test_fixed_batches_pads_to_one_size():

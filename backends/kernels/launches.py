@@ -360,6 +360,8 @@ def _sites(dtype, config: dict | None = None, rows: tuple[int, ...] = ROWS):
             elif isinstance(mod, invariant.InvariantRMSNorm):
                 for t in (1, 17):
                     mod(empty(t, mod.weight.shape[0]))
+            elif isinstance(mod, invariant.InvariantUnitNorm):  # (the speaker vectors, one or a batch)
+                mod(empty(1, dim))
 
     def int4_weights():
         m = llm()

@@ -1,9 +1,10 @@
 """RMSNorm of one row, or of each of several rows, in one launch (`rms_norm`): the final norm of
 the LLM and TTS steps (the norms inside a layer are folded into its projections, decode.py), and
 with the residual's addition before it (`add_rms_norm`: the batch-invariant token and prompt layers,
-backends/invariant.py).
+backends/invariant.py). `unit_norm`: each row to unit L2 norm (the speaker vectors of a batch).
 
-Tests: tests/test_kernels.py (the TTS and LLM runners on the kernels against the eager ones).
+Tests: tests/test_kernels.py (the TTS and LLM runners on the kernels against the eager ones,
+`unit_norm` against `F.normalize`).
 """
 
 from __future__ import annotations
@@ -51,4 +52,24 @@ def add_rms_norm(x: Tensor, r: Tensor, norm, out: Tensor, pdl: bool = False) -> 
     n = x.shape[-1]
     _rms_norm[(x.numel() // n,)](x, norm.weight, out, norm.eps, r, N=n, BLOCK=triton.next_power_of_2(n), PDL=pdl,
                                  HAS_RES=True, num_warps=4, launch_pdl=pdl)
+    return out
+
+
+@triton.jit
+def _unit_norm(x_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    """out = x / max(||x||, eps) for row x (N,) of program i, rounded where `F.normalize` rounds (the
+    norm to the dtype, then the quotient)."""
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    row = tl.program_id(0) * N
+    x = tl.load(x_ptr + row + i, mask=m, other=0.0).to(tl.float32)
+    norm = tl.maximum(round_to(tl.sqrt(tl.sum(x * x, 0)), x_ptr.dtype.element_ty), eps)
+    tl.store(out_ptr + row + i, tl.math.div_rn(x, norm).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def unit_norm(x: Tensor, eps: float, out: Tensor) -> Tensor:
+    """Each row of x (rows, N) (contiguous) divided by its L2 norm (at least eps) into out, in one
+    launch (`F.normalize`: three); a row's result is what it gets alone."""
+    n = x.shape[-1]
+    _unit_norm[(x.numel() // n,)](x, out, eps, N=n, BLOCK=triton.next_power_of_2(n), num_warps=4)
     return out

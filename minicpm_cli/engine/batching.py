@@ -3,12 +3,13 @@
 A stream is one request's generation (a read or a reply: `Synthesizer.synthesize` or `reply` on a
 `Lane`, its own row of the TTS and LLM KV caches). Each runs as a greenlet on the engine's thread, the
 very code a single stream runs; where it would run a TTS generate() call, prefill a TTS text chunk,
-decode audio, choose or decode one LLM token, start a TTS segment or set its text's length, its lane
-hands the engine a request and waits. The engine runs rounds: admit every waiting stream that has a
-free lane; resume the streams whose requests were answered (each runs on until its next request),
-doing together, as often as they pile up, the round's TTS segment starts and text lengths
-(`TTSRunner.reset_rows`, `set_text_len_rows`), TTS text prefills (`TTSRunner.prefill_rows`, one
-padded forward), codec decodes (on CUDA, one batched call per length: `Codec.decode_batch`) and LLM
+decode audio, choose or decode one LLM token, project its speaker vector, start a TTS segment or set
+its text's length, its lane hands the engine a request and waits. The engine runs rounds: admit
+every waiting stream that has a free lane; resume the streams whose requests were answered (each runs
+on until its next request), doing together, as often as they pile up, the round's TTS segment starts
+and text lengths (`TTSRunner.reset_rows`, `set_text_len_rows`), speaker projections
+(`TTSRunner.speakers`), TTS text prefills (`TTSRunner.prefill_rows`, one padded forward), codec
+decodes (on CUDA, one batched call per length: `Codec.decode_batch`) and LLM
 token choices (`llm.next_tokens`, row by row, one copy of all the chosen ids to the host); then the
 LLM prompts waiting (in groups of similar length, `prompt_groups`, each one padded forward:
 `LLMStage.prefill_rows`), one batched LLM token for every stream that asked for one
@@ -169,6 +170,7 @@ class Engine:
         for lane in self.lanes:
             lane.tts.batcher, lane.llm.batcher, lane.llm.picker = self._tts_wait, self._llm_wait, self._pick_wait
             lane.tts.prefiller, lane.tts.starter = self._prefill_wait, self._start_wait
+            lane.tts.projector = self._project_wait
         self.free = list(range(self.rows))  # lowest first: batched steps run over rows 0..max
         self.queued: deque[Stream] = deque()
         self.ready: deque[tuple[greenlet.greenlet, Any]] = deque()
@@ -179,6 +181,7 @@ class Engine:
         self.tts_prefills: dict[int, tuple[greenlet.greenlet, tuple]] = {}  # (ids, begin, spk)
         self.tts_starts: dict[int, tuple[greenlet.greenlet, tuple[int, bool]]] = {}  # (n, reset): starts, lengths
         self.decodes: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # codes to decode
+        self.projections: dict[int, tuple[greenlet.greenlet, Tensor]] = {}  # hidden states at <|spk|>
         self.parked: dict[int, tuple[greenlet.greenlet, Callable[[], bool]]] = {}  # waiting for ready()
         self.running: dict[int, Stream] = {}  # the stream on each row taken
         self.batch_prompts = hasattr(synth.llm, "prefill_rows")
@@ -202,7 +205,7 @@ class Engine:
         stream with a free row. Only something from outside ends that (what a parked stream waits
         for, a cancellation, a submission)."""
         waiting = (self.ready, self.tts_calls, self.llm_tokens, self.llm_prompts, self.picks, self.tts_starts,
-                   self.tts_prefills, self.decodes)
+                   self.tts_prefills, self.decodes, self.projections)
         return not (any(waiting) or (self.queued and self.free)) and not any(
             self.running[r].cancelled or ready() for r, (_, ready) in self.parked.items())
 
@@ -216,8 +219,8 @@ class Engine:
             self.round()
 
     def round(self) -> None:
-        """Admit, resume (with the round's TTS segment starts, text prefills, codec decodes and chosen
-        tokens each done together), then the LLM prompts that are waiting (in one forward), one
+        """Admit, resume (with the round's TTS segment starts, speaker projections, text prefills, codec
+        decodes and chosen tokens each done together), then the LLM prompts that are waiting (in one forward), one
         batched LLM token and one batched TTS step."""
         self.loop = greenlet.getcurrent()
         while self.queued and self.free:
@@ -240,12 +243,14 @@ class Engine:
                     g.switch()
                 else:
                     g.switch(value)
-            if not (self.picks or self.tts_starts or self.tts_prefills or self.decodes):
+            if not (self.picks or self.tts_starts or self.tts_prefills or self.decodes or self.projections):
                 break
             with torch.inference_mode():
                 if self.tts_starts:  # (first, alone: the streams started go on to their first prefill,
                     self._start_text()  # which then joins the others' in one forward)
                     continue
+                if self.projections:
+                    self._project()
                 if self.picks:
                     self.pick_tokens()
                 if self.tts_prefills:
@@ -317,6 +322,13 @@ class Engine:
         for r, _, _ in starts:
             self.ready.append((self.tts_starts.pop(r)[0], None))
 
+    def _project(self) -> None:
+        """The waiting speaker projections in one batch (`TTSRunner.speakers`)."""
+        rows = sorted(self.projections)
+        spks = self.synth.tts.speakers(torch.stack([self.projections[r][1] for r in rows]))
+        for i, r in enumerate(rows):
+            self.ready.append((self.projections.pop(r)[0], spks[i]))
+
     def _prefill_text(self) -> None:
         """The waiting TTS text prefills in one forward (one alone: the single-stream prefill)."""
         rows = sorted(self.tts_prefills)
@@ -381,6 +393,10 @@ class Engine:
     def _prefill_wait(self, row: int, ids: list[int], begin: int, spk: Tensor | None) -> None:
         self.tts_prefills[row] = (greenlet.getcurrent(), (ids, begin, spk))
         self.loop.switch()
+
+    def _project_wait(self, row: int, hidden: Tensor) -> Tensor:
+        self.projections[row] = (greenlet.getcurrent(), hidden)
+        return self.loop.switch()
 
     def _decode_wait(self, row: int, codes: Tensor) -> Tensor:
         self.decodes[row] = (greenlet.getcurrent(), codes)

@@ -18,6 +18,7 @@ eager halves (`mel`, then Vocos) with the resampling between them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -126,9 +127,16 @@ def stretch(mel: Tensor, speed: float, begin: int = 0) -> Tensor:
 def crossfade(fade_out: Tensor, fade_in: Tensor) -> Tensor:
     """The reference's overlap-add of two equal-length pieces: sample i is weighted (L-i)/(L+1) and
     (i+1)/(L+1), so neither side ever gets weight exactly 1 or 0 (the goldens pin this)."""
-    n = fade_out.shape[-1]
-    w = torch.arange(1, n + 1, device=fade_in.device, dtype=fade_in.dtype) / (n + 1)
-    return fade_out * w.flip(0) + fade_in * w
+    down, up = _fades(fade_out.shape[-1], fade_in.device, fade_in.dtype)
+    return fade_out * down + fade_in * up
+
+
+@functools.lru_cache(maxsize=64)
+def _fades(n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """`crossfade`'s weights, made once for each length (three launches a chunk and stream saved)."""
+    with torch.inference_mode():
+        up = torch.arange(1, n + 1, device=device, dtype=dtype) / (n + 1)
+        return up.flip(0), up
 
 
 class StreamDecoder:

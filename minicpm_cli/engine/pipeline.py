@@ -393,19 +393,19 @@ class Synthesizer:
 
         return Job(make, len(self.tokenizers.encode_bert(text)))
 
-    def speaker(self, prompt_ids: list[int], llm=None, reset: bool = True) -> Tensor:
+    def speaker(self, prompt_ids: list[int], llm=None, reset: bool = True, tts=None) -> Tensor:
         """Run the LLM (`llm`: a lane of it; default the single stream) over a prompt, from an empty
         context (`reset`) or after what it holds (a voice's turn); the projected hidden state at the
-        prompt's last <|spk|> (hidden,)."""
+        prompt's last <|spk|> (hidden,), by `tts` (a lane of the TTS runner, whose batch projects
+        its streams' together; default the single stream)."""
         llm = llm or self.llm
         if reset:
             llm.reset()
         _, hidden = llm.forward(prompt_ids)
-        return self._project(hidden[len(prompt_ids) - 1 - prompt_ids[::-1].index(self.tokenizers.spk_id)])
+        return self._project(hidden[len(prompt_ids) - 1 - prompt_ids[::-1].index(self.tokenizers.spk_id)], tts)
 
-    def _project(self, hidden: Tensor) -> Tensor:
-        with torch.inference_mode():
-            return self.tts_model.speaker(hidden.to(self.tts.device, self.tts.dtype))  # (gguf: from the host)
+    def _project(self, hidden: Tensor, tts=None) -> Tensor:
+        return (tts or self.tts).speaker(hidden)
 
     def read_prompt_ids(self, text: str, reserved: int = 0) -> list[int]:
         """The read-aloud prompt, in `llm_context - reserved` tokens; a text longer than that keeps its
@@ -420,14 +420,15 @@ class Synthesizer:
         room = context - (len(ids) - len(text_ids)) - 8  # 8: re-tokenisation at the cut
         return tok.encode_llm(read_prompt(tok.llm.decode(text_ids[:room])))
 
-    def _read_speaker(self, text: str, voice: Voice | None, llm=None) -> Tensor:
+    def _read_speaker(self, text: str, voice: Voice | None, lane=None) -> Tensor:
         """The speaker vector of a read: the reference's chat() read prompt, after its voice-cloning
-        turn when there is a voice (spec §4.3; the turn's context kept per voice)."""
+        turn when there is a voice (spec §4.3; the turn's context kept per voice); on `lane`'s rows
+        of a batch if given."""
+        llm, tts = (lane.llm, lane.tts) if lane else (self.llm, None)
         if voice is None:
-            return self.speaker(self.read_prompt_ids(text), llm=llm)
-        llm = llm or self.llm
+            return self.speaker(self.read_prompt_ids(text), llm=llm, tts=tts)
         turn = self.voice_context(llm, voice, "read")
-        return self.speaker(self.read_prompt_ids(text, reserved=turn), llm=llm, reset=False)
+        return self.speaker(self.read_prompt_ids(text, reserved=turn), llm=llm, reset=False, tts=tts)
 
     def synthesize(self, text: str, sampling: Sampling = Sampling(), *, decode: str = "stream",
                    first_chunk: int = FRAMES_PER_CALL, frames_per_token: int | None = None,
@@ -451,7 +452,7 @@ class Synthesizer:
         tok = self.tokenizers
         if not tok.encode_bert(text):
             raise UsageError("the text has nothing the TTS tokenizer can read")
-        spk = self._read_speaker(text, as_voice(voice), lane and lane.llm)
+        spk = self._read_speaker(text, as_voice(voice), lane)
         pieces = read_pieces(text, lambda t: len(tok.encode_bert(t)))
         machine = StreamingTTS(lane.tts if lane else self.tts, tok, spk, sampling.generator(self.device), normalize=False,
                                cut=read_cut, read_all=True, first_chunk=first_chunk,
@@ -485,7 +486,7 @@ class Synthesizer:
             yield from self.synthesize(first, sampling, decode=decode, first_chunk=first_chunk,
                                        frames_per_token=frames_per_token, voice=voice, speed=speed, lane=lane)
             return
-        spk = self._read_speaker(first.strip(), as_voice(voice), lane and lane.llm)
+        spk = self._read_speaker(first.strip(), as_voice(voice), lane)
 
         def pieces() -> Iterator[str]:
             # (each part came as its writer paused: what is there is spoken to its end now, and what
@@ -521,7 +522,7 @@ class Synthesizer:
         pieces = reply_pieces(stage, self.tokenizers, user_text, llm, generator, max_tokens,
                               force_length=frames_per_token is not None, voice=start)
         first = next(pieces)
-        spk = self._project(first.spk_hidden)
+        spk = self._project(first.spk_hidden, lane and lane.tts)
         machine = StreamingTTS(lane.tts if lane else self.tts, self.tokenizers, spk, generator, normalize=True, cut=reply_cut,
                                first_chunk=first_chunk, frames_per_token=frames_per_token)
         yield from self._audio(machine.run(first.text, (p.text for p in pieces)), "stream", lane, speed)

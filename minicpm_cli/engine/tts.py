@@ -113,6 +113,17 @@ class TTSRunner:
         """A new segment with n text tokens: zero cache, next query at the [Ptts] slot."""
         self.start_row(0, n)
 
+    @torch.inference_mode()
+    def speakers(self, hidden: Tensor) -> Tensor:
+        """The LLM's hidden states at <|spk|> (n, llm_dim), from any device -> unit speaker vectors
+        (n, hidden): one stream's as a batch of one, so that a row's is the same in a batch of many
+        wherever the backend's products and norms are row-invariant."""
+        return self.model.speaker(hidden.to(self.device, self.dtype))
+
+    def speaker(self, hidden: Tensor) -> Tensor:
+        """One stream's speaker vector (hidden,) from its hidden state at <|spk|> (llm_dim,)."""
+        return self.speakers(hidden[None])[0]
+
     def set_text_len(self, n: int) -> None:
         self.set_text_len_row(0, n)
 
@@ -335,14 +346,12 @@ class TTSRunner:
              min_new: int = MIN_FRAMES_PER_CALL, allow_eos: bool = True) -> "Call":
         """Row `row`'s next generate() call, to be advanced by `step_calls` (its noise is drawn now,
         from the stream's own generator, exactly as `generate` draws it)."""
-        c = self.config
-        q = noise((n_steps, c.num_vq, c.num_audio_tokens), generator, self.device)
-        if q is None:
+        if generator is None:
             self.noise_calls[row].fill_(1.0)  # argmax(p / 1) is the greedy choice
-        else:
-            self.noise_calls[row, :n_steps].copy_(q)
+        else:  # (drawn in place: the values `noise` gives a fresh tensor of this shape, one launch)
+            self.noise_calls[row, :n_steps].exponential_(1, generator=generator)
         return Call(row, min(n_steps, self.max_len - self.positions[row]), n_steps,
-                    n_steps if not allow_eos else min_new, q is not None)
+                    n_steps if not allow_eos else min_new, generator is not None)
 
     def step_calls(self, calls: list["Call"]) -> list["Call"]:
         """Advance each call (one per row) by one step in one batched forward over rows 0..nb-1
@@ -449,6 +458,7 @@ class TTSLane:
         self.batcher = None
         self.prefiller = None  # (row, ids, begin, spk) -> None: a batch's text prefills, run together
         self.starter = None  # (row, n, reset) -> None: a batch's starts and text lengths, set together
+        self.projector = None  # (row, hidden) -> speaker vector: a batch's, projected together
 
     @property
     def pos(self) -> int:
@@ -474,6 +484,12 @@ class TTSLane:
 
     def prefill_audio(self, frames: Tensor) -> None:
         self.runner.prefill_audio_row(self.row, frames)
+
+    def speaker(self, hidden: Tensor) -> Tensor:
+        """The speaker vector (hidden,) of the LLM's hidden state at <|spk|> (llm_dim,)."""
+        if self.projector is not None:
+            return self.projector(self.row, hidden)
+        return self.runner.speakers(hidden[None])[0]
 
     def visible_text(self, p: int) -> int:
         return self.runner.visible_text(p)

@@ -75,6 +75,16 @@ class Projector(nn.Module):
         return self.linear2(F.relu(self.linear1(x)))
 
 
+class UnitNorm(nn.Module):
+    """The speaker vector's L2 normalisation (`F.normalize` over the last dim), a module so that a
+    backend can run it on a kernel of its own (backends/invariant.py: a program a row)."""
+
+    eps = 1e-12
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.normalize(x, p=2, dim=-1, eps=self.eps)
+
+
 class ChatTTS(nn.Module):
     """Parameter names match the checkpoint with `tts.` removed, except `heads` (folded head_code)."""
 
@@ -83,6 +93,7 @@ class ChatTTS(nn.Module):
         self.config = c
         h = c.decoder.dim
         self.projector = Projector(c.llm_dim, h)
+        self.unit = UnitNorm()
         self.emb_text = Embedding(c.num_text_tokens, h)
         self.emb_code = nn.ModuleList(Embedding(c.num_audio_tokens, h) for _ in range(c.num_vq))
         self.heads = nn.Parameter(torch.empty(c.num_vq, c.num_audio_tokens, h))
@@ -90,7 +101,7 @@ class ChatTTS(nn.Module):
 
     def speaker(self, llm_hidden: Tensor) -> Tensor:
         """LLM hidden state at <|spk|> (..., llm_dim) -> unit-norm speaker vector (..., hidden)."""
-        return F.normalize(self.projector(llm_hidden), p=2, dim=-1)
+        return self.unit(self.projector(llm_hidden))
 
     def embed_text(self, ids: Tensor, spk: Tensor | None = None) -> Tensor:
         """ids (T,) -> (1, T, hidden); the [spk_emb] slots take the speaker vector when given."""
