@@ -117,18 +117,22 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
     forced = tok.encode_llm(FORCED_REPLY_TEXT) if force_length else None
     if voice is None:
         llm.reset()
-        llm.forward(tok.encode_llm(user_turn(user_text)))
+        turn = tok.encode_llm(user_turn(user_text))
     else:
         voice()
-        llm.forward(tok.encode_llm(later_user_turn(user_text)))
+        turn = tok.encode_llm(later_user_turn(user_text))
     inputs = tok.encode_llm(GENERATE_PROMPT)
-    spk_pos = inputs.index(tok.spk_id)
+    # the user's turn and the generate prompt in one forward, where the reference runs two: attention
+    # is causal, so the generate prompt's K/V, hidden states and logits are the same (to the bit on
+    # the batch-invariant kernels), for one read of the weights instead of two
+    prompt = turn + inputs
+    spk_pos = len(turn) + inputs.index(tok.spk_id)
     held: list[int] = []
     produced = 0
     first = True
     while True:
-        window = list(inputs)
-        logits, hidden = llm.forward(inputs)
+        window = list(inputs)  # (the repetition penalty's: the reference's generate call's ids)
+        logits, hidden = llm.forward(prompt)
         spk_hidden = hidden[spk_pos].clone() if first else None  # kept past the next forward
         new: list[int] = []
         ended = False
@@ -151,7 +155,7 @@ def reply_pieces(llm, tok: Tokenizers, user_text: str, s: LLMSampling, generator
         first = False
         if ended or produced >= max_tokens:
             return
-        inputs = [new[-1]]
+        inputs = prompt = [new[-1]]
 
 
 def _complete_prefix(tok: Tokenizers, ids: list[int]) -> int:
