@@ -291,10 +291,12 @@ class Engine:
             prompts = [self.llm_prompts[r][1] for r in group]
             # (one prompt alone: exactly the single-stream prefill)
             outs = llm.prefill_rows(group, prompts) if len(group) > 1 else [llm.forward_row(group[0], prompts[0])]
-            for r, (logits, hidden) in zip(group, outs):
-                # (copies: a backend's outputs are static buffers, which the next group's forward of
-                # the same shape would overwrite before these streams resume)
-                self.ready.append((self.llm_prompts.pop(r)[0], (logits.clone(), hidden.clone())))
+            # copies, two for the group: a backend's outputs are static buffers, which the next group's
+            # forward of the same shape would overwrite before these streams resume
+            logits = torch.stack([x for x, _ in outs])
+            hidden = torch.cat([h for _, h in outs]).split([len(h) for _, h in outs])
+            for i, r in enumerate(group):
+                self.ready.append((self.llm_prompts.pop(r)[0], (logits[i], hidden[i])))
 
     def pick_tokens(self) -> None:
         """The LLM tokens the streams are choosing: one `next_tokens` for each group of the same
