@@ -114,8 +114,9 @@ class Rows:
             self._check_room(r, n)
         n = len(rows)
         shape = self._prompt_shape(n, max(lens), max(starts))
-        if shape is None:  # padding would run past a cache: one at a time
-            return [self.forward_row(r, x) for r, x in zip(rows, ids)]
+        if shape is None:  # padding would run past a cache: one at a time (each copied out of the
+            # static buffers, which the next row's forward of the same shape would overwrite)
+            return [tuple(t.clone() for t in self.forward_row(r, x)) for r, x in zip(rows, ids)]
         nb, T, graph = shape
         if self.prompt_in is None:
             self.prompt_in = torch.zeros(self.rows, self.max_len + 3, dtype=torch.long, device=self.device)

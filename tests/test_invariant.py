@@ -300,6 +300,24 @@ def test_tts_steps_alone_equal_batched(tiny_dir):
     assert torch.equal(calls[1].result[0], alone)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speaker_vectors_alone_equal_batched(tiny_dir, dtype):
+    """The invariant runner projects a round's speaker vectors in one batch (interpreter): each row
+    what it gets alone, and the projection's values."""
+    s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype=dtype)
+    runner = GraphTTSRunner(copy.deepcopy(s.tts_model), use_triton=True, rows=1, invariant=True)
+    assert runner.invariant and not s.tts.invariant  # (the eager runner projects a row at a time)
+    torch.manual_seed(0)
+    h = torch.randn(5, s.tts_model.config.llm_dim) * 3
+    batched = runner.speakers(h)
+    for i in range(5):
+        assert torch.equal(runner.speaker(h[i]), batched[i])
+    with torch.inference_mode():
+        ref = torch.nn.functional.normalize(s.tts_model.projector(h.to(DEVICE, runner.dtype)).float(), dim=-1)
+    tol = 1e-5 if dtype == "float32" else 0.05
+    torch.testing.assert_close(batched.float(), ref, rtol=tol, atol=tol)
+
+
 # --- on a GPU ---
 
 SHAPES = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),

@@ -3,8 +3,8 @@ the LLM and TTS steps (the norms inside a layer are folded into its projections,
 with the residual's addition before it (`add_rms_norm`: the batch-invariant token and prompt layers,
 backends/invariant.py). `unit_norm`: each row to unit L2 norm (the speaker vectors of a batch).
 
-Tests: tests/test_kernels.py (the TTS and LLM runners on the kernels against the eager ones,
-`unit_norm` against `F.normalize`).
+Tests: tests/test_kernels.py (the TTS and LLM runners on the kernels against the eager ones);
+tests/test_invariant.py (`unit_norm` against `F.normalize`, a row alone and among others).
 """
 
 from __future__ import annotations
@@ -58,12 +58,12 @@ def add_rms_norm(x: Tensor, r: Tensor, norm, out: Tensor, pdl: bool = False) -> 
 @triton.jit
 def _unit_norm(x_ptr, out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr):
     """out = x / max(||x||, eps) for row x (N,) of program i, rounded where `F.normalize` rounds (the
-    norm to the dtype, then the quotient)."""
+    norm, an IEEE square root, to the dtype, then the quotient); only the sum's order differs."""
     i = tl.arange(0, BLOCK)
     m = i < N
     row = tl.program_id(0) * N
     x = tl.load(x_ptr + row + i, mask=m, other=0.0).to(tl.float32)
-    norm = tl.maximum(round_to(tl.sqrt(tl.sum(x * x, 0)), x_ptr.dtype.element_ty), eps)
+    norm = tl.maximum(round_to(tl.sqrt_rn(tl.sum(x * x, 0)), x_ptr.dtype.element_ty), eps)
     tl.store(out_ptr + row + i, tl.math.div_rn(x, norm).to(out_ptr.dtype.element_ty), mask=m)
 
 

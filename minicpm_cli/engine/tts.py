@@ -41,6 +41,8 @@ class TTSRunner:
     backend can capture them as CUDA graphs (see backends/compile.py) and get the same results.
     `step_calls` advances several rows' `generate` calls by one step together (batching)."""
 
+    invariant = False  # whether a row's arithmetic is the same in any batch (a backend's invariant mode)
+
     def __init__(self, model: ChatTTS, *, max_frames: int = MAX_FRAMES, block_fns: tuple | None = None,
                  rows: int = 1):
         c = model.config
@@ -116,9 +118,13 @@ class TTSRunner:
     @torch.inference_mode()
     def speakers(self, hidden: Tensor) -> Tensor:
         """The LLM's hidden states at <|spk|> (n, llm_dim), from any device -> unit speaker vectors
-        (n, hidden): one stream's as a batch of one, so that a row's is the same in a batch of many
-        wherever the backend's products and norms are row-invariant."""
-        return self.model.speaker(hidden.to(self.device, self.dtype))
+        (n, hidden), each what it gets alone (`speaker`): in one batch where the backend's products
+        and norms are row-invariant (`invariant`), else one row at a time (the CPU's and cuBLAS's
+        products round a row otherwise in a batch)."""
+        h = hidden.to(self.device, self.dtype)
+        if self.invariant or len(h) == 1:
+            return self.model.speaker(h)
+        return torch.cat([self.model.speaker(h[i : i + 1]) for i in range(len(h))])
 
     def speaker(self, hidden: Tensor) -> Tensor:
         """One stream's speaker vector (hidden,) from its hidden state at <|spk|> (llm_dim,)."""
