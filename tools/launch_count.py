@@ -50,7 +50,8 @@ class Counter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = str(func)
         empty = isinstance(out, torch.Tensor) and out.numel() == 0  # (nothing to launch)
-        if name.split(".")[1] not in VIEWS and not empty and not (name.startswith("aten.to") and any(out is a for a in args)):
+        unchanged = name.startswith("aten.to") and any(out is a for a in args)  # (a conversion to what it was)
+        if name.split(".")[1] not in VIEWS and not empty and not unchanged:
             self.counts[self.stage] += 1
             self.ops[self.stage][name] += 1
         return out

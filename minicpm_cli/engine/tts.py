@@ -495,7 +495,7 @@ class TTSLane:
         """The speaker vector (hidden,) of the LLM's hidden state at <|spk|> (llm_dim,)."""
         if self.projector is not None:
             return self.projector(self.row, hidden)
-        return self.runner.speakers(hidden[None])[0]
+        return self.runner.speaker(hidden)
 
     def visible_text(self, p: int) -> int:
         return self.runner.visible_text(p)
