@@ -36,6 +36,12 @@ VOICE_EXTRA = FIXTURES / "tiny-minicpmo-voice-extra"
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
+def pythonpath() -> str:
+    """A child process's PYTHONPATH: the checkout first, then what ours already holds (the GPU
+    machine's carried packages are only on PYTHONPATH; a child without them lost soundfile)."""
+    return os.pathsep.join(p for p in (str(TOOLS.parent), os.environ.get("PYTHONPATH")) if p)
+
+
 def _tool(name: str):
     """A script of tools/ as a module (tools/ is not a package, and is kept off sys.path)."""
     spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import slow_writer
+from conftest import pythonpath, slow_writer
 
 from minicpm_cli.engine.sampling import Sampling
 from minicpm_cli.engine.inbox import Closed, Inbox
@@ -136,7 +136,7 @@ def test_say_speaks_before_a_slow_writer_goes_on(tiny_dir):
     """The first sentence, then the writer waits: the first audio byte comes while it waits (the
     rest is written only once audio came, or after 120 s), and the stream holds the whole text's
     audio once stdin closes."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
     code, err, came, out = slow_writer([sys.executable, "-m", "minicpm_cli", "say", "--local", "--model", str(tiny_dir),
                                         "--greedy", "--device", "cpu", "-o", "-"], env)
     assert code == 0, err.decode()

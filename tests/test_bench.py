@@ -16,12 +16,14 @@ from minicpm_cli.engine.pipeline import Synthesizer
 from minicpm_cli.engine.sampling import Sampling
 from minicpm_cli.engine.synthetic import SyntheticSpec
 
+from conftest import pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_smoke(tiny_dir, tmp_path):
     out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--model", str(tiny_dir), "--device", "cpu",
                         "--runs", "1", "--warmup", "1", "--max-tokens", "24", "--backend", "eager", "--json", str(out)],
                        capture_output=True, env=env, timeout=600)
@@ -209,7 +211,7 @@ def test_bench_random_weights_voice(tmp_path, monkeypatch):
 def test_bench_voice_usage_errors(voice_dir, tmp_path):
     from conftest import FIXTURES
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
     for extra in (["--server", "http://127.0.0.1:1"], ["--startup", "--model", str(voice_dir)]):
         p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", *extra, "--voice",
                             str(FIXTURES / "voice_ref_a.wav")], capture_output=True, env=env, timeout=120)
@@ -234,7 +236,7 @@ def test_bench_concurrency_at_once_and_arriving(tiny_dir, tmp_path, rate):
     """N requests in one batch, started together or arriving at `rate` a second: every request is
     timed from its own arrival (a late one's TTFA is not its wait before it arrived)."""
     out = tmp_path / "many.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
     extra = [] if rate is None else ["--arrival-rate", str(rate)]
     p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--model", str(tiny_dir), "--device", "cpu",
                         "--dtype", "float32", "--backend", "eager", "--concurrency", "3", "--workload", "read",
@@ -255,7 +257,7 @@ def test_bench_concurrency_at_once_and_arriving(tiny_dir, tmp_path, rate):
 
 
 def test_arrival_rate_needs_concurrency():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     for args in (["--arrival-rate", "5"], ["--concurrency", "2", "--arrival-rate", "0"]):
         p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--random-weights", "--device", "cpu", *args],
                            capture_output=True, env=env, timeout=120)

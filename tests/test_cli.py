@@ -17,11 +17,13 @@ import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str, stdin: bytes | None = None, env: dict | None = None, cwd: Path | None = None):
-    e = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **(env or {})}
+    e = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1", **(env or {})}
     e.pop("MINICPM_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "minicpm_cli", *args], input=stdin if stdin is not None else b"",
                           capture_output=True, env=e, cwd=cwd, timeout=300)
@@ -45,7 +47,7 @@ def test_help_does_not_import_torch():
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "assert 'torch' not in sys.modules, 'torch imported by --help'\nprint('ok', file=sys.stderr)\n"
     )
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": pythonpath()})
     assert p.returncode == 0, p.stderr.decode()
     assert b"say" in p.stdout
 
@@ -263,7 +265,7 @@ def test_leaving_without_teardown_keeps_the_status_and_the_output(code, status, 
     """Without torch the CLI leaves by os._exit (entry._exit): sys.exit's status and everything written."""
     script = ("import sys\nfrom minicpm_cli.cli.entry import _exit\n"
               f"sys.stdout.write('out')\nsys.stdout.buffer.write(b' raw')\n_exit({code})\n")
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, env={**os.environ, "PYTHONPATH": pythonpath()})
     assert (p.returncode, p.stdout, p.stderr.decode()) == (status, b"out raw", stderr)
 
 
@@ -317,7 +319,7 @@ def test_a_ctrl_c_that_python_drops_is_raised_again(tmp_path):
         "    print('raised again')\n")
     started = time.monotonic()
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": pythonpath()})
     assert proc.stdout.strip() == "raised again", (proc.stdout, proc.stderr)
     assert time.monotonic() - started < 15
     assert proc.stderr.strip() == "minicpm: interrupted", proc.stderr
@@ -332,7 +334,7 @@ def test_ctrl_c_at_any_moment_exits_130_without_traceback(tiny_dir, tmp_path):
     import time
 
     text = "This sentence is long enough to keep the tiny model busy for a little while. " * 3
-    e = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    e = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
     e.pop("MINICPM_DEBUG", None)
     outcomes = set()
     for i, delay in enumerate((0.05, 0.3, 0.8, 1.5, 2.5, 4.0)):

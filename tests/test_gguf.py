@@ -15,6 +15,8 @@ from minicpm_cli.engine.pipeline import Synthesizer  # noqa: E402
 from minicpm_cli.engine.sampling import Sampling  # noqa: E402
 from minicpm_cli.engine.text import read_prompt  # noqa: E402
 
+from conftest import pythonpath  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def ggufs(tiny_dir, tmp_path_factory):
@@ -87,12 +89,10 @@ def test_gguf_command_line(tiny_dir, ggufs, goldens, tmp_path):
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     import soundfile as sf
 
-    path = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "x.wav"
     p = subprocess.run([sys.executable, "-m", "minicpm_cli", "say", "Hello world.", "--model", str(tiny_dir),
                         "--backend", "gguf", "--gguf", str(ggufs["F32"]), "--greedy", "--device", "cpu",

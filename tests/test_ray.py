@@ -41,7 +41,7 @@ from minicpm_cli.engine import memory  # noqa: E402
 from minicpm_cli.scale import bulk  # noqa: E402
 from minicpm_cli.errors import OptionError, UsageError  # noqa: E402
 
-from conftest import FIXTURES, TINY  # noqa: E402
+from conftest import FIXTURES, TINY, pythonpath  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.*")  # (Ray's own pydantic usage)
 
@@ -61,7 +61,7 @@ BLOCK_RAY = "import sys; sys.modules['ray'] = None\n"  # `import ray` fails: as 
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("MINICPM_DEBUG", "MINICPM_API_KEY", "RAY_ADDRESS")}
     # (RAY_DEDUP_LOGS=0: each actor's lines reach the driver's stderr with its pid, even when alike)
-    return {**env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": "", "RAY_DEDUP_LOGS": "0",
+    return {**env, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": "", "RAY_DEDUP_LOGS": "0",
             **extra}
 
 
@@ -154,7 +154,7 @@ def test_bulk_on_two_nodes_writes_what_say_lines_dir_writes_and_a_second_run_cha
     items, ref = lines
     out = tmp_path / "out"
     marks = tmp_path / "trace.jsonl"  # (each actor marks its model ready, with its pid)
-    with _tool("ray_cluster").two_nodes("", "", num_cpus=1, env={"PYTHONPATH": str(ROOT),
+    with _tool("ray_cluster").two_nodes("", "", num_cpus=1, env={"PYTHONPATH": pythonpath(),
                                                                   "MINICPM_STARTUP_LOG": str(marks)}) as nodes:
         args = ["bulk", str(items), "--out", str(out), "--ray", nodes.address, "--replicas", "2", "--batch", "4",
                 "--greedy", *MODEL]

@@ -34,7 +34,7 @@ import soundfile as sf
 # the official client is the server's test client (the test extra)
 openai = pytest.importorskip("openai", reason="the openai client (the test extra) is not installed")
 
-from conftest import slow_writer  # noqa: E402
+from conftest import pythonpath, slow_writer  # noqa: E402
 from minicpm_cli import protocol  # noqa: E402
 
 
@@ -49,7 +49,7 @@ KEY = "sekret-key"
 def _env(**extra) -> dict:
     """The commands' environment: offline, no server looked for unless `extra` names one, no key."""
     env = {k: v for k, v in os.environ.items() if k not in ("MINICPM_DEBUG", "MINICPM_API_KEY")}
-    return {**env, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": "", **extra}
+    return {**env, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": "", **extra}
 
 
 def minicpm(*args: str, stdin: bytes = b"", env: dict | None = None, timeout: float = 300):

@@ -22,6 +22,8 @@ from minicpm_cli.engine.sampling import Sampling
 from minicpm_cli.engine.streaming import sentence_end, spell_numbers
 from minicpm_cli.engine.text import read_pieces
 
+from conftest import pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 REPLIES = ["name", "fine", "long"]
 WORDS = ("the leaves of the old maple turn red and gold when autumn nights grow cold and the light "
@@ -167,7 +169,7 @@ def test_long_text_reads_every_segment(synth):
 
 
 def _run(*args, stdin=b"", **kw):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
     env.pop("MINICPM_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "minicpm_cli", *args], input=stdin, capture_output=True, env=env,
                           timeout=600, **kw)
@@ -214,7 +216,7 @@ def test_lines_in_a_batch_write_the_files_one_at_a_time_writes(tiny_dir, tmp_pat
 
 
 def _spawn(args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
     # A child inherits ignored signals, and Python then installs no Ctrl-C handler: start it with
     # SIGINT at its default, whatever state earlier tests left this process in (in a full CI run
     # the child ignored SIGINT and finished normally).
@@ -268,7 +270,7 @@ def test_memory_does_not_grow_with_text_length(tiny_dir, tmp_path):
                 "import minicpm_cli.engine.pipeline as pipeline; pipeline.LLM_CONTEXT = 512\n"
                 "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": pythonpath()}
         p = subprocess.run([sys.executable, "-c", code, "minicpm", "say", "-f", str(text), "--model", str(tiny_dir),
                             "--device", "cpu", "--greedy", "-o", str(tmp_path / "o.wav")],
                            capture_output=True, env=env, timeout=600)

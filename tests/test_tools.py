@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import pythonpath
+
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = sorted(p.name for p in (ROOT / "tools").glob("*.py"))
 
@@ -19,7 +21,7 @@ TOOLS = sorted(p.name for p in (ROOT / "tools").glob("*.py"))
 def _help(name: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (as a user runs it)
     env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, on a GPU machine too
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = pythonpath()
     return subprocess.run([sys.executable, str(ROOT / "tools" / name), "--help"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import pythonpath
 from test_cli import assert_one_line_error, run
 
 NO_MODEL = ("--model", "/nonexistent/minicpm-model")
@@ -71,6 +72,22 @@ def test_bulk_out_unwritable_is_refused_before_loading(tmp_path):
     assert_one_line_error(run("bulk", str(items), "--out", UNWRITABLE, *NO_MODEL), "cannot write")
 
 
+@pytest.mark.parametrize("missing, fix", [("soundfile", "--force-reinstall minicpm-cli"),
+                                          ("llama_cpp", "'minicpm-cli[gguf]'")])
+def test_a_missing_package_is_one_line_naming_it(tmp_path, missing, fix):
+    # (a broken install: the package's import fails wherever a command first needs it)
+    (tmp_path / "sitecustomize.py").write_text(f"import sys\nsys.modules[{missing!r}] = None\n")
+    ref = Path(__file__).parent / "fixtures" / "voice_ref_a.wav"
+    args = ("voice", "add", "me", str(ref)) if missing == "soundfile" else ("backends",)
+    env = {"PYTHONPATH": os.pathsep.join((str(tmp_path), pythonpath())), "XDG_DATA_HOME": str(tmp_path / "data")}
+    p = run(*args, env=env)
+    if missing == "llama_cpp":  # (a backend's own package is no error until that backend is chosen)
+        assert p.returncode == 0 and b"not installed: pip install 'minicpm-cli[gguf]'" in p.stdout, p.stderr
+        p = run("say", "Hi.", "--backend", "gguf", "--model", str(tmp_path), "-o", str(tmp_path / "x.wav"), env=env)
+    assert_one_line_error(p, f"'{missing}'" if missing == "soundfile" else "gguf", fix)
+    assert not (tmp_path / "data" / "minicpm" / "voices" / "me.wav").exists()
+
+
 def test_voice_add_to_an_unwritable_voices_folder_is_one_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -118,7 +135,7 @@ def test_an_unreachable_hub_is_said_at_once_and_fails_within_seconds(tmp_path):
 
     from test_cli import ROOT
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
     for var in ("HF_HUB_OFFLINE", "MINICPM_DEBUG", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         env.pop(var, None)
     p = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "say", "Hi.", "-o", str(tmp_path / "x.wav"),
@@ -186,6 +203,6 @@ def test_torch_no_cuda_runtime_warning_stays_off_stderr():
     code = ("import logging, minicpm_cli.cli.app\nlog = logging.getLogger('torch.utils.cpp_extension')\n"
             "log.warning(\"No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'\")\nlog.warning('other')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": pythonpath()})
     assert p.returncode == 0, p.stderr
     assert p.stderr.strip() == "other", p.stderr

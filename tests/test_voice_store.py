@@ -18,14 +18,14 @@ from minicpm_cli.errors import OptionError, VoiceError
 from minicpm_cli.voices.reference import load_reference
 from minicpm_cli.voices.store import VoiceExists, VoiceStore, default_dir, resolve
 
-from conftest import FIXTURES
+from conftest import FIXTURES, pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = FIXTURES / "voice_ref_a.wav"
 
 
 def minicpm(*args: str, data: Path, cwd: Path | None = None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_DATA_HOME": str(data), "MINICPM_SERVER": ""}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "XDG_DATA_HOME": str(data), "MINICPM_SERVER": ""}
     env.pop("MINICPM_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "minicpm_cli", *args], capture_output=True, env=env, cwd=cwd,
                           timeout=120)
@@ -237,7 +237,7 @@ def test_a_damaged_saved_voice_is_one_line_naming_it(tmp_path):
 def test_the_store_imports_no_torch():
     code = ("import sys\nfrom minicpm_cli.voices import store\nfrom minicpm_cli.cli import app\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env={**os.environ, "PYTHONPATH": pythonpath()})
     assert p.returncode == 0, p.stderr.decode()
 
 

@@ -33,6 +33,9 @@ from .streams import ReaderGone
 logging.getLogger("torch.utils.cpp_extension").addFilter(
     lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
 
+# the packages of pyproject.toml's extras, by import name (any other missing one belongs to the core)
+EXTRAS = {"llama_cpp": "gguf", "gguf": "gguf", "ray": "ray"}
+
 app = typer.Typer(
     name="minicpm",
     help="Text to speech on your own GPU with MiniCPM-o 2.6.",
@@ -90,6 +93,15 @@ def main() -> None:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+    except ModuleNotFoundError as e:  # (a package we depend on gone from this Python: a broken install)
+        if os.environ.get("MINICPM_DEBUG") or not e.name or e.name.split(".")[0] == "minicpm_cli":
+            raise
+        top = e.name.split(".")[0]
+        extra = EXTRAS.get(top)
+        fix = f"pip install 'minicpm-cli[{extra}]'" if extra else "pip install --force-reinstall minicpm-cli"
+        print(f"minicpm: error: cannot import '{top}', a package minicpm-cli needs: this Python lacks it ({fix})",
+              file=sys.stderr)
+        sys.exit(1)
     except (MemoryError, RuntimeError) as e:  # (torch.OutOfMemoryError is a RuntimeError; torch not imported here)
         if os.environ.get("MINICPM_DEBUG") or not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"):
             raise
