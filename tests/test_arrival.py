@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ from minicpm_cli.engine.sampling import Sampling
 from minicpm_cli.engine.inbox import Closed, Inbox
 from minicpm_cli.engine.text import CLAUSE_TOKENS, READ_PIECE_TOKENS, Arrival, arrival_cut, ready_parts
 
-ROOT = Path(__file__).resolve().parents[1]
 words = lambda t: len(t.split())  # noqa: E731  (a token count for the rule's unit tests)
 
 

@@ -19,8 +19,6 @@ from safetensors.torch import load_file, save_file
 
 from conftest import pythonpath
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def run(*args: str, stdin: bytes | None = None, env: dict | None = None, cwd: Path | None = None):
     e = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1", **(env or {})}

@@ -24,7 +24,6 @@ from minicpm_cli.engine.text import read_pieces
 
 from conftest import pythonpath
 
-ROOT = Path(__file__).resolve().parents[1]
 REPLIES = ["name", "fine", "long"]
 WORDS = ("the leaves of the old maple turn red and gold when autumn nights grow cold and the light "
          "fades early, while children gather acorns by the river and birds fly south").split()

@@ -5,6 +5,9 @@ late), with exit status 2 for an option's value and 1 for a place that cannot be
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,20 +75,52 @@ def test_bulk_out_unwritable_is_refused_before_loading(tmp_path):
     assert_one_line_error(run("bulk", str(items), "--out", UNWRITABLE, *NO_MODEL), "cannot write")
 
 
-@pytest.mark.parametrize("missing, fix", [("soundfile", "--force-reinstall minicpm-cli"),
-                                          ("llama_cpp", "'minicpm-cli[gguf]'")])
-def test_a_missing_package_is_one_line_naming_it(tmp_path, missing, fix):
-    # (a broken install: the package's import fails wherever a command first needs it)
-    (tmp_path / "sitecustomize.py").write_text(f"import sys\nsys.modules[{missing!r}] = None\n")
+@pytest.mark.parametrize("blocked, args", [("soundfile", ("voice", "add", "me")), ("typer", ("--help",))])
+def test_a_missing_package_is_one_line_naming_it(tmp_path, blocked, args):
+    """A package we depend on gone from the user's Python (its import blocked in the child): one line
+    naming it and the pip command, status 1, nothing written; typer's before the CLI's own boundary."""
     ref = Path(__file__).parent / "fixtures" / "voice_ref_a.wav"
-    args = ("voice", "add", "me", str(ref)) if missing == "soundfile" else ("backends",)
-    env = {"PYTHONPATH": os.pathsep.join((str(tmp_path), pythonpath())), "XDG_DATA_HOME": str(tmp_path / "data")}
-    p = run(*args, env=env)
-    if missing == "llama_cpp":  # (a backend's own package is no error until that backend is chosen)
-        assert p.returncode == 0 and b"not installed: pip install 'minicpm-cli[gguf]'" in p.stdout, p.stderr
-        p = run("say", "Hi.", "--backend", "gguf", "--model", str(tmp_path), "-o", str(tmp_path / "x.wav"), env=env)
-    assert_one_line_error(p, f"'{missing}'" if missing == "soundfile" else "gguf", fix)
+    argv = ["minicpm", *args, *([str(ref)] if args[0] == "voice" else [])]
+    code = (f"import sys; sys.modules[{blocked!r}] = None; sys.argv = {argv!r}\n"
+            "from minicpm_cli.cli.entry import main; main()")
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "XDG_DATA_HOME": str(tmp_path / "data")}
+    env.pop("MINICPM_DEBUG", None)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=300)
+    assert_one_line_error(p, f"cannot import '{blocked}'", "pip install --force-reinstall minicpm-cli")
     assert not (tmp_path / "data" / "minicpm" / "voices" / "me.wav").exists()
+
+
+def test_only_our_packages_gone_are_named_missing(monkeypatch):
+    from minicpm_cli.cli import dependencies
+
+    def gone(name):
+        return ModuleNotFoundError(f"No module named '{name}'", name=name)
+
+    assert dependencies.missing(gone("numpy")) is None  # (installed: something else went wrong)
+    assert dependencies.missing(gone("soundfile._soundfile_data")) is None  # (inside an installed package)
+    assert dependencies.missing(gone("minicpm_cli.nothing")) is None and dependencies.missing(gone("left_pad")) is None
+    monkeypatch.setattr(dependencies.importlib.util, "find_spec", lambda name: None)  # (as if none were installed)
+    assert dependencies.missing(gone("llama_cpp")).endswith(
+        "the package llama-cpp-python, which minicpm-cli needs, is not installed in this Python "
+        "(pip install 'minicpm-cli[gguf]')")
+    assert dependencies.missing(gone("python_multipart")).endswith("(pip install --force-reinstall minicpm-cli)")
+
+
+def test_the_missing_packages_table_names_every_dependency():
+    tomllib = pytest.importorskip("tomllib")
+    from minicpm_cli.cli.dependencies import PACKAGES
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    named = {dist: extra for dist, extra in PACKAGES.values()}
+
+    def dist(requirement):
+        return re.split(r"[\[<>=;! ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+    assert {dist(r): None for r in project["dependencies"]} == {
+        d.replace("_", "-"): e for d, e in named.items() if e is None}
+    for extra in ("gguf", "ray"):
+        assert {dist(r) for r in project["optional-dependencies"][extra]} == {
+            d for d, e in named.items() if e == extra}
 
 
 def test_voice_add_to_an_unwritable_voices_folder_is_one_line(tmp_path):
@@ -129,11 +164,7 @@ def test_bulk_invalid_values_exit_2(tmp_path):
 def test_an_unreachable_hub_is_said_at_once_and_fails_within_seconds(tmp_path):
     """No network: one line says the model is being fetched, and the error follows within seconds
     (the hub's client alone retried for tens of seconds). The hub is a closed port on this machine."""
-    import subprocess
-    import sys
     import time
-
-    from test_cli import ROOT
 
     env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
     for var in ("HF_HUB_OFFLINE", "MINICPM_DEBUG", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
@@ -195,11 +226,6 @@ def test_out_of_memory_is_one_line(monkeypatch, capsys):
 def test_torch_no_cuda_runtime_warning_stays_off_stderr():
     """torch's warning for a CUDA toolkit without a GPU (a CPU run on a GPU machine's image) is noise
     to a user of the CLI: the command line filters it, other warnings of that logger pass."""
-    import subprocess
-    import sys
-
-    from test_cli import ROOT
-
     code = ("import logging, minicpm_cli.cli.app\nlog = logging.getLogger('torch.utils.cpp_extension')\n"
             "log.warning(\"No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'\")\nlog.warning('other')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -20,7 +20,6 @@ from minicpm_cli.voices.store import VoiceExists, VoiceStore, default_dir, resol
 
 from conftest import FIXTURES, pythonpath
 
-ROOT = Path(__file__).resolve().parents[1]
 REF = FIXTURES / "voice_ref_a.wav"
 
 

@@ -25,6 +25,7 @@ from .. import __version__
 from .. import backends as registry
 from ..errors import MinicpmError
 from .commands import bench, bulk, say, serve, voice
+from .dependencies import missing
 from .signals import interrupt, terminate
 from .streams import ReaderGone
 
@@ -32,9 +33,6 @@ from .streams import ReaderGone
 # installed but no GPU answers, e.g. any CPU run on a GPU machine's image: not ours to report
 logging.getLogger("torch.utils.cpp_extension").addFilter(
     lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
-
-# the packages of pyproject.toml's extras, by import name (any other missing one belongs to the core)
-EXTRAS = {"llama_cpp": "gguf", "gguf": "gguf", "ray": "ray"}
 
 app = typer.Typer(
     name="minicpm",
@@ -94,13 +92,10 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except ModuleNotFoundError as e:  # (a package we depend on gone from this Python: a broken install)
-        if os.environ.get("MINICPM_DEBUG") or not e.name or e.name.split(".")[0] == "minicpm_cli":
+        message = missing(e)
+        if os.environ.get("MINICPM_DEBUG") or message is None:
             raise
-        top = e.name.split(".")[0]
-        extra = EXTRAS.get(top)
-        fix = f"pip install 'minicpm-cli[{extra}]'" if extra else "pip install --force-reinstall minicpm-cli"
-        print(f"minicpm: error: cannot import '{top}', a package minicpm-cli needs: this Python lacks it ({fix})",
-              file=sys.stderr)
+        print(f"minicpm: error: {message}", file=sys.stderr)
         sys.exit(1)
     except (MemoryError, RuntimeError) as e:  # (torch.OutOfMemoryError is a RuntimeError; torch not imported here)
         if os.environ.get("MINICPM_DEBUG") or not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"):

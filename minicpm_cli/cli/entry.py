@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 
+from .dependencies import missing
 from .signals import INTERRUPTED, interrupt
 
 
@@ -33,6 +34,11 @@ def main() -> None:
         trace.mark("cli")
     except KeyboardInterrupt:
         _exit(INTERRUPTED)
+    except ModuleNotFoundError as e:  # (typer or numpy gone: before the CLI's own error boundary)
+        message = missing(e)
+        if message is None or os.environ.get("MINICPM_DEBUG"):
+            raise
+        _exit(f"minicpm: error: {message}")
     try:
         run()
         code = None
