@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections import OrderedDict
 
 import torch
 from torch import Tensor
@@ -135,6 +136,10 @@ class Graphs:
             entry = self.graphs[key] = (graph, out)
         entry[0].replay()
         return entry[1]
+
+    def drop(self, key) -> None:
+        """Forget `key`'s graph: its output and working memory go back to the pool for later captures."""
+        self.graphs.pop(key, None)
 
 
 def _bucket(n: int, step: int, cap: int) -> int:
@@ -636,12 +641,27 @@ class GraphCodec:
     some hundred small kernels per chunk; in a graph they cost GPU time only)."""
 
     MAX_FRAMES = 4096
+    # A segment decoded whole (a file, bulk) has a length of its own: a graph each would hold its
+    # output for good (up to 8 rows x 512 frames x 512 samples, 8.4 MB; some 2 GB over every length a
+    # server meets), so only the most recent lengths past a streamed chunk's keep their graphs.
+    KEPT_LENGTHS = 32
 
     def __init__(self, codec, invariant: bool = False):
         self.codec, self.invariant = codec, invariant
         self.decode_eager, self.batch_eager = codec.decode, codec.decode_batch
         self.codes = torch.zeros(self.MAX_FRAMES, codec.num_vq, dtype=torch.long, device=codec.device)
         self.graphs = Graphs(codec.device)
+        self.recent: OrderedDict = OrderedDict()  # the graphs of lengths past a streamed chunk's, oldest first
+
+    def _run(self, key, t: int, fn) -> Tensor:
+        """`self.graphs.run(key, fn)` for a decode of t frames, dropping the least recently used graph
+        of a segment's length once more than KEPT_LENGTHS are kept (the streamed chunks' stay)."""
+        if t > FRAMES_PER_CALL + StreamDecoder.CONTEXT_FRAMES:
+            self.recent[key] = None
+            self.recent.move_to_end(key)
+            while len(self.recent) > self.KEPT_LENGTHS:
+                self.graphs.drop(self.recent.popitem(last=False)[0])
+        return self.graphs.run(key, fn)
 
     @torch.inference_mode()
     def decode(self, codes: Tensor) -> Tensor:
@@ -651,7 +671,7 @@ class GraphCodec:
         if t == 0 or t > self.MAX_FRAMES:
             return self.decode_eager(codes)
         self.codes[:t].copy_(codes)
-        return self.graphs.run(t, lambda: self.decode_eager(self.codes[:t])).clone()
+        return self._run(t, t, lambda: self.decode_eager(self.codes[:t])).clone()
 
     @torch.inference_mode()
     def decode_batch(self, codes: Tensor) -> Tensor:
@@ -673,7 +693,7 @@ class GraphCodec:
         rows = self.codes[: nb * t].view(nb, t, -1)
         rows[:n].copy_(codes)
         rows[n:].copy_(codes[:1].expand(nb - n, -1, -1))
-        return self.graphs.run((nb, t), lambda: self.batch_eager(rows))[:n].clone()
+        return self._run((nb, t), t, lambda: self.batch_eager(rows))[:n].clone()
 
     def warm_batches(self, rows: int) -> None:
         """Capture the batched decodes of a streamed chunk (the first, and a later one with its left

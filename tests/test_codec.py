@@ -321,3 +321,54 @@ def test_istft_takes_dc_and_nyquist_as_real(device):
     alone = istft(spec)[0]
     torch.testing.assert_close(istft(spec.expand(8, -1, -1).contiguous())[0], alone, rtol=0, atol=1e-6)
     torch.testing.assert_close(istft(real_ends)[0], alone, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_graph_codec_keeps_graphs_of_recent_segment_lengths_only(monkeypatch, invariant):
+    """compile's CUDA-graph codec: a graph for each decode length, but past a streamed chunk's lengths
+    (segments decoded whole, each of a length of its own) only the KEPT_LENGTHS most recently used
+    stay; the least recently used is dropped, and captured again when its length comes back."""
+    pytest.importorskip("triton")
+    from minicpm_cli.backends.compile import FRAMES_PER_CALL, GraphCodec
+
+    class Codec:  # (audio: each frame's code sum, twice)
+        num_vq, device = 4, torch.device("cpu")
+
+        def decode(self, codes):
+            return self.decode_batch(codes[None])[0]
+
+        def decode_batch(self, codes):
+            return codes.sum(2).float().repeat_interleave(2, 1)
+
+    class Graphs:  # (what a CUDA device's graphs would keep, and how often each key was captured)
+        def __init__(self):
+            self.kept, self.captures = {}, {}
+
+        def run(self, key, fn):
+            if key not in self.kept:
+                self.captures[key] = self.captures.get(key, 0) + 1
+                self.kept[key] = True
+            return fn()
+
+        def drop(self, key):
+            del self.kept[key]
+
+    monkeypatch.setattr(GraphCodec, "KEPT_LENGTHS", 3)
+    codec = GraphCodec(Codec(), invariant=invariant)
+    graphs = codec.graphs = Graphs()
+    chunk, first = FRAMES_PER_CALL + 4, FRAMES_PER_CALL + 5  # (a streamed chunk's; a segment's)
+
+    def decode(t):
+        codes = torch.randint(0, 100, (t, 4))
+        assert torch.equal(codec.decode(codes), codes.sum(1).float().repeat_interleave(2))
+
+    def lengths():
+        return sorted(k if isinstance(k, int) else k[1] for k in graphs.kept)
+
+    for t in (chunk, first, first + 1, first + 2, first + 3):
+        decode(t)
+    assert lengths() == [chunk, first + 1, first + 2, first + 3]  # (the oldest segment's dropped)
+    decode(first + 1)  # (used again: now the most recent)
+    decode(first)
+    assert lengths() == [chunk, first, first + 1, first + 3]
+    assert list(graphs.captures.values()).count(2) == 1  # (`first` captured again, nothing else)
