@@ -25,7 +25,6 @@ from .. import __version__
 from .. import backends as registry
 from ..errors import MinicpmError
 from .commands import bench, bulk, say, serve, voice
-from .dependencies import missing
 from .signals import interrupt, terminate
 from .streams import ReaderGone
 
@@ -91,12 +90,6 @@ def main() -> None:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
-    except ModuleNotFoundError as e:  # (a package we depend on gone from this Python: a broken install)
-        message = missing(e)
-        if os.environ.get("MINICPM_DEBUG") or message is None:
-            raise
-        print(f"minicpm: error: {message}", file=sys.stderr)
-        sys.exit(1)
     except (MemoryError, RuntimeError) as e:  # (torch.OutOfMemoryError is a RuntimeError; torch not imported here)
         if os.environ.get("MINICPM_DEBUG") or not (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"):
             raise

@@ -35,10 +35,7 @@ def main() -> None:
     except KeyboardInterrupt:
         _exit(INTERRUPTED)
     except ModuleNotFoundError as e:  # (typer or numpy gone: before the CLI's own error boundary)
-        message = missing(e)
-        if message is None or os.environ.get("MINICPM_DEBUG"):
-            raise
-        _exit(f"minicpm: error: {message}")
+        _exit(_broken(e))
     try:
         run()
         code = None
@@ -46,6 +43,8 @@ def main() -> None:
         code = INTERRUPTED
     except SystemExit as e:
         code = e.code
+    except ModuleNotFoundError as e:  # (a command's import of a package gone since the install)
+        code = _broken(e)
     if code in (None, 0):  # (succeeded: a precompile helper it started may finish after it)
         helpers = sys.modules.get("minicpm_cli.backends.kernels.precompile")
         if helpers is not None:
@@ -53,6 +52,15 @@ def main() -> None:
     if code != INTERRUPTED and ("torch" in sys.modules or threading.active_count() > 1):
         sys.exit(code)
     _exit(code)
+
+
+def _broken(error: ModuleNotFoundError) -> str:
+    """The one line for a package of ours gone from this Python (`dependencies.missing`); any other
+    missing module, or MINICPM_DEBUG set, raises on."""
+    message = missing(error)
+    if message is None or os.environ.get("MINICPM_DEBUG"):
+        raise error
+    return f"minicpm: error: {message}"
 
 
 def _exit(code) -> None:
