@@ -116,7 +116,7 @@ def test_startup_times_fresh_processes_phase_by_phase(tiny_dir):
         out = os.path.join(tmp, "s.json")
         p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--startup", "--model", str(tiny_dir),
                             "--backend", "eager", "--device", "cpu", "--json", out], capture_output=True, timeout=300,
-                           env={**os.environ, "MINICPM_SERVER": ""})
+                           env={**os.environ, "MINICPM_SERVER": "", "PYTHONPATH": pythonpath()})
         assert p.returncode == 0, p.stderr.decode()
         runs = json.loads(open(out).read())
     assert [r["which"] for r in runs] == ["first", "second"]
@@ -134,7 +134,7 @@ def test_startup_needs_a_checkpoint_directory():
     import sys
 
     p = subprocess.run([sys.executable, "-m", "minicpm_cli", "bench", "--startup", "--random-weights"],
-                       capture_output=True, timeout=60)
+                       capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": pythonpath()})
     assert p.returncode == 2 and b"--startup needs --model DIR" in p.stderr
 
 

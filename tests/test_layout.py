@@ -5,11 +5,14 @@ version that the command reports."""
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from conftest import pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minicpm_cli"
@@ -225,7 +228,8 @@ def test_wheel_installs_one_namespace(tmp_path):
 def test_version_is_the_distributions():
     from importlib.metadata import version
 
-    p = subprocess.run([sys.executable, "-m", "minicpm_cli", "--version"], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "minicpm_cli", "--version"], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": pythonpath()})
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == f"minicpm {version('minicpm-cli')}"
 

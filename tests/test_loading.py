@@ -14,6 +14,8 @@ from minicpm_cli.errors import CheckpointError
 from minicpm_cli.engine.synthetic import SyntheticSpec, write_checkpoint
 from minicpm_cli.engine.tensorio import _chunks, read_header
 
+from conftest import pythonpath
+
 
 def _oracle(root) -> dict[str, torch.Tensor]:
     out = {}
@@ -157,5 +159,6 @@ def test_the_triton_key_thread_imports_nothing():
             "before = set(sys.modules)\n"
             "k = key()\n"
             "print(sorted(set(sys.modules) - before), 'torch' in sys.modules, key() is k)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": pythonpath()})
     assert out.stdout.strip() == "[] False True", (out.stdout, out.stderr)

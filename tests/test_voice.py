@@ -22,7 +22,7 @@ from minicpm_cli.engine.sampling import Sampling
 from minicpm_cli.engine.text import voice_assistant_turn, voice_clone_turn
 from minicpm_cli.voices.reference import Voice, as_voice, load_reference
 
-from conftest import FIXTURES, TINY, VOICE_EXTRA
+from conftest import FIXTURES, TINY, VOICE_EXTRA, pythonpath
 
 REF = FIXTURES / "voice_ref_a.wav"
 BACKENDS = ["eager", "compile"]
@@ -631,7 +631,7 @@ def test_say_voice_file_reproduces_the_golden_waveform(voice_dir, goldens_voice,
 
     e = next(x for x in manifest_voice["voice_read"] if x["tag"] == "a_slow")
     out = tmp_path / "x.wav"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": ""}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": "", "PYTHONPATH": pythonpath()}
     p = subprocess.run([sys.executable, "-m", "minicpm_cli", "say", e["text"], "--voice", str(REF),
                         "--model", str(voice_dir), "--greedy", "--device", "cpu", "--dtype", "float32", "--pcm", "f32",
                         "--local", "-o", str(out)], capture_output=True, env=env, timeout=300)
