@@ -153,6 +153,47 @@ def test_empty_text(tiny_dir, tmp_path, stdin):
     assert not out.exists()
 
 
+def test_say_with_a_terminal_on_stderr_shows_its_progress(tiny_dir, tmp_path):
+    """The user's usual case: stderr on a terminal, where the progress bar runs (a bar of no total once
+    failed `say` with a traceback, which the suite, never on a terminal, did not see)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    out = tmp_path / "x.wav"
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))  # (a new pty is 0 columns wide)
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": ""}
+    p = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "say", "Hello there.", "--model", str(tiny_dir),
+                          "--device", "cpu", "-o", str(out)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=slave, env=env)
+    os.close(slave)
+    seen, deadline = [], time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:  # (EIO: the child closed the terminal)
+                    break
+                if not data:
+                    break
+                seen.append(data)
+            elif p.poll() is not None:
+                break
+        p.wait(timeout=30)
+    finally:
+        os.close(master)
+        p.kill()
+    err = b"".join(seen).decode(errors="replace")
+    assert p.returncode == 0, err
+    assert "Traceback" not in err and "speaking" in err, err
+    assert p.stdout.read() == b""
+    assert sf.info(out).frames > 0
+
+
 def test_bad_options_are_one_line_errors(tiny_dir, tmp_path):
     assert_one_line_error(run("say", "Hi.", "--model", str(tiny_dir), "-o", str(tmp_path / "x.mp3")), ".mp3")
     # an option's value out of its range, or options that do not go together: exit 2, as the parser's own

@@ -78,7 +78,7 @@ def say(
     check_captions(captions, spk)
     timeline = cc.Timeline()
     bar = progress()
-    advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar else None
+    advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar is not None else None
 
     def chunks(t: str, decode: str, target: str):
         # (a server sends the sink's own samples when it writes them as they are)
@@ -122,7 +122,7 @@ def say(
             timeline.finish()
             cc.write(captions, timeline.cues, spk.sample_rate)
     finally:
-        if bar:
+        if bar is not None:
             bar.close()
 
 
