@@ -36,13 +36,20 @@ DEFAULT_FILE = "Model-7.6B-Q4_K_M.gguf"
 
 
 def resolve_gguf(spec: str | None) -> Path:
-    """A local `.gguf` path, or `REPO:FILE` / `REPO` (default file) fetched into the HF cache."""
+    """A local GGUF file (any name; checked by its magic), or `REPO:FILE` / `REPO` (default file)
+    fetched into the HF cache. A spec that names no file here and looks like a path (a `.gguf` name,
+    a directory part, `~`) is a file not found, not a repository."""
     spec = spec or f"{DEFAULT_REPO}:{DEFAULT_FILE}"
-    if ":" not in spec and spec.endswith(".gguf"):
-        path = Path(spec).expanduser()
-        if not path.is_file():
-            raise ModelNotFound(f"GGUF file not found: {spec}")
+    path = Path(spec).expanduser()
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise UsageError(f"{spec} is not a GGUF file (a .gguf model file, or REPO[:FILE] on the hub)")
         return path
+    if path.is_dir():
+        raise UsageError(f"{spec} is a directory: --gguf takes a .gguf file, or REPO[:FILE] on the hub")
+    if ":" not in spec and (spec.endswith(".gguf") or spec.startswith((".", "~", "/")) or spec.count("/") > 1):
+        raise ModelNotFound(f"GGUF file not found: {spec}")
     repo, _, name = spec.partition(":")
     from ..engine.checkpoint import hub_file
 

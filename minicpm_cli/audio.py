@@ -4,7 +4,9 @@
   into place when complete, so an error, Ctrl-C or kill leaves no file or a complete one. 16-bit WAV
   is written here (header and samples), FLAC and float WAV by libsndfile.
 - `WavStreamSink`: WAV to a byte stream (stdout): a header whose sizes say "unknown length"
-  (0xFFFFFFFF, as streaming tools write it), then samples, flushed per chunk.
+  (0xFFFFFFFF, as streaming tools write it), written with the first samples (an error before them
+  leaves nothing on the stream), then samples, flushed per chunk. Where the stream is a regular
+  file (`say "Hi." > hi.wav`), its sizes are written into the header at the end, as a file's.
 - `RawSink`: headerless PCM (s16le or f32le), flushed per chunk.
 
 Float samples become 16-bit PCM here (clipped to [-1, 1], scaled by 32767, rounded), not in
@@ -70,7 +72,7 @@ def make_directory(directory: str | os.PathLike) -> Path:
 def file_format(path: str) -> str:
     fmt = FORMATS.get(Path(path).suffix.lower())
     if fmt is None:
-        raise UsageError(f"cannot tell the audio format of '{path}': use a .wav or .flac name, or - for stdout")
+        raise OptionError(f"cannot tell the audio format of '{path}': use a .wav or .flac name, or - for stdout")
     return fmt
 
 
@@ -133,15 +135,18 @@ def wav_header(sample_rate: int, pcm: str, data_bytes: int = 0xFFFFFFFF) -> byte
 class RawSink:
     def __init__(self, stream: BinaryIO, pcm: str):
         self.stream, self.pcm = stream, pcm
+        self.written = 0  # sample bytes
 
     def write(self, samples: np.ndarray | Pcm) -> None:
         if isinstance(samples, Pcm):
             if samples.pcm != self.pcm:
                 raise ValueError(f"{samples.pcm} samples for a {self.pcm} sink")
-            self.stream.write(samples.data)
+            data = samples.data
         else:
-            self.stream.write(to_pcm(samples, self.pcm).astype("<i2" if self.pcm == "s16" else "<f4").tobytes())
+            data = to_pcm(samples, self.pcm).astype("<i2" if self.pcm == "s16" else "<f4").tobytes()
+        self.stream.write(data)
         self.stream.flush()
+        self.written += len(data)
 
     def close(self) -> None:
         self.stream.flush()
@@ -153,8 +158,44 @@ class RawSink:
 class WavStreamSink(RawSink):
     def __init__(self, stream: BinaryIO, pcm: str, sample_rate: int):
         super().__init__(stream, pcm)
-        stream.write(wav_header(sample_rate, pcm))
-        stream.flush()
+        self.rate = sample_rate
+        self.header_at: int | None = None  # the header's offset in a regular file, once written there
+        self.started = False
+
+    def write(self, samples: np.ndarray | Pcm) -> None:
+        self._start()
+        super().write(samples)
+
+    def close(self) -> None:
+        self._start()  # (no samples: an empty WAV)
+        super().close()
+        if self.header_at is not None and self.written <= 0xFFFFFFFF - 36:
+            fd = self.stream.fileno()
+            os.pwrite(fd, struct.pack("<I", 36 + self.written), self.header_at + 4)
+            os.pwrite(fd, struct.pack("<I", self.written), self.header_at + 40)
+
+    def _start(self) -> None:
+        if not self.started:
+            self.started = True
+            self.stream.flush()
+            self.header_at = _file_offset(self.stream)
+            self.stream.write(wav_header(self.rate, self.pcm))
+            self.stream.flush()
+
+
+def _file_offset(stream: BinaryIO) -> int | None:
+    """Where the next byte goes in `stream`, if it is a regular file that can be written at a place
+    (not opened to append: `>>`, where every write goes to the end); else None (a pipe, a terminal)."""
+    import fcntl
+    import stat
+
+    try:
+        fd = stream.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+            return None
+        return os.lseek(fd, 0, os.SEEK_CUR)
+    except (OSError, ValueError, AttributeError):  # (no descriptor: a test's BytesIO)
+        return None
 
 
 class FileSink:

@@ -151,6 +151,15 @@ def test_empty_text(tiny_dir, tmp_path, stdin):
     p = run("say", "--model", str(tiny_dir), "--device", "cpu", "-o", str(out), stdin=stdin)
     assert_one_line_error(p, "no text")
     assert not out.exists()
+    # to stdout: not even a WAV header before the error (a player downstream would take it for audio)
+    assert_one_line_error(run("say", "--model", str(tiny_dir), "--device", "cpu", "-o", "-", stdin=stdin), "no text")
+    # --lines: no line to speak is the same error, with no file left behind
+    assert_one_line_error(run("say", "--lines", "--model", str(tiny_dir), "--device", "cpu", "-o", str(out),
+                              stdin=stdin), "no text")
+    assert not out.exists()
+    assert_one_line_error(run("say", "--lines", "--dir", str(tmp_path / "d"), "--model", str(tiny_dir), "--device",
+                              "cpu", stdin=stdin), "no text")
+    assert list((tmp_path / "d").iterdir()) == []
 
 
 def test_say_with_a_terminal_on_stderr_shows_its_progress(tiny_dir, tmp_path):
@@ -194,11 +203,71 @@ def test_say_with_a_terminal_on_stderr_shows_its_progress(tiny_dir, tmp_path):
     assert sf.info(out).frames > 0
 
 
+def test_wav_on_stdout_into_a_file_gets_its_sizes(tiny_dir, tmp_path):
+    """`say TEXT > f.wav`: stdout is a regular file, so the header's sizes are written at the end (a
+    pipe keeps "unknown length"; a file opened to append, where every write goes to the end, too)."""
+    import struct
+    import wave
+
+    args = [sys.executable, "-m", "minicpm_cli", "say", "Hi there.", "--model", str(tiny_dir), "--device", "cpu",
+            "--greedy", "-o", "-"]
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": ""}
+    f = tmp_path / "x.wav"
+    with open(f, "wb") as out:
+        out.write(b"before")  # (the header where the stream was, not at the file's start)
+        out.flush()
+        assert subprocess.run(args, stdout=out, env=env, timeout=300).returncode == 0
+    data = f.read_bytes()[6:]
+    riff, size = struct.unpack("<I", data[4:8])[0], struct.unpack("<I", data[40:44])[0]
+    assert size == len(data) - 44 > 0 and riff == size + 36
+    with wave.open(io.BytesIO(data)) as w:
+        assert w.getnframes() == size // 2
+    piped = run("say", "Hi there.", "--model", str(tiny_dir), "--device", "cpu", "--greedy", "-o", "-")
+    assert piped.stdout[4:8] == piped.stdout[40:44] == b"\xff" * 4 and piped.stdout[44:] == data[44:]
+    g = tmp_path / "y.wav"
+    with open(g, "ab") as out:
+        assert subprocess.run(args, stdout=out, env=env, timeout=300).returncode == 0
+    assert g.read_bytes() == piped.stdout
+
+
+def test_reply_text_to_stdout(tiny_dir, tmp_path):
+    out = tmp_path / "r.wav"
+    p = run("reply", "Hi", "--model", str(tiny_dir), "--device", "cpu", "--max-tokens", "12", "--seed", "3",
+            "--text-out", "-", "-o", str(out))
+    assert p.returncode == 0, p.stderr.decode()
+    q = run("reply", "Hi", "--model", str(tiny_dir), "--device", "cpu", "--max-tokens", "12", "--seed", "3",
+            "--text-out", str(tmp_path / "t.txt"), "-o", str(tmp_path / "s.wav"))
+    assert q.returncode == 0, q.stderr.decode()
+    assert p.stdout.decode() == (tmp_path / "t.txt").read_text(encoding="utf-8") != "\n"
+    assert not (tmp_path / "-").exists()
+    assert out.read_bytes() == (tmp_path / "s.wav").read_bytes()
+
+
+def test_a_config_without_a_field_is_one_line(broken_copy, tmp_path):
+    import json
+
+    f = broken_copy / "config.json"
+    config = json.loads(f.read_text())
+    del config["hidden_size"]
+    f.write_text(json.dumps(config))
+    p = run("say", "Hi.", "--model", str(broken_copy), "--device", "cpu", "-o", str(tmp_path / "x.wav"))
+    assert_one_line_error(p, "config.json lacks the field 'hidden_size'")
+    f.write_text("[1, 2]")
+    assert_one_line_error(run("say", "Hi.", "--model", str(broken_copy), "--device", "cpu", "-o",
+                              str(tmp_path / "x.wav")), "not a JSON object")
+    assert not (tmp_path / "x.wav").exists()
+
+
+def test_an_empty_voice_is_one_line(tiny_dir, tmp_path):
+    p = run("say", "Hi.", "--model", str(tiny_dir), "--device", "cpu", "--voice", "", "-o", str(tmp_path / "x.wav"))
+    assert_one_line_error(p, "an empty voice")
+
+
 def test_bad_options_are_one_line_errors(tiny_dir, tmp_path):
-    assert_one_line_error(run("say", "Hi.", "--model", str(tiny_dir), "-o", str(tmp_path / "x.mp3")), ".mp3")
     # an option's value out of its range, or options that do not go together: exit 2, as the parser's own
     from test_usage_errors import assert_usage_error
 
+    assert_usage_error(run("say", "Hi.", "--model", str(tiny_dir), "-o", str(tmp_path / "x.mp3")), ".mp3")
     assert_usage_error(run("say", "Hi.", "--model", str(tiny_dir), "--pcm", "f32", "-o", str(tmp_path / "x.flac")), "FLAC")
     assert_usage_error(run("say", "Hi.", "--backend", "nope", "-o", str(tmp_path / "x.wav")), "unknown backend", "eager")
     assert_usage_error(run("say", "Hi.", "--model", str(tiny_dir), "--dtype", "int3", "--device", "cpu",

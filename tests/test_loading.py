@@ -162,3 +162,28 @@ def test_the_triton_key_thread_imports_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": pythonpath()})
     assert out.stdout.strip() == "[] False True", (out.stdout, out.stderr)
+
+
+def test_gguf_names_a_local_file_or_a_hub_repository(tmp_path, monkeypatch):
+    """--gguf: a file here whatever its name (a GGUF by its magic), else a path not found, else REPO[:FILE];
+    a name the hub cannot take is a one-line error, not huggingface_hub's ValueError."""
+    from minicpm_cli.backends.gguf import resolve_gguf
+    from minicpm_cli.errors import ModelNotFound, UsageError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    good = tmp_path / "model.bin"
+    good.write_bytes(b"GGUF" + bytes(12))
+    assert resolve_gguf(str(good)) == good
+    (tmp_path / "notes.gguf").write_text("hello")
+    with pytest.raises(UsageError, match="not a GGUF file"):
+        resolve_gguf(str(tmp_path / "notes.gguf"))
+    with pytest.raises(UsageError, match="is a directory"):
+        resolve_gguf(str(tmp_path))
+    for missing in (str(tmp_path / "none.bin"), "./none.bin", "none.gguf", "~/none"):
+        with pytest.raises(ModelNotFound, match="GGUF file not found"):
+            resolve_gguf(missing)
+    for bad in ("a/b:c:d", "bad repo!"):
+        with pytest.raises(ModelNotFound, match="not a model repository id"):
+            resolve_gguf(bad)
+    with pytest.raises(ModelNotFound, match="HF_HUB_OFFLINE"):
+        resolve_gguf("someone/some-model:x.gguf")

@@ -146,11 +146,34 @@ def test_voice_add_to_an_unwritable_voices_folder_is_one_line(tmp_path):
     (("serve", "--device", "tpu"), "tpu"),
     (("bench", "--workload", "sing"), "sing"),
     (("bench", "--dtype", "int3"), "int3"),
+    (("reply", "Hi.", "--temperature", "nan"), "--temperature must be a positive number"),
+    (("reply", "Hi.", "--temperature", "inf"), "--temperature"),
+    (("reply", "Hi.", "--temperature", "0"), "--temperature"),
+    (("reply", "Hi.", "--greedy", "--temperature", "0.5"), "--greedy takes no --temperature"),
+    (("say", "Hi.", "--seed", str(2**64)), "--seed must be between"),
+    (("reply", "Hi.", "--seed", str(-2**63 - 1)), "--seed must be between"),
 ])
 def test_every_invalid_option_value_exits_2(tmp_path, args, needle):
     p = run(*args, "-o" if args[0] in ("say", "reply") else "--model", *(
         (str(tmp_path / "x.wav"), *NO_MODEL) if args[0] in ("say", "reply") else (NO_MODEL[1],)))
     assert_usage_error(p, needle)
+
+
+def test_an_output_of_an_unknown_format_exits_2(tmp_path):
+    for name in ("x.mp3", "x.ogg", "x"):
+        assert_usage_error(run("say", "Hi.", "-o", str(tmp_path / name), *NO_MODEL), "cannot tell the audio format")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_reply_text_and_audio_both_on_stdout_exits_2():
+    assert_usage_error(run("reply", "Hi.", "--text-out", "-", "-o", "-", *NO_MODEL), "--text-out -")
+
+
+def test_bulk_input_that_is_not_a_file_is_one_line(tmp_path):
+    out = str(tmp_path / "o")
+    assert_one_line_error(run("bulk", str(tmp_path), "--out", out, *NO_MODEL), "is a directory")
+    assert_one_line_error(run("bulk", "-", "--out", out, *NO_MODEL, stdin=b"One.\n"), "reads a file")
+    assert_one_line_error(run("bulk", str(tmp_path / "none.txt"), "--out", out, *NO_MODEL), "no such file")
 
 
 def test_bulk_invalid_values_exit_2(tmp_path):

@@ -121,6 +121,9 @@ def check_model_options(backend: str, device: str, dtype: str, gguf: Optional[st
 def check_sampling(greedy: bool, seed: Optional[int]) -> None:
     if greedy and seed is not None:
         raise OptionError("--greedy takes no --seed: greedy decoding draws nothing (give one or the other)")
+    low, high = protocol.SEED_RANGE
+    if seed is not None and not low <= seed <= high:
+        raise OptionError(f"--seed must be between {low} and {high}")
 
 
 def check_speed(speed: float) -> float:

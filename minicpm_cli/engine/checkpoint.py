@@ -115,6 +115,8 @@ def hub_file(repo: str, name: str, required: bool = True, local_only: bool = Fal
         return None
     except OSError as e:
         raise ModelNotFound(f"cannot download {repo}/{name}: {e}") from None
+    except ValueError as e:  # (huggingface_hub's validation of the repo id and file name)
+        raise ModelNotFound(f"not a model repository id or file name for the hub: {repo}:{name} ({e})") from None
 
 
 def _download(repo: str, prefixes: tuple[str, ...]) -> Path:
@@ -149,14 +151,36 @@ def _read_index(path: Path) -> dict[str, str]:
     return weight_map
 
 
-def read_config(root: Path) -> dict:
+class Config(dict):
+    """An object of config.json (the top level, tts_config, ...): a field the model code needs and the
+    file lacks is the checkpoint's error, one line naming both, not a KeyError of ours."""
+
+    path: Path
+
+    def __getitem__(self, key):
+        try:
+            return super().__getitem__(key)
+        except KeyError:
+            raise CheckpointError(f"{self.path} lacks the field '{key}': not a MiniCPM-o checkpoint's config") from None
+
+
+def read_config(root: Path) -> Config:
     path = root / "config.json"
+
+    def config(fields: dict) -> Config:
+        c = Config(fields)
+        c.path = path
+        return c
+
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text(), object_hook=config)
     except FileNotFoundError:
         raise CheckpointError(f"config.json missing in {root}") from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, Config):
+        raise CheckpointError(f"cannot read {path}: not a JSON object")
+    return data
 
 
 class Checkpoint:

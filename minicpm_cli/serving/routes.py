@@ -244,8 +244,8 @@ async def reply(req: ReplyRequest, request: Request, service: ServiceDep):
     if fmt not in protocol.STREAMABLE:
         raise ApiError(400, f"a reply is streamed: response_format is one of {', '.join(protocol.STREAMABLE)}",
                        param="response_format")
-    if not req.temperature > 0:
-        raise ApiError(400, "temperature must be positive (use greedy for the most likely tokens)",
+    if not 0 < req.temperature < float("inf"):
+        raise ApiError(400, "temperature must be a positive number (use greedy for the most likely tokens)",
                        param="temperature")
     if req.max_tokens < 1:
         raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")

@@ -204,6 +204,8 @@ def locate(ref: str, store: VoiceStore | None = None, *, files: bool = True, ope
     `default`; else a saved voice (its file); with `openai_names`, one of OpenAI's built-in names,
     which speak the model's own voice; else UnknownVoice. `say`/`reply --voice`, the server's `voice`
     field (names only, OpenAI's too) and `bulk`'s voice column all resolve through here."""
+    if not ref.strip():
+        raise UnknownVoice("an empty voice: give a recording's path, a saved voice's name, or 'default'")
     if files:
         path = Path(ref).expanduser()
         if base is not None:

@@ -64,6 +64,10 @@ def bulk(
 
         require_ray("data")
     path = Path(input).expanduser()
+    if input == "-":
+        raise UsageError("bulk reads a file (its items are read again to resume): save standard input to one first")
+    if path.is_dir():
+        raise UsageError(f"{input} is a directory: bulk reads a .txt or .jsonl file of items")
     if not path.is_file():
         raise UsageError(f"no such file: {input}")
     items = b.plan(b.read_rows(path), fmt=fmt, greedy=greedy, seed=seed, base=path.resolve().parent, speed=speed)

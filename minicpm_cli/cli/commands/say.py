@@ -76,6 +76,13 @@ def say(
     check_sampling(opts.greedy, opts.seed)
     spk = find_speaker(opts, rows=batch)
     check_captions(captions, spk)
+    texts = None
+    if lines:  # (the first line waited for here, so that input without one is the error it is for an argument)
+        texts = (line for line in input_lines(file) if line.strip())
+        first = next(texts, None)
+        if first is None:
+            raise UsageError("no text to speak")
+        texts = itertools.chain([first], texts)
     timeline = cc.Timeline()
     bar = progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar is not None else None
@@ -103,7 +110,6 @@ def say(
             play(cc.timed(stream, timeline), audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
             trace.mark("written")
         elif directory is not None:
-            texts = (line for line in input_lines(file) if line.strip())
             decode = "stream" if raw else "segment"
             paths = (str(Path(directory) / f"line-{n:04d}{'.raw' if raw else '.wav'}") for n in itertools.count(1))
             if batch == 1:  # each line's chunks written as they come
@@ -116,7 +122,7 @@ def say(
                 print(path, file=sys.stderr, flush=True)
         else:
             # every line into one stream, each line's chunks as soon as they exist
-            every = (chunk for line in input_lines(file) if line.strip() for chunk in chunks(line, "stream", output))
+            every = (chunk for line in texts for chunk in chunks(line, "stream", output))
             play(cc.timed(every, timeline), audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
         if captions is not None:
             timeline.finish()
@@ -131,16 +137,16 @@ def reply(
     text: Annotated[Optional[str], typer.Argument(help="The user's message; read from stdin when omitted.", show_default=False)] = None,
     output: OutputOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most LLM tokens in the reply.")] = 512,
-    text_out: Annotated[Optional[str], typer.Option("--text-out", help="Write the reply text to FILE instead of stderr.")] = None,
-    temperature: Annotated[float, typer.Option("--temperature", help="LLM sampling temperature.")] = 0.7,
+    text_out: Annotated[Optional[str], typer.Option("--text-out", help="Write the reply text to FILE (- for stdout) instead of stderr.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="LLM sampling temperature [default: 0.7].", show_default=False)] = None,
     captions: CaptionsOpt = None,
     *,
     opts: SpeakerOptions,
 ) -> None:
     """Answer a message with speech, streamed as the LLM writes the answer.
 
-    The reply text goes to stderr as it is spoken (or to --text-out FILE); audio goes where `say`
-    would put it.
+    The reply text goes to stderr as it is spoken (to stdout with --text-out -, or to --text-out FILE
+    when the reply ends); audio goes where `say` would put it.
     """
     if captions is not None:
         cc.check_target(captions)
@@ -148,14 +154,19 @@ def reply(
     speed = check_speed(opts.speed)
     output = output_target(output)
     audio.check_output(output, opts.pcm, opts.raw)
-    if temperature <= 0:
-        raise OptionError("--temperature must be positive (use --greedy for the most likely tokens)")
+    if temperature is not None and opts.greedy:
+        raise OptionError("--greedy takes no --temperature: greedy decoding draws nothing (give one or the other)")
+    if temperature is not None and not 0 < temperature < float("inf"):
+        raise OptionError("--temperature must be a positive number (use --greedy for the most likely tokens)")
+    temperature = 0.7 if temperature is None else temperature
     if max_tokens < 1:
         raise OptionError("--max-tokens must be at least 1")
     message = read_text(text, None).strip()
     if not message:
         raise UsageError("no text to reply to")
-    if text_out is not None and not Path(text_out).expanduser().resolve().parent.is_dir():
+    if text_out == "-" and output == "-":
+        raise OptionError("--text-out - and the audio would both go to stdout: write one of them to a file")
+    if text_out not in (None, "-") and not Path(text_out).expanduser().resolve().parent.is_dir():
         raise UsageError(f"output directory does not exist: {Path(text_out).parent}")
 
     check_sampling(opts.greedy, opts.seed)
@@ -164,11 +175,13 @@ def reply(
     timeline = cc.Timeline()
     said: list[str] = []
 
+    shown = {None: sys.stderr, "-": sys.stdout}.get(text_out)  # (the text as it is spoken; a file's at the end)
+
     def show(chunk) -> None:
         said.append(chunk.text)
-        if text_out is None and chunk.text:
-            sys.stderr.write(chunk.text)
-            sys.stderr.flush()
+        if shown is not None and chunk.text:
+            shown.write(chunk.text)
+            shown.flush()
 
     chunks = spk.reply(message, greedy=opts.greedy, seed=opts.seed, temperature=temperature, max_tokens=max_tokens,
                          first_chunk=frames, speed=speed, pcm=opts.pcm if audio.takes_pcm(output, opts.pcm, opts.raw) else None)
@@ -176,7 +189,8 @@ def reply(
     if captions is not None:
         timeline.finish()
         cc.write(captions, timeline.cues, spk.sample_rate)
-    if text_out is None:
-        sys.stderr.write("\n")
+    if shown is not None:
+        shown.write("\n")
+        shown.flush()
     else:
         Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")
