@@ -258,6 +258,23 @@ def test_a_config_without_a_field_is_one_line(broken_copy, tmp_path):
     assert not (tmp_path / "x.wav").exists()
 
 
+def test_text_that_is_not_utf8_is_one_line(tiny_dir, tmp_path):
+    """A Latin-1 byte in an argument, on stdin or in a file (Python keeps it as a lone surrogate,
+    which the tokenizers refused with a TypeError traceback)."""
+    out, model = str(tmp_path / "x.wav"), ("--model", str(tiny_dir), "--device", "cpu")
+    p = subprocess.run([sys.executable, "-m", "minicpm_cli", "say", b"Caf\xe9 au lait.", *model, "-o", out],
+                       capture_output=True, env={**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"},
+                       timeout=300)
+    assert_one_line_error(p, "the text is not UTF-8: byte 0xE9 at character 4")
+    assert_one_line_error(run("reply", *model, "-o", out, stdin=b"Caf\xe9?\n"), "standard input is not UTF-8")
+    assert_one_line_error(run("say", "--lines", *model, "-o", out, stdin=b"One.\nCaf\xe9.\n"),
+                          "standard input's line 2 is not UTF-8")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"One.\nCaf\xe9.\n")
+    assert_one_line_error(run("say", "--lines", "-f", str(latin), *model, "-o", out), "latin.txt is not UTF-8 text (line 2)")
+    assert not (tmp_path / "x.wav").exists()
+
+
 def test_an_empty_voice_is_one_line(tiny_dir, tmp_path):
     p = run("say", "Hi.", "--model", str(tiny_dir), "--device", "cpu", "--voice", "", "-o", str(tmp_path / "x.wav"))
     assert_one_line_error(p, "an empty voice")

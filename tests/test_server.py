@@ -492,6 +492,8 @@ BAD = [
     ("/v1/audio/reply", {"input": "Hi.", "response_format": "flac"}, 400, ["response_format"]),
     ("/v1/audio/reply", {"input": "Hi.", "stream_format": "audio"}, 400, ["sse"]),
     ("/v1/audio/reply", {"input": ""}, 400, ["no text to reply to"]),
+    ("/v1/audio/speech", {"input": "Caf\udce9 au lait"}, 400, ["not UTF-8: byte 0xE9 at character 4"]),
+    ("/v1/audio/reply", {"input": "a\ud800b"}, 400, ["unpaired surrogate, U+D800, at character 2"]),
 ]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import OptionError, UsageError
+from ..protocol import not_unicode
 
 
 class ReaderGone(Exception):
@@ -22,7 +23,7 @@ def read_text(text: Optional[str], file: Optional[str]) -> str:
     if text is not None and file is not None:
         raise OptionError("give the text as an argument or with -f, not both")
     if text is not None:
-        return text
+        return unicode_text(text, "the text")
     if file is not None and file != "-":
         try:
             return Path(file).read_text(encoding="utf-8")
@@ -30,7 +31,16 @@ def read_text(text: Optional[str], file: Optional[str]) -> str:
             raise UsageError(f"cannot read {file}: {e}") from None
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("no text: give it as an argument, with -f FILE, or on standard input")
-    return sys.stdin.read()
+    return unicode_text(sys.stdin.read(), "standard input")
+
+
+def unicode_text(text: str, where: str) -> str:
+    """`text`, or a UsageError where it is not Unicode text (a non-UTF-8 byte of an argument or of
+    stdin, which Python keeps as a lone surrogate, and the tokenizers refuse with a TypeError)."""
+    problem = not_unicode(text, where)
+    if problem:
+        raise UsageError(problem)
+    return text
 
 
 ARRIVAL_QUIET = 0.005  # s: after a read, more input within this long belongs to the same arrival
@@ -78,14 +88,19 @@ def input_lines(file: Optional[str]):
     """Input lines as they arrive (stdin is read line by line, not to the end first)."""
     if file is not None and file != "-":
         try:
-            with open(file, encoding="utf-8") as f:
-                yield from f
+            with open(file, "rb") as f:  # (each line decoded alone: an error names its line)
+                for n, line in enumerate(f, 1):
+                    try:
+                        yield line.decode("utf-8").replace("\r\n", "\n")
+                    except UnicodeDecodeError:
+                        raise UsageError(f"{file} is not UTF-8 text (line {n})") from None
         except OSError as e:
             raise UsageError(f"cannot read {file}: {e}") from None
         return
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("--lines reads standard input or -f FILE")
-    yield from iter(sys.stdin.readline, "")
+    for n, line in enumerate(iter(sys.stdin.readline, ""), 1):
+        yield unicode_text(line, f"standard input's line {n}")
 
 
 def play(chunks, sink, on_chunk=None) -> None:

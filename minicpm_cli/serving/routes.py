@@ -311,6 +311,9 @@ def _check_common(req: AudioRequest, ld: Loaded, service: Service, request: Requ
     if len(req.input) > protocol.MAX_INPUT_CHARS:
         raise ApiError(413, f"the input has {len(req.input)} characters, more than the "
                             f"{protocol.MAX_INPUT_CHARS} a request takes", param="input", code="input_too_long")
+    problem = protocol.not_unicode(req.input, "the input")
+    if problem:
+        raise ApiError(400, problem, param="input")
     return check_options(req, ld, service)
 
 
