@@ -863,28 +863,94 @@ def test_socket_api_key(secured):
 
 
 def test_sigterm_lets_the_request_in_flight_finish(secured):
-    """The request in flight finishes; a speech socket still waiting for text is closed (1012, service
-    restart: uvicorn's) and its stream ended, so the server exits 0."""
+    """The HTTP request in flight and a speech socket whose input has ended finish their audio; a socket
+    still waiting for text is told the server is shutting down (503, then 4503; uvicorn alone would
+    close every socket at once with 1012); the server exits 0."""
     text = " ".join(LONG.split(". ")[:50])
     host, port = secured.address
-    with connect(secured.url, additional_headers={"Authorization": f"Bearer {KEY}"}) as waiting:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with connect(secured.url, additional_headers=auth) as waiting, \
+            connect(secured.url, additional_headers=auth) as ended:
         waiting.send(json.dumps({"type": "start"}))
         waiting.send(json.dumps({"type": "text", "text": "Waiting for the rest"}))
+        ended.send(json.dumps({"type": "start", "greedy": True, "response_format": "pcm"}))
+        ended.send(json.dumps({"type": "end", "text": text}))
         conn = http.client.HTTPConnection(host, port, timeout=120)
         body = {"input": text, "greedy": True, "stream_format": "audio", "response_format": "pcm"}
-        conn.request("POST", "/v1/audio/speech", body=json.dumps(body),
-                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        conn.request("POST", "/v1/audio/speech", body=json.dumps(body), headers={"Content-Type": "application/json", **auth})
         resp = conn.getresponse()
         first = resp.read1(1 << 16)
+        started = hear(ended, until=lambda e: e["type"] == "speech.segment.started")
         secured.proc.send_signal(signal.SIGTERM)
         rest = resp.read()  # (IncompleteRead if the response were cut)
         conn.close()
         assert len(first) + len(rest) > 24000 * 2 * 5
-        assert hear(waiting, timeout=60).code == 1012
+        told = hear(waiting, timeout=60)
+        assert told.code == 4503 and told.of("error")[0]["error"]["code"] == "shutting_down", told
+        heard = hear(ended, timeout=120)
+        assert heard.code == 1000 and heard.of("speech.audio.done"), heard.events
+        frames = heard.of("speech.audio.done")[0]["usage"]["output_tokens"]
+        # (all of it: 512 samples a frame, and each continued segment's 4 context frames heard twice)
+        assert len(started.audio) + len(heard.audio) >= 2 * 512 * frames > 24000 * 2 * 5
     assert secured.proc.wait(timeout=60) == 0, secured.lines
     assert not [line for line in secured.lines if "Traceback" in line or "error" in line.lower()], secured.lines
+    assert any("in flight to finish" in line for line in secured.lines), secured.lines
     with pytest.raises(OSError):
         call(secured.url, "GET", "/health", timeout=5)
+
+
+def test_ctrl_c_while_the_model_loads_is_interrupted_130():
+    """Ctrl-C before the server is ready (while it imports, and while /health says it loads): one
+    line and 130 (it exited 0, or aborted with SIGABRT, the loading thread inside torch at the
+    interpreter's exit)."""
+    for when in ("importing", "loading"):
+        s = Served(port=free_port())
+        try:
+            if when == "importing":
+                time.sleep(0.3)
+            else:
+                end = time.monotonic() + 120
+                while time.monotonic() < end:
+                    try:
+                        if call(s.url, "GET", "/health", timeout=5)[0] == 503:
+                            break
+                    except OSError:  # (not listening yet)
+                        time.sleep(0.02)
+                else:
+                    raise AssertionError(s.lines)
+            s.proc.send_signal(signal.SIGINT)
+            assert s.proc.wait(timeout=60) == 130, (when, s.lines)
+            time.sleep(0.2)  # (the reader thread's last lines)
+            assert [line.strip() for line in s.lines if line.strip()] == ["minicpm: interrupted"], (when, s.lines)
+        finally:
+            s.stop()
+
+
+def test_a_second_ctrl_c_cuts_the_requests_in_flight_in_one_line():
+    """The first Ctrl-C says what the server waits for; a second cuts it: one line, status 130, no
+    traceback (uvicorn logged the cut request's CancelledError as one, and the server exited 0)."""
+    s = Served(port=free_port())
+    try:
+        s.wait_ready()
+        host, port = s.address
+        conn = http.client.HTTPConnection(host, port, timeout=120)
+        body = {"input": LONG[:20000], "stream_format": "audio", "response_format": "pcm"}
+        conn.request("POST", "/v1/audio/speech", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.read1(1 << 16)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(timeout=60) == 130, s.lines
+        with pytest.raises((http.client.IncompleteRead, OSError)):
+            resp.read()
+        conn.close()
+        time.sleep(0.2)
+        lines = [line.strip() for line in s.lines if line.strip()][1:]  # (after the ready line)
+        assert lines == ["minicpm: stopping: 1 request in flight to finish (Ctrl-C again cuts it)",
+                         "minicpm: interrupted: the requests in flight are cut"], s.lines
+    finally:
+        s.stop()
 
 
 def test_serve_usage_errors():

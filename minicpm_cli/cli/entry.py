@@ -9,7 +9,9 @@ A command that loaded no model (`say` through a server, `--help`, a usage error)
 `os._exit` once its streams are flushed: Python's own teardown, freeing every object of numpy,
 libsndfile's bindings and typer one by one, takes longer than such a command's work (about 0.2 s of
 a 1 s `say` on the 2-core CPU machine). With torch loaded the interpreter exits as usual, so that
-torch's, CUDA's and the compilers' exit handlers run.
+torch's, CUDA's and the compilers' exit handlers run; but not after Ctrl-C or SIGTERM (their cleanup
+has run as the exception unwound), where a thread may still be inside torch (a server stopped while
+its model loads), which the interpreter's teardown would abort (SIGABRT).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import threading
 
 from .dependencies import missing
-from .signals import INTERRUPTED, interrupt
+from .signals import INTERRUPTED, TERMINATED, interrupt
 
 
 def main() -> None:
@@ -49,7 +51,7 @@ def main() -> None:
         helpers = sys.modules.get("minicpm_cli.backends.kernels.precompile")
         if helpers is not None:
             helpers.release()
-    if code != INTERRUPTED and ("torch" in sys.modules or threading.active_count() > 1):
+    if code not in (INTERRUPTED, TERMINATED) and ("torch" in sys.modules or threading.active_count() > 1):
         sys.exit(code)
     _exit(code)
 

@@ -16,6 +16,7 @@ import threading
 # (dataclasses and typing build methods that way while modules import) as unhandled even once caught,
 # and an interpreter that exits normally then kills itself with SIGINT (status -2, not 130).
 INTERRUPTED = 130
+TERMINATED = 128 + signal.SIGTERM  # (`terminate`'s status)
 
 
 def interrupt(signum, frame):

@@ -6,12 +6,20 @@ port is a UsageError at once, and `/health` answers 503 while loading), starts t
 until SIGTERM or SIGINT, then lets the requests in flight finish and returns (exit status 0); a
 model that fails to load ends the server with that error. Voice uploads are allowed with an API key
 or on a loopback address only (`is_loopback`).
+
+Stopping: new connections are refused at once; HTTP requests in flight and speech sockets whose
+input has ended finish their audio (a line on stderr says how many requests it waits for); a socket
+still taking text gets the error `shutting_down` (503) and a close with 4503. A second Ctrl-C cuts
+what is left: one line, exit status 130. Stopped while the model loads: SIGINT is "interrupted"
+(130), SIGTERM 143, as any command, without waiting for the load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
+import logging
 import signal
 import socket
 import sys
@@ -23,8 +31,14 @@ import uvicorn
 
 from .. import protocol
 from ..errors import UsageError
+from .api_errors import ApiError
 from .app import create_app
 from .service import Loaded, Service
+
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down: it takes no more text", code="shutting_down")
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,36 @@ def is_loopback(host: str) -> bool:
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, service: Service):
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig: int, frame) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if self.force_exit:
+            # (the requests cut end in CancelledErrors, which uvicorn would log as tracebacks)
+            logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL + 1)
+            sys.stderr.write("minicpm: interrupted: the requests in flight are cut\n")
+        elif first and self.service.ready and self.service.worker.streams:
+            n = self.service.worker.streams
+            sys.stderr.write(f"minicpm: stopping: {n} request{'s' if n > 1 else ''} in flight to finish "
+                             f"(Ctrl-C again cuts {'them' if n > 1 else 'it'})\n")
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn closes every WebSocket at once (1012): first the speech sockets whose input has
+        # ended finish their audio, as HTTP requests in flight do, and those still taking text are
+        # told why they end
+        for server in self.servers:
+            server.close()  # (no new connections meanwhile)
+        waiting = set()
+        for session in list(self.service.sockets):
+            if session.ended or session.end_with(shutting_down()):
+                waiting.add(session)
+        while waiting & self.service.sockets and not self.force_exit:
+            await asyncio.sleep(0.05)
+        await super().shutdown(sockets)
+
     @contextlib.contextmanager
     def capture_signals(self):
         # uvicorn re-raises the signal once it has shut down, so the process would die of it; a
@@ -93,7 +137,7 @@ def run(options: ServeOptions, load: Callable[[], Loaded]) -> None:
     config = uvicorn.Config(create_app(service, options.api_key, uploads), log_level="info" if options.verbose else "warning",
                             access_log=options.verbose, lifespan="off", timeout_graceful_shutdown=None,
                             ws="websockets-sansio", ws_per_message_deflate=False)
-    server = _Server(config)
+    server = _Server(config, service)
 
     def ready(ld: Loaded) -> None:
         print(f"minicpm: serving {ld.model} ({ld.backend}, {ld.device}) at {url}", file=sys.stderr, flush=True)
@@ -106,7 +150,14 @@ def run(options: ServeOptions, load: Callable[[], Loaded]) -> None:
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if server.force_exit:  # (a second Ctrl-C: what was in flight is cut, said in handle_exit)
+        raise KeyboardInterrupt
     if service.failure is not None:
         raise service.failure
-    if service.ready:
-        service.worker.stop(timeout=10)
+    if not service.ready:  # (stopped while loading: the load is left to the process's exit)
+        sig = server._captured_signals[-1] if server._captured_signals else signal.SIGINT
+        if sig == signal.SIGINT:
+            sys.stderr.write("minicpm: interrupted\n")
+            raise KeyboardInterrupt
+        raise SystemExit(128 + sig)
+    service.worker.stop(timeout=10)

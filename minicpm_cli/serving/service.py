@@ -81,6 +81,7 @@ class Service:
         self.failure: BaseException | None = None
         self.formats = writable_formats()
         self.worker = Worker()
+        self.sockets: set = set()  # the speech sockets' sessions open (sockets.Session), for a shutdown
         self._load, self._warm_up = load, warm_up
         self._ready = threading.Event()
 

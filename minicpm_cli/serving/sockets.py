@@ -24,6 +24,7 @@ out as one binary message as soon as the worker hands the chunk to the event loo
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -47,11 +48,29 @@ class _ClientLeft(Exception):
     """The client closed the socket, or its connection went."""
 
 
+class Session:
+    """What a shutdown needs of an open socket (`Service.sockets`): whether its input has ended (its
+    audio is then finished, as an HTTP request in flight is), and how to end it with an error."""
+
+    def __init__(self):
+        self.ended = False
+        self.stop = None  # (error) -> None, once its job runs
+
+    def end_with(self, error: ApiError) -> bool:
+        """End a socket still taking text with `error`; False if it has no job to end yet."""
+        if self.stop is None:
+            return False
+        self.stop(error)
+        return True
+
+
 @router.websocket(protocol.SPEECH_STREAM_PATH)
 async def speech_stream(ws: WebSocket) -> None:
     await ws.accept(subprotocol=subprotocol(ws.scope))
     service: Service = ws.app.state.service
     job = inbox = reader = None
+    session = Session()
+    service.sockets.add(session)
     try:
         ld = service.require_ready()
         start = _start(await _receive(ws))
@@ -70,7 +89,8 @@ async def speech_stream(ws: WebSocket) -> None:
             usage["input_tokens"] = len(synth.tokenizers.encode_bert(inbox.received.strip()))
 
         job = service.submit(work)
-        reader = asyncio.create_task(_read(ws, inbox, job))
+        session.stop = functools.partial(_stop, inbox, job)
+        reader = asyncio.create_task(_read(ws, inbox, job, session))
         await _speak(ws, job, fmt, synth.sample_rate, start.timestamps, usage)
         await ws.close(1000)
     except (_ClientLeft, WebSocketDisconnect):
@@ -80,6 +100,7 @@ async def speech_stream(ws: WebSocket) -> None:
     except Exception as e:
         await _end(ws, internal_error(e))
     finally:
+        service.sockets.discard(session)
         if reader is not None:
             reader.cancel()
         if job is not None:
@@ -119,7 +140,15 @@ def _check(start: StreamStart, ld, service: Service) -> str:
     return fmt
 
 
-async def _read(ws: WebSocket, inbox: Inbox, job: Job) -> None:
+def _stop(inbox: Inbox, job: Job, error: Exception) -> None:
+    """End the session with `error`: its job cancelled, its parked stream resumed to end, the error
+    raised to the sender next."""
+    job.cancel()
+    inbox.close()
+    job.interrupt(error)
+
+
+async def _read(ws: WebSocket, inbox: Inbox, job: Job, session: Session) -> None:
     """The client's messages into the inbox until it leaves. What ends the session here (the client
     leaving, a message that cannot be taken) cancels the job and is raised to the sender next."""
     received, ended = 0, False
@@ -139,14 +168,12 @@ async def _read(ws: WebSocket, inbox: Inbox, job: Job) -> None:
             if received > protocol.MAX_INPUT_CHARS:
                 raise ApiError(413, f"the input has more than the {protocol.MAX_INPUT_CHARS} characters a request "
                                     "takes", param="text", code="input_too_long")
-            ended = message.type == "end"
+            ended = session.ended = message.type == "end"
             inbox.put(message.text, ended=ended, flush=message.type == "flush")
     except asyncio.CancelledError:
         raise
     except Exception as e:  # (_ClientLeft, WebSocketDisconnect, ApiError)
-        job.cancel()
-        inbox.close()
-        job.interrupt(e)
+        _stop(inbox, job, e)
 
 
 def _event(kind: str, **fields) -> str:
