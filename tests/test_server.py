@@ -213,6 +213,9 @@ def test_health_models_props(served):
     assert status == 200
     models = json.loads(body)
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [str(TINY)]
+    assert client(served.url).models.retrieve("tts-1").id == "tts-1"  # (the names a drop-in client sends)
+    with pytest.raises(openai.NotFoundError, match="gpt-5"):
+        client(served.url).models.retrieve("gpt-5")
     status, _, body = call(served.url, "GET", "/props")
     props = json.loads(body)
     assert (props["backend"], props["device"], props["dtype"], props["sample_rate"]) == ("eager", "cpu", "float32", 24000)

@@ -18,7 +18,8 @@ Contract:
   events too.
 - `/v1/audio/speech/stream`: the speech socket, a WebSocket taking text as it arrives (`sockets.py`).
 - `GET /health` (200 once the model is loaded and warm; `streams`: the requests on the model, generating,
-  waiting for a row or, on the speech socket, for text), `GET /v1/models`, `GET /props` (what is
+  waiting for a row or, on the speech socket, for text), `GET /v1/models` (and `/v1/models/ID`: the
+  one served, or an OpenAI TTS name it answers to), `GET /props` (what is
   served: model, backend, device, formats, limits), `GET /v1/voices` and `GET /v1/audio/voices` (the
   voices), `POST /v1/voices` (save one: multipart `name` and `file`).
 
@@ -82,8 +83,21 @@ async def props(service: ServiceDep):
 @router.get("/v1/models")
 async def models(request: Request, service: ServiceDep):
     ld = service.require_ready()
-    return {"object": "list", "data": [{"id": ld.model, "object": "model", "created": int(request.app.state.started),
-                                        "owned_by": "minicpm"}]}
+    return {"object": "list", "data": [_model(ld.model, request)]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request, service: ServiceDep):
+    """One model (`client.models.retrieve`): the one served, or one of OpenAI's TTS names it answers to."""
+    ld = service.require_ready()
+    if model_id not in (ld.model, *protocol.MODEL_ALIASES):
+        raise ApiError(404, f"the model '{model_id}' is not served here (this server serves '{ld.model}')",
+                       param="model", code="model_not_found")
+    return _model(model_id, request)
+
+
+def _model(model_id: str, request: Request) -> dict:
+    return {"id": model_id, "object": "model", "created": int(request.app.state.started), "owned_by": "minicpm"}
 
 
 # -- voices ---------------------------------------------------------------------------------------

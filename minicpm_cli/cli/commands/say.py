@@ -185,7 +185,13 @@ def reply(
 
     chunks = spk.reply(message, greedy=opts.greedy, seed=opts.seed, temperature=temperature, max_tokens=max_tokens,
                          first_chunk=frames, speed=speed, pcm=opts.pcm if audio.takes_pcm(output, opts.pcm, opts.raw) else None)
-    play(cc.timed(chunks, timeline), audio.open_sink(output, opts.pcm, spk.sample_rate, opts.raw), show)
+    try:
+        play(cc.timed(chunks, timeline), audio.open_sink(output, opts.pcm, spk.sample_rate, opts.raw), show)
+    except Exception:
+        if shown is sys.stderr and "".join(said):  # (the error's line on a line of its own)
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+        raise
     if captions is not None:
         timeline.finish()
         cc.write(captions, timeline.cues, spk.sample_rate)
