@@ -39,7 +39,8 @@ class Cue:
 class Timeline:
     """Cues as chunks arrive: `add(chunk)` returns the cues it completed (a cue completes when the next
     one starts), `finish()` the last one, ending at the audio's length; `cues` holds every cue
-    completed so far. A chunk without marks (a server's, which sends its cues itself) adds none."""
+    completed so far. A server's chunks carry no marks but, where asked, the cues the server timed
+    here (`cues`: `Cue.timestamp`'s dicts, counted from the utterance's start), taken as they are."""
 
     def __init__(self) -> None:
         self.cues: list[Cue] = []
@@ -51,6 +52,8 @@ class Timeline:
         done = []
         for sample, text in getattr(chunk, "marks", ()):
             done += self._mark(self._offset + sample, text)
+        for cue in getattr(chunk, "cues", ()):
+            done.append(Cue(self._offset + cue["start_sample"], self._offset + cue["end_sample"], cue["text"]))
         self.length += len(chunk.samples)
         if getattr(chunk, "final", False):
             self._offset = self.length

@@ -189,3 +189,30 @@ def test_server_timestamps_equal_the_command_line(served, said, tmp_path):
 
     status, _, data = call(served.url, "POST", "/v1/audio/speech", {**body, "stream_format": "audio"})
     assert status == 400 and json.loads(data)["error"]["param"] == "timestamps"
+
+
+def test_say_and_reply_captions_through_the_server_are_the_local_ones(served, said, tmp_path):
+    """`--captions` with a server running: the server times the cues (the speech socket's, the reply
+    stream's `timestamps`) and the files are the ones `--local` writes, audio and captions."""
+    tmp, stdout = said
+    remote = ("--server", served.url, "--seed", "7")
+    p = minicpm("say", TEXT, *remote, "-o", str(tmp_path / "a.wav"), "--captions", str(tmp_path / "a.srt"))
+    assert p.returncode == 0, p.stderr.decode()
+    assert (tmp_path / "a.srt").read_text() == (tmp / "a.srt").read_text()
+    assert (tmp_path / "a.wav").read_bytes() == (tmp / "a.wav").read_bytes()
+    q = minicpm("say", TEXT, *remote, "-o", "-", "--captions", str(tmp_path / "b.vtt"))
+    assert q.returncode == 0, q.stderr.decode()
+    assert q.stdout == stdout and (tmp_path / "b.vtt").read_text() == (tmp / "b.vtt").read_text()
+    # lines one after another in one stream: each a request, its cues laid after the ones before
+    lines = b"First line here.\nAnd a second one, with a clause.\n"
+    here = minicpm("say", "--lines", *LOCAL, "-o", "-", "--captions", str(tmp_path / "l.srt"), stdin=lines)
+    there = minicpm("say", "--lines", *remote, "-o", "-", "--captions", str(tmp_path / "r.srt"), stdin=lines)
+    assert here.returncode == there.returncode == 0, (here.stderr, there.stderr)
+    assert there.stdout == here.stdout and (tmp_path / "r.srt").read_text() == (tmp_path / "l.srt").read_text()
+    assert len(parsed(tmp_path / "r.srt")) >= 2
+    reply = ("reply", "Say something.", "--max-tokens", "24", "-o")
+    a = minicpm(*reply, str(tmp_path / "x.wav"), *LOCAL, "--captions", str(tmp_path / "x.srt"))
+    b = minicpm(*reply, str(tmp_path / "y.wav"), *remote, "--captions", str(tmp_path / "y.srt"))
+    assert a.returncode == b.returncode == 0, (a.stderr, b.stderr)
+    assert (tmp_path / "y.srt").read_text() == (tmp_path / "x.srt").read_text()
+    assert (tmp_path / "y.wav").read_bytes() == (tmp_path / "x.wav").read_bytes()

@@ -98,13 +98,6 @@ DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "bfloat16", "bf16", "float32", "fp32")
 
 
-def check_captions(path: Optional[str], speaker) -> None:
-    """--captions needs the model here: its marks are what the cues are timed by."""
-    if path is not None and getattr(speaker, "synth", None) is None:
-        raise OptionError("--captions times the cues by the model's own marks: add --local (a server gives them "
-                          "as `timestamps`, docs/streaming.md)")
-
-
 def check_model_options(backend: str, device: str, dtype: str, gguf: Optional[str]) -> None:
     """--backend (one name, or several where `bench` compares them), --device, --dtype and --gguf
     checked before anything is looked for or loaded: a value out of range exits 2."""

@@ -36,7 +36,8 @@ def load_here(model: Optional[str], backend: str, device: str, dtype: str, gguf:
 
 class Local:
     """The model in this process, behind the interface `client.Remote` offers `say` and `reply` (float
-    samples always: `pcm`, the format a raw sink writes, is for a server to convert to)."""
+    samples always: `pcm`, the format a raw sink writes, is for a server to convert to; the chunks
+    always carry the marks captions are timed by, so `timestamps` asks nothing more here)."""
 
     def __init__(self, synth):
         self.synth, self.sample_rate = synth, synth.sample_rate
@@ -46,14 +47,14 @@ class Local:
         self.voice = voice
 
     def read(self, text: str, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int,
-             speed: float = 1.0, pcm: Optional[str] = None):
+             speed: float = 1.0, pcm: Optional[str] = None, timestamps: bool = False):
         from ..engine.sampling import Sampling
 
         return self.synth.synthesize(text, Sampling(greedy=greedy, seed=seed), decode=decode, first_chunk=first_chunk,
                                      voice=self.voice, speed=speed)
 
     def read_arriving(self, arrivals, *, greedy: bool, seed: Optional[int], decode: str, first_chunk: int,
-                      speed: float = 1.0, pcm: Optional[str] = None):
+                      speed: float = 1.0, pcm: Optional[str] = None, timestamps: bool = False):
         """`read` of text still arriving ((text, ended) items: `streams.arriving`), speech starting on
         its first part ready (`Synthesizer.synthesize_arriving`)."""
         from ..engine.sampling import Sampling
@@ -73,7 +74,7 @@ class Local:
         return in_order(self.synth.batch(batch), jobs, batch)
 
     def reply(self, message: str, *, greedy: bool, seed: Optional[int], temperature: float, max_tokens: int,
-              first_chunk: int, speed: float = 1.0, pcm: Optional[str] = None):
+              first_chunk: int, speed: float = 1.0, pcm: Optional[str] = None, timestamps: bool = False):
         from ..engine.llm import LLMSampling
         from ..engine.sampling import Sampling
 

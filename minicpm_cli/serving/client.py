@@ -61,11 +61,14 @@ class ServerError(MinicpmError):
 @dataclass(frozen=True)
 class Chunk:
     """What `say`/`reply` read from an AudioChunk: samples (float32 mono, or a sink's own `Pcm`), their
-    rate, the text."""
+    rate, the text; with `timestamps`, the caption cues the server timed (`captions.Timeline` takes
+    them) and, at a request's end, an empty chunk that is `final` (the next request's cues follow it)."""
 
     samples: np.ndarray | Pcm
     sample_rate: int
     text: str = ""
+    cues: tuple = ()
+    final: bool = False
 
 
 def server_url(explicit: str | None) -> tuple[str | None, bool]:
@@ -165,18 +168,22 @@ class Remote:
                 "speed": self._speed(speed)}
 
     def read(self, text: str, *, greedy: bool, seed: int | None, decode: str, first_chunk: int,
-             speed: float = 1.0, pcm: str | None = None) -> Iterator[Chunk]:
+             speed: float = 1.0, pcm: str | None = None, timestamps: bool = False) -> Iterator[Chunk]:
         """`Synthesizer.synthesize` on the server: decode "stream" (chunk by chunk) or "segment". With
         `pcm` ("s16" or "f32", for a sink that writes it as it comes: `audio.takes_pcm`) the server
         converts the samples as that sink would (`audio.to_pcm`) and the chunks hold `audio.Pcm`;
-        else float32 samples."""
+        else float32 samples. With `timestamps` (captions) the text goes whole, as the end message, over
+        the speech socket, which sends the cues beside the same audio (`Chunk.cues`)."""
+        if timestamps:
+            start = self._socket_start(greedy, seed, decode, first_chunk, speed, pcm)
+            return _sent(self._arriving(start, {"type": "end", "text": text}, iter(()), pcm, _Opening(self)))
         body = {**self._speech(greedy, seed, first_chunk, speed, pcm), "input": text}
         if decode == "stream":
             body["stream_format"] = "audio"
         return _sent(self._samples(body, pcm))
 
     def read_arriving(self, arrivals, *, greedy: bool, seed: int | None, decode: str, first_chunk: int,
-                      speed: float = 1.0, pcm: str | None = None) -> Iterator[Chunk]:
+                      speed: float = 1.0, pcm: str | None = None, timestamps: bool = False) -> Iterator[Chunk]:
         """Text still arriving ((text, ended) items: `streams.arriving`), through the server's speech
         socket: each arrival is sent as one message as it comes and the audio is read as it is made, so
         the server makes of them the parts, segments and bytes `--local` makes of the same arrivals.
@@ -195,7 +202,8 @@ class Remote:
             if opening is not None:
                 opening.discard()
             raise
-        options = dict(greedy=greedy, seed=seed, decode=decode, first_chunk=first_chunk, speed=speed, pcm=pcm)
+        options = dict(greedy=greedy, seed=seed, decode=decode, first_chunk=first_chunk, speed=speed, pcm=pcm,
+                       timestamps=timestamps)
         if not ended and not socket_ok:
             first, ended = first + "".join(t for t, _ in arrivals), True
         if ended:
@@ -204,12 +212,23 @@ class Remote:
             if not first.strip():
                 raise UsageError("no text to speak")
             return self.read(first.strip(), **options)
+        start = self._socket_start(greedy, seed, decode, first_chunk, speed, pcm, timestamps)
+        return _sent(self._arriving(start, {"type": "text", "text": first}, arrivals, pcm, opening))
+
+    def _socket_start(self, greedy: bool, seed: int | None, decode: str, first_chunk: int, speed: float,
+                      pcm: str | None, timestamps: bool = True) -> dict:
+        """The speech socket's start message; with `timestamps`, a server that has no socket (an older
+        minicpm, where the speech endpoint cannot give cues and a file's audio at once) is an error."""
+        if timestamps and "speech_stream" not in self.props.get("extensions", ()):
+            raise UsageError(f"the server at {self.url} does not time captions (an older minicpm): add --local")
         start = {"type": "start", **self._speech(greedy, seed, first_chunk, speed, pcm)}
         start = {k: v for k, v in start.items() if v is not None}
         start["stream_format"] = "audio" if decode == "stream" else None  # (null: each segment decoded whole)
-        return _sent(self._arriving(start, first, arrivals, pcm, opening))
+        if timestamps:
+            start["timestamps"] = True
+        return start
 
-    def _arriving(self, start: dict, first: str, arrivals: Iterator, pcm: str | None,
+    def _arriving(self, start: dict, first: dict, arrivals: Iterator, pcm: str | None,
                   opening: "_Opening") -> Iterator[Chunk]:
         from websockets.exceptions import ConnectionClosed
 
@@ -218,7 +237,7 @@ class Remote:
         with ws:
             try:
                 ws.send(json.dumps(start))
-                ws.send(json.dumps({"type": "text", "text": first}))
+                ws.send(json.dumps(first))
             except ConnectionClosed:
                 pass  # (the server's error message is read below)
             trace.mark("sent")
@@ -238,7 +257,10 @@ class Remote:
                     yield Chunk(samples(message), self.sample_rate)
                     continue
                 event = _json(message.encode())
-                if event.get("type") == "speech.audio.done":
+                if event.get("type") == "speech.caption":
+                    yield Chunk(samples(b""), self.sample_rate, cues=(event,))
+                elif event.get("type") == "speech.audio.done":
+                    yield Chunk(samples(b""), self.sample_rate, final=True)
                     return
                 if event.get("type") == "error":
                     code = 0
@@ -295,14 +317,16 @@ class Remote:
                     f.cancel()
 
     def reply(self, message: str, *, greedy: bool, seed: int | None, temperature: float, max_tokens: int,
-              first_chunk: int, speed: float = 1.0, pcm: str | None = None) -> Iterator[Chunk]:
+              first_chunk: int, speed: float = 1.0, pcm: str | None = None, timestamps: bool = False) -> Iterator[Chunk]:
         """`Synthesizer.reply` on the server: audio and the text it speaks, as they are generated (`pcm`
-        as for `read`)."""
+        and `timestamps` as for `read`)."""
+        if timestamps and "speech_stream" not in self.props.get("extensions", ()):
+            raise UsageError(f"the server at {self.url} does not time captions (an older minicpm): add --local")
         body = {"model": self.props["model"], "input": message, "voice": protocol.DEFAULT_VOICE,
                 "voice_samples": self._voice_samples, "response_format": FORMAT_OF[pcm], "stream_format": "sse",
                 "greedy": greedy, "seed": seed,
                 "temperature": temperature, "max_tokens": max_tokens, "first_chunk": first_chunk,
-                "speed": self._speed(speed)}
+                "speed": self._speed(speed), **({"timestamps": True} if timestamps else {})}
         return _sent(self._replies(body, pcm))
 
     def _replies(self, body: dict, pcm: str | None) -> Iterator[Chunk]:
@@ -317,6 +341,8 @@ class Remote:
                     yield Chunk(samples(base64.b64decode(event["audio"])), self.sample_rate)
                 elif kind == "reply.text.delta":
                     yield Chunk(empty, self.sample_rate, event["text"])
+                elif kind == "reply.caption":
+                    yield Chunk(empty, self.sample_rate, cues=(event,))
                 elif kind == "reply.done":
                     return
                 elif kind == "error":

@@ -16,7 +16,7 @@ import typer
 
 from ... import audio, captions as cc, trace
 from ...errors import OptionError, UsageError
-from ..options import (CaptionsOpt, OutputOpt, SpeakerOptions, check_captions, check_sampling, check_speed,
+from ..options import (CaptionsOpt, OutputOpt, SpeakerOptions, check_sampling, check_speed,
                        chunk_frames, output_target, with_speaker_options)
 from ..speaker import speaker as find_speaker
 from ..streams import arriving, input_lines, play, progress, read_text
@@ -75,7 +75,6 @@ def say(
 
     check_sampling(opts.greedy, opts.seed)
     spk = find_speaker(opts, rows=batch)
-    check_captions(captions, spk)
     texts = None
     if lines:  # (the first line waited for here, so that input without one is the error it is for an argument)
         texts = (line for line in input_lines(file) if line.strip())
@@ -90,7 +89,7 @@ def say(
     def chunks(t: str, decode: str, target: str):
         # (a server sends the sink's own samples when it writes them as they are)
         return spk.read(t, greedy=opts.greedy, seed=opts.seed, decode=decode, first_chunk=frames, speed=speed,
-                        pcm=pcm if audio.takes_pcm(target, pcm, raw) else None)
+                        pcm=pcm if audio.takes_pcm(target, pcm, raw) else None, timestamps=captions is not None)
 
     def speak(t: str, target: str, to_file: bool) -> None:
         # (the chunks are asked for before the sink is opened: a server starts on them while opening
@@ -106,7 +105,8 @@ def say(
             to_file = output != "-" and not raw
             stream = spk.read_arriving(arrivals, greedy=opts.greedy, seed=opts.seed,
                                        decode="segment" if to_file else "stream", first_chunk=frames, speed=speed,
-                                       pcm=pcm if audio.takes_pcm(output, pcm, raw) else None)
+                                       pcm=pcm if audio.takes_pcm(output, pcm, raw) else None,
+                                       timestamps=captions is not None)
             play(cc.timed(stream, timeline), audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
             trace.mark("written")
         elif directory is not None:
@@ -171,7 +171,6 @@ def reply(
 
     check_sampling(opts.greedy, opts.seed)
     spk = find_speaker(opts)
-    check_captions(captions, spk)
     timeline = cc.Timeline()
     said: list[str] = []
 
@@ -184,7 +183,8 @@ def reply(
             shown.flush()
 
     chunks = spk.reply(message, greedy=opts.greedy, seed=opts.seed, temperature=temperature, max_tokens=max_tokens,
-                         first_chunk=frames, speed=speed, pcm=opts.pcm if audio.takes_pcm(output, opts.pcm, opts.raw) else None)
+                         first_chunk=frames, speed=speed, pcm=opts.pcm if audio.takes_pcm(output, opts.pcm, opts.raw) else None,
+                         timestamps=captions is not None)
     try:
         play(cc.timed(chunks, timeline), audio.open_sink(output, opts.pcm, spk.sample_rate, opts.raw), show)
     except Exception:
