@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .protocol import not_unicode
+
 
 class MinicpmError(Exception):
     """A problem the user can act on: printed as one line, exit status `exit_code`."""
@@ -42,3 +44,12 @@ class UnknownBackend(BackendError, OptionError):
 
 class DeviceError(MinicpmError):
     """The requested device or dtype is not available here."""
+
+
+def unicode_text(text: str, where: str) -> str:
+    """`text`, or a UsageError where it is not Unicode text (`protocol.not_unicode`: the CLI's input and
+    the Python API's both; the server answers the same message as a 400)."""
+    problem = not_unicode(text, where)
+    if problem:
+        raise UsageError(problem)
+    return text

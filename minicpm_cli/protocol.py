@@ -57,22 +57,17 @@ SPEED_RANGE = (0.25, 4.0)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (and so `--seed`)
 
 
-def unpaired_surrogate(text: str) -> int | None:
-    """Where `text` holds a character no UTF-8 can encode (an unpaired surrogate: a JSON "\\ud800", or
-    a byte of non-UTF-8 input that Python kept as U+DC80-U+DCFF), or None. The tokenizers refuse such
-    text with a TypeError: every way in (arguments, stdin, files, requests) is checked with this."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return e.start
-    return None
-
 
 def not_unicode(text: str, where: str) -> str | None:
-    """A one-line message if `text` (named `where`) is not Unicode text (`unpaired_surrogate`), else None."""
-    at = unpaired_surrogate(text)
-    if at is None:
+    """A one-line message if `text` (named `where`) holds a character no UTF-8 can encode, else None:
+    an unpaired surrogate (a JSON "\\ud800"), or a byte of non-UTF-8 input that Python kept as
+    U+DC80-U+DCFF. The tokenizers refuse such text with a TypeError: every way in (arguments, stdin,
+    files, requests) is checked with this."""
+    try:
+        text.encode("utf-8")
         return None
+    except UnicodeEncodeError as e:
+        at = e.start
     code = ord(text[at])
     if 0xDC80 <= code <= 0xDCFF:
         return f"{where} is not UTF-8: byte 0x{code - 0xDC00:02X} at character {at + 1}"

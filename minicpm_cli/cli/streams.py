@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ..errors import OptionError, UsageError
-from ..protocol import not_unicode
+from ..errors import OptionError, UsageError, unicode_text
 
 
 class ReaderGone(Exception):
@@ -32,15 +31,6 @@ def read_text(text: Optional[str], file: Optional[str]) -> str:
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("no text: give it as an argument, with -f FILE, or on standard input")
     return unicode_text(sys.stdin.read(), "standard input")
-
-
-def unicode_text(text: str, where: str) -> str:
-    """`text`, or a UsageError where it is not Unicode text (a non-UTF-8 byte of an argument or of
-    stdin, which Python keeps as a lone surrogate, and the tokenizers refuse with a TypeError)."""
-    problem = not_unicode(text, where)
-    if problem:
-        raise UsageError(problem)
-    return text
 
 
 ARRIVAL_QUIET = 0.005  # s: after a read, more input within this long belongs to the same arrival

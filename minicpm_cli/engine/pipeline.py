@@ -40,7 +40,7 @@ from .checkpoint import DEFAULT_MODEL, Checkpoint, load_module, read_config, res
 from .cloning import AUDIO_PREFIXES, VoiceEncoder, load_voice_encoder
 from .. import protocol, trace
 from .codec import Codec, samples_at
-from ..errors import CheckpointError, DeviceError, UsageError
+from ..errors import CheckpointError, DeviceError, UsageError, unicode_text
 from .features import FeatureConfig
 from ..models.chattts import ChatTTS, TTSConfig, fold_weight_norm
 from .codec import StreamDecoder
@@ -446,7 +446,7 @@ class Synthesizer:
         `speed`: the tempo (0.25-4), the pitch kept (the module's docstring).
         """
         check_speed(speed)
-        text = check_text(text).strip()
+        text = unicode_text(text, "the text").strip()
         if not text:
             raise UsageError("no text to speak")
         tok = self.tokenizers
@@ -476,7 +476,7 @@ class Synthesizer:
         check_speed(speed)
         tok = self.tokenizers
         count = lambda t: len(tok.encode_bert(t))  # noqa: E731
-        parts = ready_parts(((check_text(a[0]), *a[1:]) for a in arrivals), count)
+        parts = ready_parts(((unicode_text(a[0], "the text"), *a[1:]) for a in arrivals), count)
         first, last = next(parts)
         while not last and not tok.encode_bert(first):  # (nothing the TTS reads yet: "..." alone)
             more, last = next(parts)
@@ -511,7 +511,7 @@ class Synthesizer:
         they are generated; each chunk carries the reply text it speaks. With a `voice`, the
         reference's audio-assistant system turn comes first and the answer is spoken in that voice."""
         check_speed(speed)
-        if not check_text(user_text).strip():
+        if not unicode_text(user_text, "the text").strip():
             raise UsageError("no text to reply to")
         if max_tokens < 1:
             raise UsageError("--max-tokens must be at least 1")
@@ -598,14 +598,6 @@ class Synthesizer:
         `frames_per_token`: lengths forced (random weights)."""
         return self._utterance(list(self.synthesize(text, sampling, decode="segment", voice=voice, speed=speed,
                                                     frames_per_token=frames_per_token)))
-
-
-def check_text(text: str) -> str:
-    """`text`, or a one-line UsageError where it is not Unicode text (protocol.unpaired_surrogate)."""
-    problem = protocol.not_unicode(text, "the text")
-    if problem:
-        raise UsageError(problem)
-    return text
 
 
 def check_speed(speed: float) -> None:

@@ -215,12 +215,17 @@ class Remote:
         start = self._socket_start(greedy, seed, decode, first_chunk, speed, pcm, timestamps)
         return _sent(self._arriving(start, {"type": "text", "text": first}, arrivals, pcm, opening))
 
+    def _check_timed(self) -> None:
+        """Captions need a server that times them beside the audio (the speech socket came with the
+        reply stream's `timestamps`): an older minicpm is an error, never a file without its cues."""
+        if "speech_stream" not in self.props.get("extensions", ()):
+            raise UsageError(f"the server at {self.url} does not time captions (an older minicpm): add --local")
+
     def _socket_start(self, greedy: bool, seed: int | None, decode: str, first_chunk: int, speed: float,
                       pcm: str | None, timestamps: bool = True) -> dict:
-        """The speech socket's start message; with `timestamps`, a server that has no socket (an older
-        minicpm, where the speech endpoint cannot give cues and a file's audio at once) is an error."""
-        if timestamps and "speech_stream" not in self.props.get("extensions", ()):
-            raise UsageError(f"the server at {self.url} does not time captions (an older minicpm): add --local")
+        """The speech socket's start message (with `timestamps`, `_check_timed` first)."""
+        if timestamps:
+            self._check_timed()
         start = {"type": "start", **self._speech(greedy, seed, first_chunk, speed, pcm)}
         start = {k: v for k, v in start.items() if v is not None}
         start["stream_format"] = "audio" if decode == "stream" else None  # (null: each segment decoded whole)
@@ -320,8 +325,8 @@ class Remote:
               first_chunk: int, speed: float = 1.0, pcm: str | None = None, timestamps: bool = False) -> Iterator[Chunk]:
         """`Synthesizer.reply` on the server: audio and the text it speaks, as they are generated (`pcm`
         and `timestamps` as for `read`)."""
-        if timestamps and "speech_stream" not in self.props.get("extensions", ()):
-            raise UsageError(f"the server at {self.url} does not time captions (an older minicpm): add --local")
+        if timestamps:
+            self._check_timed()
         body = {"model": self.props["model"], "input": message, "voice": protocol.DEFAULT_VOICE,
                 "voice_samples": self._voice_samples, "response_format": FORMAT_OF[pcm], "stream_format": "sse",
                 "greedy": greedy, "seed": seed,

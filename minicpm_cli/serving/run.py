@@ -7,8 +7,9 @@ until SIGTERM or SIGINT, then lets the requests in flight finish and returns (ex
 model that fails to load ends the server with that error. Voice uploads are allowed with an API key
 or on a loopback address only (`is_loopback`).
 
-Stopping: new connections are refused at once; HTTP requests in flight and speech sockets whose
-input has ended finish their audio (a line on stderr says how many requests it waits for); a socket
+Stopping: new connections are refused at once; HTTP requests in flight finish, and speech sockets
+whose input has ended are waited for to their end (a line on stderr says how many requests it waits
+for; in one CI run such a socket, left unread by its client meanwhile, was still cut: 1006); a socket
 still taking text gets the error `shutting_down` (503) and a close with 4503. A second Ctrl-C cuts
 what is left: one line, exit status 130. Stopped while the model loads: SIGINT is "interrupted"
 (130), SIGTERM 143, as any command, without waiting for the load.
