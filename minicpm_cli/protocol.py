@@ -34,6 +34,9 @@ SPEECH_STREAM_PATH = "/v1/audio/speech/stream"
 WS_SUBPROTOCOL = "minicpm"
 WS_KEY_PREFIX = "minicpm.key."
 WS_CLOSE_ERROR = 4000
+# A speech socket whose stream has waited this long for text (nothing to speak, its input not ended)
+# is closed with 4408: a parked stream holds one of the server's rows (`serve --socket-idle`; 0: no limit)
+SOCKET_IDLE_S = 60.0
 
 # Frames (21.3 ms) in a generation call: the range of `first_chunk` (= tts.FRAMES_PER_CALL; a test
 # checks they agree, this module cannot import the model code)

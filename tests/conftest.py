@@ -122,12 +122,13 @@ def assert_read_golden(goldens, manifest):
     return check
 
 
-def slow_writer(cmd: list[str], env: dict) -> tuple[int, bytes, bool, bytes]:
+def slow_writer(cmd: list[str], env: dict, pause: float = 0) -> tuple[int, bytes, bool, bytes]:
     """`cmd` (a `say` reading stdin) fed by a slow writer: the first sentence, then a wait until the
-    first audio byte comes (or 120 s), then the rest and the end -> (exit status, stderr, whether
-    audio came while the writer waited, stdout)."""
+    first audio byte comes (or 120 s) and `pause` seconds more, then the rest and the end -> (exit
+    status, stderr, whether audio came while the writer waited, stdout)."""
     import subprocess
     import threading
+    import time
 
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     first = threading.Event()
@@ -143,6 +144,7 @@ def slow_writer(cmd: list[str], env: dict) -> tuple[int, bytes, bool, bytes]:
     p.stdin.write(b"The first sentence arrives alone.\n")
     p.stdin.flush()
     came = first.wait(120)
+    time.sleep(pause)
     p.stdin.write(b"Then the rest of it.\n")
     p.stdin.close()
     p.wait(120)

@@ -765,6 +765,63 @@ def test_socket_bad_messages_get_an_error_then_a_close(served):
     assert over_socket(served.url, [{"type": "start"}, {"type": "end", "text": "Still here."}]).code == 1000
 
 
+def test_socket_waiting_for_text_too_long_is_closed_4408():
+    """`serve --socket-idle S`: a socket whose stream has waited S seconds for text (no start message,
+    or text that is not yet a part) gets idle_timeout and 4408, and frees its row. Each message starts
+    the wait anew, and it counts only while the stream has nothing to speak: not while it generates,
+    nor once the text has ended."""
+    limit = 1.5
+    s = Served("--socket-idle", str(limit))
+    try:
+        s.wait_ready()
+        with connect(s.url) as silent, connect(s.url) as waiting:
+            t0 = time.monotonic()
+            waiting.send(json.dumps({"type": "start", "greedy": True}))
+            waiting.send(json.dumps({"type": "text", "text": "Waiting for the rest"}))  # (not a part yet)
+            for ws in (silent, waiting):
+                heard = hear(ws, timeout=60)
+                assert heard.code == 4408 and heard.of("error")[0]["error"]["code"] == "idle_timeout", heard
+            assert limit <= time.monotonic() - t0 < limit + 15
+        with connect(s.url) as chatty:  # a message each 0.5 s for twice the limit, then the end: spoken whole
+            chatty.send(json.dumps({"type": "start", "greedy": True, "response_format": "pcm"}))
+            for word in ["Every", " word", " comes", " a", " little", " later"]:
+                chatty.send(json.dumps({"type": "text", "text": word}))
+                time.sleep(0.5)
+            chatty.send(json.dumps({"type": "end", "text": "."}))
+            heard = hear(chatty)
+            assert heard.code == 1000 and heard.audio and heard.of("speech.audio.done"), heard.events
+        text = " ".join(LONG.split(". ")[:40]) + "."
+        with connect(s.url) as busy:  # generating longer than the limit, then waiting: closed after the limit
+            busy.send(json.dumps({"type": "start", "greedy": True, "response_format": "pcm"}))
+            t0 = time.monotonic()
+            busy.send(json.dumps({"type": "flush", "text": text}))
+            heard = hear(busy, until=lambda e: e["type"] == "speech.segment.done" and e["text"].endswith("stops."))
+            last_audio = time.monotonic()  # (the segment's done event follows its last audio)
+            rest = hear(busy, timeout=60)
+            closed = time.monotonic()
+            heard.events += rest.events
+            assert rest.code == 4408
+            spoken = heard.of("speech.segment.done")
+            assert " ".join(d["text"] for d in spoken).split() == text.split(), heard.events[-3:]
+            assert heard.events[-1]["type"] == "error" and heard.events[-1]["error"]["code"] == "idle_timeout"
+            assert last_audio - t0 > limit and closed - last_audio >= limit - 0.2, (t0, last_audio, closed)
+        with connect(s.url) as ended:  # the text has ended: no limit while it is spoken
+            ended.send(json.dumps({"type": "start", "greedy": True, "response_format": "pcm"}))
+            ended.send(json.dumps({"type": "end", "text": text}))
+            assert hear(ended, timeout=120).code == 1000
+        # `say` reading a pipe whose writer pauses longer than the limit keeps its stream (empty messages)
+        code, err, came, out = slow_writer([sys.executable, "-m", "minicpm_cli", "say", "--server", s.url, "--greedy",
+                                            "-o", "-"], _env(), pause=3 * limit)
+        assert code == 0 and err == b"" and came and len(out) > 44, err
+        end = time.monotonic() + 30
+        while health_streams(s.url) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert health_streams(s.url) == 0
+        assert not [line for line in s.lines if "Traceback" in line or "error" in line.lower()], s.lines
+    finally:
+        s.stop()
+
+
 def test_say_through_the_server_speaks_before_a_slow_writer_goes_on(served):
     """`say --server` reading a pipe: the first sentence, then the writer waits: the first audio byte
     comes while it waits (the rest is written once audio came, or after 120 s)."""
@@ -961,6 +1018,8 @@ def test_serve_usage_errors():
     p = minicpm("serve", "--host", "0.0.0.0", "--model", str(TINY))
     _one_line_error(p, "--api-key", "--insecure", status=2)
     _one_line_error(minicpm("serve", "--port", "70000"), "--port", status=2)
+    for idle in ("-1", "nan", "inf"):
+        _one_line_error(minicpm("serve", "--socket-idle", idle), "--socket-idle", status=2)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

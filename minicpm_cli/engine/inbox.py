@@ -7,13 +7,15 @@ The producer (any thread: the server's event loop) calls `put` for each message 
 parts, hence the audio, depend only on the messages, not on when they were read), until the one that
 ends the input. While nothing has come, a stream of a batch parks (`park`, its lane's: the engine
 runs the other streams and polls this inbox each round) and a read alone waits on a condition; once
-closed, the next arrival asked for raises `Closed`. `wake` (given by the owner) is called after each put and at
+closed, the next arrival asked for raises `Closed`. `waiting_since` says since when the reader has
+waited for text (monotonic seconds; None while it has text or has not asked), for an idle limit. `wake` (given by the owner) is called after each put and at
 close, so that an engine with only parked streams, which sleeps, looks again. No torch.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -31,6 +33,7 @@ class Inbox:
         self._cond = threading.Condition()
         self._wake = wake
         self.received = ""  # all the text put so far
+        self.waiting_since: float | None = None  # (set and cleared by the reader's thread only)
 
     # -- the producer's side (any thread) --------------------------------------------------------
 
@@ -57,12 +60,15 @@ class Inbox:
         """The messages as `Arrival`s, to the one that ends the input. `park(ready)`: wait, as a
         stream of a batch, until `ready()` (None: block this thread)."""
         while True:
-            while not (self._items or self._closed):
+            if not self.has_news():
+                self.waiting_since = time.monotonic()
+            while not self.has_news():
                 if park is not None:
                     park(self.has_news)
                 else:
                     with self._cond:
                         self._cond.wait_for(self.has_news)
+            self.waiting_since = None
             if self._closed:
                 raise Closed
             item = self._items.popleft()

@@ -64,6 +64,7 @@ class ServeArgs:
     batch: int = 0  # requests each replica generates at once (serve --batch; 0: as many as fit)
     batch_variant: bool = False  # serve --batch-variant
     api_key: str | None = None  # every request but GET /health needs it [default: each replica's MINICPM_API_KEY]
+    socket_idle: float | None = protocol.SOCKET_IDLE_S  # serve --socket-idle (None: no limit)
     replicas: tuple[int, int] = (1, 1)  # (min, max): equal for a fixed number
     gpus: float | None = None  # per replica [default: 1 unless device is cpu]
     max_ongoing_requests: int | None = None  # per replica [default: HELD * batch: its rows, and as many queued]
@@ -189,7 +190,8 @@ class Speech:
         from ..serving.service import Service, load_served
 
         self.service = Service(functools.partial(load_served, args.model, args.backend, args.device, args.dtype,
-                                                 args.gguf, args.random_weights, args.batch, args.batch_variant))
+                                                 args.gguf, args.random_weights, args.batch, args.batch_variant),
+                               socket_idle=args.socket_idle)
         settled = threading.Event()
         self.service.start(lambda loaded: settled.set(), lambda error: settled.set())
         settled.wait()

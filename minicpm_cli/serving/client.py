@@ -246,7 +246,8 @@ class Remote:
             except ConnectionClosed:
                 pass  # (the server's error message is read below)
             trace.mark("sent")
-            threading.Thread(target=_send_arrivals, args=(ws, arrivals, failed), daemon=True,
+            idle = self.props.get("limits", {}).get("socket_idle_s")
+            threading.Thread(target=_send_arrivals, args=(ws, arrivals, failed, idle), daemon=True,
                              name="minicpm-text").start()
             yield None  # (sent: see _sent)
             samples = _samples_of(pcm)
@@ -383,15 +384,37 @@ class Remote:
         return resp
 
 
-def _send_arrivals(ws, arrivals: Iterator, failed: list) -> None:
+def _send_arrivals(ws, arrivals: Iterator, failed: list, idle: float | None = None) -> None:
     """Each arrival as one message (the last, with the end, as the end message), on a thread of its
     own while the audio is read. Reading the input may fail (not UTF-8): the failure is kept for the
-    reader and the socket closed, which cancels the server's work."""
+    reader and the socket closed, which cancels the server's work. While the input is quiet, an empty
+    text message goes out each third of the server's `idle` limit (`serve --socket-idle`; at most
+    KEEPALIVE_S apart), so that a writer that pauses (`tail -f`) keeps its stream: an empty arrival
+    adds nothing to speak (`text.ready_parts`), so the audio is what it would be without."""
     from websockets.exceptions import ConnectionClosed
 
+    lock, done = threading.Lock(), threading.Event()  # (nothing may follow the end message)
+
+    def send(message: str, last: bool = False) -> None:
+        with lock:
+            if not done.is_set():
+                ws.send(message)
+                if last:
+                    done.set()
+
+    def keep_alive(every: float) -> None:
+        while not done.wait(every):
+            try:
+                send('{"type":"text","text":""}')
+            except ConnectionClosed:
+                return
+
+    if idle:
+        threading.Thread(target=keep_alive, args=(min(idle / 3, KEEPALIVE_S),), daemon=True,
+                         name="minicpm-keepalive").start()
     try:
         for text, ended in arrivals:
-            ws.send(json.dumps({"type": "end" if ended else "text", "text": text}))
+            send(json.dumps({"type": "end" if ended else "text", "text": text}), last=ended)
             if ended:
                 return
     except ConnectionClosed:
@@ -399,6 +422,11 @@ def _send_arrivals(ws, arrivals: Iterator, failed: list) -> None:
     except BaseException as e:
         failed.append(e)
         ws.close()
+    finally:
+        done.set()
+
+
+KEEPALIVE_S = 20.0  # the most time between two messages of `say` on a speech socket while its input is quiet
 
 
 def _samples_of(pcm: str | None) -> Callable[[bytes], "np.ndarray | Pcm"]:

@@ -48,6 +48,7 @@ class ServeOptions:
     port: int = protocol.DEFAULT_PORT  # 0: any free port (the ready line says which)
     api_key: str | None = None
     verbose: bool = False  # uvicorn's access log and startup lines
+    socket_idle: float | None = protocol.SOCKET_IDLE_S  # a speech socket's wait for text (None: no limit)
 
 
 def is_loopback(host: str) -> bool:
@@ -131,7 +132,7 @@ def run(options: ServeOptions, load: Callable[[], Loaded]) -> None:
     ends the server with that error."""
     sock = listen(options.host, options.port)
     url = url_of(options.host, sock)
-    service = Service(load)
+    service = Service(load, socket_idle=options.socket_idle)
     uploads = options.api_key is not None or is_loopback(options.host)
     # (no per-message deflate on the speech socket: audio hardly compresses, and deflating every
     # chunk would cost time on the way to the first sound)

@@ -75,13 +75,15 @@ def load_served(model: Optional[str], backend: str, device: str, dtype: str, ggu
 class Service:
     """The model and its state: loading, then ready (after a warm-up) or failed."""
 
-    def __init__(self, load: Callable[[], Loaded], warm_up: bool = True, store: VoiceStore | None = None):
+    def __init__(self, load: Callable[[], Loaded], warm_up: bool = True, store: VoiceStore | None = None,
+                 socket_idle: float | None = protocol.SOCKET_IDLE_S):
         self.loaded: Loaded | None = None
         self.store = store or VoiceStore()
         self.failure: BaseException | None = None
         self.formats = writable_formats()
         self.worker = Worker()
         self.sockets: set = set()  # the speech sockets' sessions open (sockets.Session), for a shutdown
+        self.socket_idle = socket_idle  # seconds a socket's stream may wait for text (None: no limit)
         self._load, self._warm_up = load, warm_up
         self._ready = threading.Event()
 
@@ -120,7 +122,7 @@ class Service:
                 "response_formats": [f for f, why in self.formats.items() if why is None],
                 "limits": {"max_input_chars": protocol.MAX_INPUT_CHARS, "max_body_bytes": protocol.MAX_BODY_BYTES,
                            "max_voice_body_bytes": protocol.MAX_VOICE_BODY_BYTES,
-                           "max_upload_bytes": protocol.MAX_UPLOAD_BYTES},
+                           "max_upload_bytes": protocol.MAX_UPLOAD_BYTES, "socket_idle_s": self.socket_idle},
                 "extensions": ["voice_samples", "speed", "speech_stream"],
                 "forced_lengths": None if ld.frames_per_token is None else
                 {"frames_per_token": ld.frames_per_token, "reply_tokens": ld.reply_tokens},

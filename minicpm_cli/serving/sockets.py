@@ -14,7 +14,8 @@ caption cues' fields, counted from the stream's first sample), with `timestamps:
 (usage), then a close with 1000. An error is `{"type": "error", "error": {...}}` (OpenAI's error
 object, as the HTTP API's) and a close with 4000 + the status it has over HTTP. The client closing
 the socket cancels the generation: its stream, waiting for text or generating, ends and frees its
-row. The API key is the middleware's (`middleware.Auth`: a header, or a subprotocol).
+row. A stream that has waited `Service.socket_idle` seconds for text (its input not ended; the wait
+for the start message counts too) ends with 408 (`idle_timeout`): a parked stream holds a row. The API key is the middleware's (`middleware.Auth`: a header, or a subprotocol).
 
 While it waits for text the stream is parked on the model's thread (`batching.Lane.park`), so the
 other requests go on; text is handed over with no copy but the message's, and each chunk's bytes go
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
@@ -73,7 +75,7 @@ async def speech_stream(ws: WebSocket) -> None:
     service.sockets.add(session)
     try:
         ld = service.require_ready()
-        start = _start(await _receive(ws))
+        start = _start(await _first(ws, service.socket_idle))
         fmt = _check(start, ld, service)
         voice = await service.voice(start)
         synth, sampling, frames, speed = ld.synth, sampling_of(start), first_chunk_of(start), start.speed
@@ -90,7 +92,7 @@ async def speech_stream(ws: WebSocket) -> None:
 
         job = service.submit(work)
         session.stop = functools.partial(_stop, inbox, job)
-        reader = asyncio.create_task(_read(ws, inbox, job, session))
+        reader = asyncio.create_task(_read(ws, inbox, job, session, service.socket_idle))
         await _speak(ws, job, fmt, synth.sample_rate, start.timestamps, usage)
         await ws.close(1000)
     except (_ClientLeft, WebSocketDisconnect):
@@ -117,6 +119,23 @@ async def _receive(ws: WebSocket) -> str:
         raise ApiError(400, 'messages are JSON text: {"type": "start" | "text" | "flush" | "end", ...}',
                        code="invalid_message")
     return message["text"]
+
+
+_IDLE_POLL_S = 1.0  # how often a socket's reader looks whether its stream has begun to wait
+
+
+def _idle(limit: float) -> ApiError:
+    return ApiError(408, f"no text came for {limit:g} s while the stream waited for it (a waiting stream holds one "
+                         f"of the server's places): send the text's end (\"type\": \"end\") once it is all sent",
+                    code="idle_timeout")
+
+
+async def _first(ws: WebSocket, limit: float | None) -> str:
+    """The start message, within `limit` seconds of the connection (None: no limit)."""
+    try:
+        return await asyncio.wait_for(_receive(ws), limit)
+    except asyncio.TimeoutError:
+        raise _idle(limit) from None
 
 
 def _start(text: str) -> StreamStart:
@@ -148,13 +167,22 @@ def _stop(inbox: Inbox, job: Job, error: Exception) -> None:
     job.interrupt(error)
 
 
-async def _read(ws: WebSocket, inbox: Inbox, job: Job, session: Session) -> None:
+async def _read(ws: WebSocket, inbox: Inbox, job: Job, session: Session, limit: float | None) -> None:
     """The client's messages into the inbox until it leaves. What ends the session here (the client
-    leaving, a message that cannot be taken) cancels the job and is raised to the sender next."""
-    received, ended = 0, False
+    leaving, a message that cannot be taken, `limit` seconds of the stream waiting for text before its
+    input ended) cancels the job and is raised to the sender next. The wait counts only while the
+    stream has nothing to speak (`Inbox.waiting_since`): not while it queues for a row or generates."""
+    received, ended, pending, last = 0, False, None, time.monotonic()
     try:
         while True:
-            text = await _receive(ws)
+            pending = asyncio.ensure_future(_receive(ws))
+            while not ended and limit is not None and not pending.done():
+                since = inbox.waiting_since  # (a message put since is not yet taken: the wait counts from it)
+                left = limit if since is None else limit - (time.monotonic() - max(since, last))
+                if left <= 0:
+                    raise _idle(limit)
+                await asyncio.wait({pending}, timeout=min(left, _IDLE_POLL_S))
+            text = await pending
             if len(text) > protocol.MAX_BODY_BYTES:
                 raise ApiError(413, f"a message is larger than {protocol.MAX_BODY_BYTES} bytes",
                                code="request_too_large")
@@ -170,10 +198,14 @@ async def _read(ws: WebSocket, inbox: Inbox, job: Job, session: Session) -> None
                                     "takes", param="text", code="input_too_long")
             ended = session.ended = message.type == "end"
             inbox.put(message.text, ended=ended, flush=message.type == "flush")
+            last = time.monotonic()
     except asyncio.CancelledError:
         raise
     except Exception as e:  # (_ClientLeft, WebSocketDisconnect, ApiError)
         _stop(inbox, job, e)
+    finally:
+        if pending is not None:
+            pending.cancel()
 
 
 def _event(kind: str, **fields) -> str:

@@ -27,6 +27,7 @@ def serve(
     insecure: Annotated[bool, typer.Option("--insecure", help="Serve a non-loopback --host without an API key.")] = False,
     random_weights: Annotated[bool, typer.Option("--random-weights", help="For speed work (`bench --server`): the full-size model with random weights drawn on the device, no checkpoint; lengths forced as `bench --random-weights` forces them. Its audio is noise.")] = False,
     batch: Annotated[int, typer.Option("--batch", help="Requests generated at once (continuous batching); more queue. Each holds its own KV caches: ~0.4 GB of GPU memory a request in bfloat16. Default (0): as many as the GPU's free memory holds, at most 16 (8 on a CPU). The gguf backend runs one at a time.")] = 0,
+    socket_idle: Annotated[float, typer.Option("--socket-idle", metavar="SECONDS", help="Close a speech socket (/v1/audio/speech/stream) whose stream has waited this long for text before the text's end came (4408 idle_timeout): a waiting stream holds one of --batch's places. 0: never.")] = protocol.SOCKET_IDLE_S,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log every request on stderr.")] = False,
     ray_address: RayOpt = None,
     replicas: ReplicasOpt = None,
@@ -45,6 +46,9 @@ def serve(
         raise OptionError("--port must be between 0 and 65535")
     if batch < 0:
         raise OptionError("--batch must be at least 1 (0: as many as fit)")
+    if not socket_idle >= 0 or socket_idle == float("inf"):
+        raise OptionError("--socket-idle must be a number of seconds (0: no limit)")
+    idle = socket_idle or None
     address, bounds = check_ray(ray_address, replicas, gpus_per_replica)
     api_key = api_key or None
     from ...serving import run as srv
@@ -66,9 +70,10 @@ def serve(
         from ...scale import ray_serve
 
         args = ray_serve.ServeArgs(model=absolute_if_here(model), backend=backend, gguf=absolute_if_here(gguf), device=device, dtype=dtype,
-                                   random_weights=random_weights, batch=batch, api_key=api_key, replicas=bounds or (1, 1),
+                                   random_weights=random_weights, batch=batch, api_key=api_key, socket_idle=idle,
+                                   replicas=bounds or (1, 1),
                                    gpus=gpus_per_replica, batch_variant=batch_variant)
         ray_serve.deploy(args, address=address, host=host, port=port)
         return
-    srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose),
+    srv.run(srv.ServeOptions(host=host, port=port, api_key=api_key, verbose=verbose, socket_idle=idle),
             functools.partial(load_served, model, backend, device, dtype, gguf, random_weights, batch, batch_variant))
