@@ -315,7 +315,11 @@ def test_items_from_text_jsonl_and_parquet(tmp_path):
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
     parquet = tmp_path / "a.parquet"
     pq.write_table(pa.Table.from_pylist(rows), parquet)
-    for path in (jsonl, parquet):
+    csv_file = tmp_path / "a.csv"  # (as a spreadsheet saves it: a byte-order mark, CRLF, quotes, a blank line)
+    csv_file.write_bytes("\ufeffid,text,voice,seed\r\nx,\" Hi. \",v/ref.wav,\r\n\r\n,Two.,,3\r\n7,Three.,,\r\n".encode())
+    tsv = tmp_path / "a.tsv"
+    tsv.write_text("seed\ttext\tid\tvoice\n\t Hi. \tx\tv/ref.wav\n3\tTwo.\t\t\n\tThree.\t7\t\n")
+    for path in (jsonl, parquet, csv_file, tsv):
         got = bulk.plan(bulk.read_rows(path), fmt="flac", greedy=False, seed=11, base=tmp_path)
         assert [(i.id, i.text, i.file, i.seed, i.voice) for i in got] == [
             ("x", "Hi.", "x.flac", bulk.derive_seed(11, "x"), str(tmp_path / "v" / "ref.wav")),
@@ -326,6 +330,19 @@ def test_items_from_text_jsonl_and_parquet(tmp_path):
     a, b = (bulk.plan(bulk.read_rows(txt), fmt="wav", greedy=False, seed=None, base=tmp_path) for _ in range(2))
     assert a[0].seed != b[0].seed and not a[0].seed_given and 0 <= a[0].seed < 2**63
     assert bulk.derive_seed(7, "line-0001") == int.from_bytes(hashlib.sha256(b"7:line-0001").digest()[:8], "big") >> 1
+
+
+def test_a_table_without_a_text_column_or_with_a_bad_seed_is_refused(tmp_path):
+    for name, content, message in [("a.csv", "id,words\nx,Hi.\n", "none is 'text' (it has: 'id', 'words')"),
+                                   ("b.csv", "", "none is 'text' (it has: nothing)"),
+                                   ("c.tsv", "text\tseed\nHi.\tseven\n", "line 2: seed 'seven' is not an integer"),
+                                   ("d.csv", 'text\n"Hi.\n', "unexpected end of data (a quote not closed?)")]:
+        path = tmp_path / name
+        path.write_text(content)
+        with pytest.raises(UsageError, match=re.escape(message)):
+            bulk.read_rows(path)
+    (tmp_path / "e.csv").write_text('text\n"One, with a comma,\nand a line break"\n')
+    assert bulk.read_rows(tmp_path / "e.csv") == [{"text": "One, with a comma,\nand a line break"}]
 
 
 @pytest.mark.parametrize("row, error, message", [

@@ -93,7 +93,8 @@ class Item:
 
 def read_rows(path: Path) -> list[dict]:
     """INPUT's items as dicts (text, and id, voice, seed where given), in order. A text file gives
-    one per non-empty line, JSONL one per non-empty line (an object), Parquet one per row."""
+    one per non-empty line, JSONL one per non-empty line (an object), Parquet, CSV and TSV (a header
+    row naming the columns) one per row."""
     suffix = path.suffix.lower()
     try:
         if suffix in (".jsonl", ".ndjson"):
@@ -120,10 +121,41 @@ def read_rows(path: Path) -> list[dict]:
                 return pq.read_table(path).to_pylist()
             except Exception as e:  # (pyarrow's own error types)
                 raise UsageError(f"cannot read {path} as Parquet: {e}") from None
+        if suffix in (".csv", ".tsv"):
+            return _table_rows(path, "\t" if suffix == ".tsv" else ",")
         with open(path, encoding="utf-8") as f:
             return [{"text": line} for line in f if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read {path}: {e}") from None
+
+
+def _table_rows(path: Path, delimiter: str) -> list[dict]:
+    """A CSV or TSV file's rows (RFC 4180 quoting: a text may hold the delimiter, quotes and line
+    breaks), by the header's column names; blank cells left out, a seed cell read as an integer."""
+    import csv
+
+    with open(path, encoding="utf-8-sig", newline="") as f:  # (-sig: a spreadsheet's byte-order mark)
+        reader = csv.DictReader(f, delimiter=delimiter, strict=True)
+        columns = reader.fieldnames or []
+        if "text" not in columns:
+            raise UsageError(f"{path}: the first row names the columns, and none is 'text' (it has: "
+                             f"{', '.join(repr(c) for c in columns) or 'nothing'})")
+        rows = []
+        try:
+            for row in reader:
+                if not any((v or "").strip() for k, v in row.items() if k is not None):
+                    continue  # (a blank line)
+                row = {k: v for k, v in row.items() if k is not None and v is not None and v.strip() != ""}
+                if "seed" in row:
+                    try:
+                        row["seed"] = int(row["seed"].strip())
+                    except ValueError:
+                        raise UsageError(f"{path}, line {reader.line_num}: seed {row['seed']!r} is not an "
+                                         f"integer") from None
+                rows.append(row)
+        except csv.Error as e:
+            raise UsageError(f"{path}, after line {reader.line_num}: {e} (a quote not closed?)") from None
+    return rows
 
 
 def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base: Path,

@@ -20,7 +20,7 @@ from ..speaker import load_here
 
 
 def bulk(
-    input: Annotated[str, typer.Argument(help="The items: a text file (an item each non-empty line), .jsonl or .parquet (a text column; optional id, voice, seed).", show_default=False)],
+    input: Annotated[str, typer.Argument(help="The items: a text file (an item each non-empty line), .jsonl, .csv, .tsv or .parquet (a text column; optional id, voice, seed).", show_default=False)],
     out: Annotated[str, typer.Option("--out", help="Directory for the audio files and manifest.jsonl (made if missing).", show_default=False)],
     ray_address: RayOpt = None,
     replicas: ReplicasOpt = None,
@@ -67,7 +67,7 @@ def bulk(
     if input == "-":
         raise UsageError("bulk reads a file (its items are read again to resume): save standard input to one first")
     if path.is_dir():
-        raise UsageError(f"{input} is a directory: bulk reads a .txt or .jsonl file of items")
+        raise UsageError(f"{input} is a directory: bulk reads a file of items (.txt, .jsonl, .csv, .tsv, .parquet)")
     if not path.is_file():
         raise UsageError(f"no such file: {input}")
     items = b.plan(b.read_rows(path), fmt=fmt, greedy=greedy, seed=seed, base=path.resolve().parent, speed=speed)
