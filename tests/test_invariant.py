@@ -110,6 +110,40 @@ def test_invariant_codec_decodes_long_segments_row_by_row():
     assert seen == [(CODEC_BATCH, short)]
 
 
+def test_invariant_codec_runs_groups_side_by_side(monkeypatch):
+    """More rows than CODEC_BATCH of a short length: groups of CODEC_BATCH rows (the last padded),
+    up to SIDE_BY_SIDE of them in one graph (streams of their own on a GPU), the rest in turn; each
+    row's audio is its own group's decode, as one row alone gets it."""
+    seen = []
+
+    class Fake:
+        num_vq, device = 4, torch.device("cpu")
+
+        def decode(self, codes):
+            return self.decode_batch(codes[None])[0]
+
+        def decode_batch(self, codes):
+            seen.append(tuple(codes.shape[:2]))
+            return codes.sum(2).float().repeat_interleave(2, 1)
+
+    monkeypatch.setattr(GraphCodec, "SIDE_BY_SIDE", 2)
+    graphs = GraphCodec(Fake(), invariant=True)
+    t = GraphCodec.SIDE_BY_SIDE_FRAMES
+    codes = torch.randint(0, 100, (2 * CODEC_BATCH + 3, t, 4))
+    out = graphs.decode_batch(codes)
+    assert torch.equal(out, codes.sum(2).float().repeat_interleave(2, 1))
+    assert seen == [(CODEC_BATCH, t)] * 3  # two side by side, then the last 3 rows padded
+    assert list(graphs.inputs) == [(2, t)] and torch.equal(graphs.inputs[2, t][:2 * CODEC_BATCH],
+                                                           codes[:2 * CODEC_BATCH])
+    seen.clear()
+    graphs.decode_batch(codes[: CODEC_BATCH + 1, : t - 1])  # (9 rows: two groups, the second padded)
+    assert seen == [(CODEC_BATCH, t - 1)] * 2 and (2, t - 1) in graphs.inputs
+    assert torch.equal(graphs.inputs[2, t - 1][CODEC_BATCH + 1 :], codes[:1, : t - 1].expand(CODEC_BATCH - 1, -1, -1))
+    seen.clear()
+    graphs.decode_batch(torch.zeros(CODEC_BATCH + 1, t + 1, 4, dtype=torch.long))  # (longer: in turn)
+    assert seen == [(CODEC_BATCH, t + 1)] * 2 and (2, t + 1) not in graphs.inputs
+
+
 def _llm(tiny_dir, dtype: str, rows: int = 4) -> CompiledLLM:
     s = Synthesizer.load(str(tiny_dir), backend="eager", device=DEVICE, dtype=dtype)
     return s, CompiledLLM(s.llm.model, max_len=256, use_triton=True, rows=rows, invariant=True)
@@ -372,6 +406,20 @@ def _result(chunks):
 
     return (torch.cat([c.codes for c in chunks]), "".join(c.text for c in chunks),
             np.concatenate([c.samples for c in chunks]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_codec_groups_side_by_side_are_each_row_alone_on_gpu(tiny_dir):
+    """The invariant codec's CODEC_BATCH-row groups on streams of their own in one graph: each row's
+    samples are its decode alone, to the bit, at 17 and at 128 rows, first chunks and later ones."""
+    synth = Synthesizer.load(str(tiny_dir), device="cuda", dtype="float32", backend="compile", rows=128)
+    torch.manual_seed(0)
+    for n, t in [(17, 25), (128, 29)]:
+        codes = torch.randint(0, 600, (n, t, synth.codec.num_vq), device="cuda")
+        together = synth.codec.decode_batch(codes)
+        for i in (0, 8, n - 1):
+            assert torch.equal(together[i], synth.codec.decode(codes[i]))
 
 
 @pytest.mark.gpu
