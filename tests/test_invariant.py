@@ -82,23 +82,29 @@ def test_fixed_batches_pads_to_one_size():
     assert seen == [4, 4, 4] and torch.equal(out[:, 0], codes.sum((1, 2)).float())
 
 
+class FakeCodec:
+    """A codec whose audio is each frame's code sum twice; it records the (rows, frames) it decodes."""
+
+    num_vq, device = 4, torch.device("cpu")
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def decode(self, codes):
+        return self.decode_batch(codes[None])[0]
+
+    def decode_batch(self, codes):
+        self.seen.append(tuple(codes.shape[:2]))
+        return codes.sum(2).float().repeat_interleave(2, 1)
+
+
 def test_invariant_codec_decodes_long_segments_row_by_row():
     """Within the graphs' lengths every decode is a batch of CODEC_BATCH rows; past them (eager
     batched convolutions, where a row's bits depended on its neighbours) each row alone, so that a
     whole segment's audio is the same decoded alone or with others of its length."""
     seen = []
 
-    class Fake:
-        num_vq, device = 4, torch.device("cpu")
-
-        def decode(self, codes):
-            return self.decode_batch(codes[None])[0]
-
-        def decode_batch(self, codes):
-            seen.append(tuple(codes.shape[:2]))
-            return codes.sum(2).float().repeat_interleave(2, 1)
-
-    graphs = GraphCodec(Fake(), invariant=True)
+    graphs = GraphCodec(FakeCodec(seen), invariant=True)
     short, long = GraphCodec.MAX_FRAMES // CODEC_BATCH, GraphCodec.MAX_FRAMES // CODEC_BATCH + 1
     codes = torch.randint(0, 100, (3, long, 4))
     out = graphs.decode_batch(codes)
@@ -116,18 +122,8 @@ def test_invariant_codec_runs_groups_side_by_side(monkeypatch):
     row's audio is its own group's decode, as one row alone gets it."""
     seen = []
 
-    class Fake:
-        num_vq, device = 4, torch.device("cpu")
-
-        def decode(self, codes):
-            return self.decode_batch(codes[None])[0]
-
-        def decode_batch(self, codes):
-            seen.append(tuple(codes.shape[:2]))
-            return codes.sum(2).float().repeat_interleave(2, 1)
-
     monkeypatch.setattr(GraphCodec, "SIDE_BY_SIDE", 2)
-    graphs = GraphCodec(Fake(), invariant=True)
+    graphs = GraphCodec(FakeCodec(seen), invariant=True)
     t = GraphCodec.SIDE_BY_SIDE_FRAMES
     codes = torch.randint(0, 100, (2 * CODEC_BATCH + 3, t, 4))
     out = graphs.decode_batch(codes)
