@@ -663,7 +663,10 @@ class GraphCodec:
         self.codes = torch.zeros(self.MAX_FRAMES, codec.num_vq, dtype=torch.long, device=codec.device)
         self.graphs = Graphs(codec.device)
         self.inputs: dict[tuple[int, int], Tensor] = {}  # each side-by-side graph's codes
-        self.streams: list = []  # the side-by-side decodes' streams (made on first use)
+        # the groups' streams, made together: torch hands out its pooled streams in turn, and ones made
+        # later (after other graphs' capture streams) could come round to the same stream again
+        self.streams = [torch.cuda.Stream(codec.device) for _ in range(self.SIDE_BY_SIDE)] \
+            if invariant and codec.device.type == "cuda" else []
         self.recent: OrderedDict = OrderedDict()  # the graphs of lengths past a streamed chunk's, oldest first
 
     def _run(self, key, t: int, fn) -> Tensor:
@@ -722,18 +725,19 @@ class GraphCodec:
 
     def _groups(self, buf: Tensor, k: int, rows: int) -> Tensor:
         """`batch_eager` of each CODEC_BATCH-row group of `buf`, each on its own stream (on a GPU)."""
-        if self.codec.device.type != "cuda":
+        if not self.streams:
             return torch.cat([self.batch_eager(buf[i * rows : (i + 1) * rows]) for i in range(k)])
-        while len(self.streams) < k:
-            self.streams.append(torch.cuda.Stream(self.codec.device))
         caller = torch.cuda.current_stream()
-        outs = []
-        for i, stream in enumerate(self.streams[:k]):
-            stream.wait_stream(caller)
-            with torch.cuda.stream(stream):
-                outs.append(self.batch_eager(buf[i * rows : (i + 1) * rows]))
-        for stream in self.streams[:k]:
-            caller.wait_stream(stream)
+        outs, forked = [], []
+        try:
+            for i, stream in enumerate(self.streams[:k]):
+                stream.wait_stream(caller)
+                forked.append(stream)
+                with torch.cuda.stream(stream):
+                    outs.append(self.batch_eager(buf[i * rows : (i + 1) * rows]))
+        finally:  # (joined even after an error: a capture with a stream left out fails on that instead)
+            for stream in forked:
+                caller.wait_stream(stream)
         return torch.cat(outs)
 
     def _decode_batch(self, codes: Tensor) -> Tensor:

@@ -138,6 +138,12 @@ def test_invariant_codec_runs_groups_side_by_side(monkeypatch):
     seen.clear()
     graphs.decode_batch(torch.zeros(CODEC_BATCH + 1, t + 1, 4, dtype=torch.long))  # (longer: in turn)
     assert seen == [(CODEC_BATCH, t + 1)] * 2 and (2, t + 1) not in graphs.inputs
+    seen.clear()
+    monkeypatch.setattr(GraphCodec, "SIDE_BY_SIDE", 4)  # (3 groups: a graph of 4, the 4th all padding)
+    out = graphs.decode_batch(codes)
+    assert torch.equal(out, codes.sum(2).float().repeat_interleave(2, 1))
+    assert seen == [(CODEC_BATCH, t)] * 4 and torch.equal(graphs.inputs[4, t][3 * CODEC_BATCH :],
+                                                          codes[:1].expand(CODEC_BATCH, -1, -1))
 
 
 def _llm(tiny_dir, dtype: str, rows: int = 4) -> CompiledLLM:
@@ -407,15 +413,18 @@ def _result(chunks):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_codec_groups_side_by_side_are_each_row_alone_on_gpu(tiny_dir):
-    """The invariant codec's CODEC_BATCH-row groups on streams of their own in one graph: each row's
-    samples are its decode alone, to the bit, at 17 and at 128 rows, first chunks and later ones."""
+    """The invariant codec's CODEC_BATCH-row groups on streams of their own in one graph (captured at
+    warm-up, replayed here on other codes): each row's samples are its decode alone, to the bit, at
+    17, 40 and 128 rows (3, 5 and 16 groups), first chunks and later ones."""
     synth = Synthesizer.load(str(tiny_dir), device="cuda", dtype="float32", backend="compile", rows=128)
+    synth.codec.warm_batches(128)
+    assert len({s.cuda_stream for s in synth.codec.decode_batch.__self__.streams}) == GraphCodec.SIDE_BY_SIDE
     torch.manual_seed(0)
-    for n, t in [(17, 25), (128, 29)]:
+    for n, t in [(17, 25), (40, 29), (128, 29)]:
         codes = torch.randint(0, 600, (n, t, synth.codec.num_vq), device="cuda")
         together = synth.codec.decode_batch(codes)
-        for i in (0, 8, n - 1):
-            assert torch.equal(together[i], synth.codec.decode(codes[i]))
+        for i in range(n):
+            assert torch.equal(together[i], synth.codec.decode(codes[i])), (n, i)
 
 
 @pytest.mark.gpu
