@@ -341,6 +341,9 @@ def test_a_table_without_a_text_column_or_with_a_bad_seed_is_refused(tmp_path):
         path.write_text(content)
         with pytest.raises(UsageError, match=re.escape(message)):
             bulk.read_rows(path)
+    (tmp_path / "f.csv").write_text('text\n"Hi."x\n')  # (a quote closed, then more: no hint of an open one)
+    with pytest.raises(UsageError, match=r"f\.csv, after line \d+: ',' expected after '\"'$"):
+        bulk.read_rows(tmp_path / "f.csv")
     (tmp_path / "e.csv").write_text('text\n"One, with a comma,\nand a line break"\n')
     assert bulk.read_rows(tmp_path / "e.csv") == [{"text": "One, with a comma,\nand a line break"}]
 

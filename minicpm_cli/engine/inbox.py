@@ -7,9 +7,10 @@ The producer (any thread: the server's event loop) calls `put` for each message 
 parts, hence the audio, depend only on the messages, not on when they were read), until the one that
 ends the input. While nothing has come, a stream of a batch parks (`park`, its lane's: the engine
 runs the other streams and polls this inbox each round) and a read alone waits on a condition; once
-closed, the next arrival asked for raises `Closed`. `waiting_since` says since when the reader has
-waited for text (monotonic seconds; None while it has text or has not asked), for an idle limit. `wake` (given by the owner) is called after each put and at
-close, so that an engine with only parked streams, which sleeps, looks again. No torch.
+closed, the next arrival asked for raises `Closed`. `wake` (given by the owner) is called after each
+put and at close, so that an engine with only parked streams, which sleeps, looks again.
+`waiting_since` says since when the reader has waited for text (monotonic seconds; None while it has
+text or has not asked), for an idle limit. No torch.
 """
 
 from __future__ import annotations

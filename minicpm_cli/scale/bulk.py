@@ -143,9 +143,9 @@ def _table_rows(path: Path, delimiter: str) -> list[dict]:
         rows = []
         try:
             for row in reader:
-                if not any((v or "").strip() for k, v in row.items() if k is not None):
-                    continue  # (a blank line)
                 row = {k: v for k, v in row.items() if k is not None and v is not None and v.strip() != ""}
+                if not row:
+                    continue  # (a blank line)
                 if "seed" in row:
                     try:
                         row["seed"] = int(row["seed"].strip())
@@ -154,7 +154,8 @@ def _table_rows(path: Path, delimiter: str) -> list[dict]:
                                          f"integer") from None
                 rows.append(row)
         except csv.Error as e:
-            raise UsageError(f"{path}, after line {reader.line_num}: {e} (a quote not closed?)") from None
+            hint = " (a quote not closed?)" if "unexpected end of data" in str(e) else ""
+            raise UsageError(f"{path}, after line {reader.line_num}: {e}{hint}") from None
     return rows
 
 

@@ -384,6 +384,9 @@ class Remote:
         return resp
 
 
+KEEPALIVE_S = 20.0  # the most time between two messages of `say` on a speech socket while its input is quiet
+
+
 def _send_arrivals(ws, arrivals: Iterator, failed: list, idle: float | None = None) -> None:
     """Each arrival as one message (the last, with the end, as the end message), on a thread of its
     own while the audio is read. Reading the input may fail (not UTF-8): the failure is kept for the
@@ -424,9 +427,6 @@ def _send_arrivals(ws, arrivals: Iterator, failed: list, idle: float | None = No
         ws.close()
     finally:
         done.set()
-
-
-KEEPALIVE_S = 20.0  # the most time between two messages of `say` on a speech socket while its input is quiet
 
 
 def _samples_of(pcm: str | None) -> Callable[[bytes], "np.ndarray | Pcm"]:

@@ -15,7 +15,8 @@ caption cues' fields, counted from the stream's first sample), with `timestamps:
 object, as the HTTP API's) and a close with 4000 + the status it has over HTTP. The client closing
 the socket cancels the generation: its stream, waiting for text or generating, ends and frees its
 row. A stream that has waited `Service.socket_idle` seconds for text (its input not ended; the wait
-for the start message counts too) ends with 408 (`idle_timeout`): a parked stream holds a row. The API key is the middleware's (`middleware.Auth`: a header, or a subprotocol).
+for the start message counts too) ends with 408 (`idle_timeout`): a parked stream holds a row. The
+API key is the middleware's (`middleware.Auth`: a header, or a subprotocol).
 
 While it waits for text the stream is parked on the model's thread (`batching.Lane.park`), so the
 other requests go on; text is handed over with no copy but the message's, and each chunk's bytes go

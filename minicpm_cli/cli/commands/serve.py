@@ -4,6 +4,7 @@ Ray Serve replicas (scale.ray_serve)."""
 from __future__ import annotations
 
 import functools
+import math
 from typing import Annotated, Optional
 
 import typer
@@ -46,7 +47,7 @@ def serve(
         raise OptionError("--port must be between 0 and 65535")
     if batch < 0:
         raise OptionError("--batch must be at least 1 (0: as many as fit)")
-    if not socket_idle >= 0 or socket_idle == float("inf"):
+    if not (math.isfinite(socket_idle) and socket_idle >= 0):
         raise OptionError("--socket-idle must be a number of seconds (0: no limit)")
     idle = socket_idle or None
     address, bounds = check_ray(ray_address, replicas, gpus_per_replica)
