@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from .errors import OptionError, UsageError
+from .files import new_file_mode
 
 if TYPE_CHECKING:
     import numpy as np
@@ -235,9 +236,7 @@ class FileSink:
             self.raw.stream.close()
         else:
             self.file.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual permissions
+        os.chmod(self.tmp, new_file_mode())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(self.tmp, self.target)
 
     def abort(self) -> None:

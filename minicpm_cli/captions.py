@@ -13,13 +13,12 @@ AudioChunk with `final` ends one) are laid end to end. Knows nothing of models o
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import OptionError, UsageError
+from .files import write_whole
 
 FORMATS = ("srt", "vtt")
 
@@ -156,20 +155,4 @@ def render(cues: Iterable[Cue], fmt: str, sample_rate: int) -> str:
 
 def write(path: str, cues: Iterable[Cue], sample_rate: int, fmt: str | None = None) -> None:
     """The caption file, renamed into place once complete (as the audio files are)."""
-    target = Path(path).expanduser()
-    data = render(cues, fmt or format_of(path), sample_rate).encode("utf-8")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    write_whole(Path(path).expanduser(), render(cues, fmt or format_of(path), sample_rate).encode("utf-8"))

@@ -292,7 +292,15 @@ def test_usage_errors_are_one_line_and_write_nothing(tmp_path):
     # without the ray extra: one line that says what to install, for bulk and serve alike
     one_line_error(minicpm(*base, "--ray", "auto", prelude=BLOCK_RAY), "pip install 'minicpm-cli[ray]'")
     one_line_error(minicpm("serve", "--ray", "auto", prelude=BLOCK_RAY), "pip install 'minicpm-cli[ray]'")
+    fifo = tmp_path / "fifo"  # (as /dev/stdin is: read once, nothing to read again when resuming)
+    os.mkfifo(fifo)
+    one_line_error(minicpm("bulk", str(fifo), "--out", str(out)), "is not a regular file", "save them to a file")
+    # the model cannot be loaded: the directory this run made is not left behind, empty
+    one_line_error(minicpm(*base, "--model", str(tmp_path / "nowhere"), prelude=BLOCK_RAY), "nowhere")
     assert not out.exists()
+    out.mkdir()  # (one the user made stays)
+    one_line_error(minicpm(*base, "--model", str(tmp_path / "nowhere"), prelude=BLOCK_RAY), "nowhere")
+    assert out.is_dir() and not any(out.iterdir())
 
 
 # -- reading items, seeds, the batch function --------------------------------------------------------
@@ -336,13 +344,14 @@ def test_a_table_without_a_text_column_or_with_a_bad_seed_is_refused(tmp_path):
     for name, content, message in [("a.csv", "id,words\nx,Hi.\n", "none is 'text' (it has: 'id', 'words')"),
                                    ("b.csv", "", "none is 'text' (it has: nothing)"),
                                    ("c.tsv", "text\tseed\nHi.\tseven\n", "line 2: seed 'seven' is not an integer"),
-                                   ("d.csv", 'text\n"Hi.\n', "unexpected end of data (a quote not closed?)")]:
+                                   ("d.csv", 'text\nOne.\n"Hi.\nTwo.\n',
+                                    "the row from line 3: unexpected end of data (a quote not closed?)")]:
         path = tmp_path / name
         path.write_text(content)
         with pytest.raises(UsageError, match=re.escape(message)):
             bulk.read_rows(path)
     (tmp_path / "f.csv").write_text('text\n"Hi."x\n')  # (a quote closed, then more: no hint of an open one)
-    with pytest.raises(UsageError, match=r"f\.csv, after line \d+: ',' expected after '\"'$"):
+    with pytest.raises(UsageError, match=r"f\.csv, the row from line 2: ',' expected after '\"'$"):
         bulk.read_rows(tmp_path / "f.csv")
     (tmp_path / "e.csv").write_text('text\n"One, with a comma,\nand a line break"\n')
     assert bulk.read_rows(tmp_path / "e.csv") == [{"text": "One, with a comma,\nand a line break"}]
@@ -354,10 +363,92 @@ def test_a_table_without_a_text_column_or_with_a_bad_seed_is_refused(tmp_path):
     ({"id": ".hidden", "text": "Hi."}, UsageError, "cannot name a file"),
     ({"text": "Hi.", "seed": "3"}, UsageError, "not an integer"),
     ({"text": "Hi.", "seed": 2**64}, UsageError, "seed must be between"),
+    ({"text": "Hi.", "seed": 2.5}, UsageError, "not an integer"),
+    # (json.loads gives "\ud800" as an unpaired surrogate: no tokenizer takes it, so the job is refused)
+    ({"text": "Hi \ud800."}, UsageError, "item 1's text is not Unicode text: an unpaired surrogate, U+D800"),
+    # (a file name holds 255 bytes: 101 two-byte letters are 202)
+    ({"id": "é" * 101, "text": "Hi."}, UsageError, "at most 200 bytes in UTF-8"),
 ])
 def test_bad_items_are_refused_naming_the_item(row, error, message, tmp_path):
     with pytest.raises(error, match=re.escape(message)):
         bulk.plan([row], fmt="wav", greedy=False, seed=1, base=tmp_path)
+
+
+def test_ids_of_200_bytes_name_files(tmp_path):
+    items = bulk.plan([{"id": "é" * 100, "text": "Hi."}, {"id": "a" * 200, "text": "Yo."}], fmt="flac",
+                      greedy=True, seed=None, base=tmp_path)
+    bulk.run(items, tmp_path, lambda pending: [bulk.Speaker(FakeSynth)(bulk._columns(pending))], progress=False,
+             captions="srt")
+    assert {e["file"] for e in entries(tmp_path)} == {"é" * 100 + ".flac", "a" * 200 + ".flac"}
+
+
+def test_a_byte_order_mark_is_read_past_in_every_format_and_parquet_gaps_are_fields_not_given(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.txt").write_bytes("\ufeffFirst.\nSecond.\n".encode())
+    (tmp_path / "a.jsonl").write_bytes('\ufeff{"text": "First."}\n{"text": "Second."}\n'.encode())
+    for name in ("a.txt", "a.jsonl"):
+        items = bulk.plan(bulk.read_rows(tmp_path / name), fmt="wav", greedy=True, seed=None, base=tmp_path)
+        assert [i.text for i in items] == ["First.", "Second."], name
+    # as pandas writes a frame with gaps: a null id, a seed column of floats with a NaN
+    pq.write_table(pa.table({"text": ["A.", "B."], "id": [None, "b"], "seed": [3.0, float("nan")]}),
+                   tmp_path / "a.parquet")
+    rows = bulk.read_rows(tmp_path / "a.parquet")
+    assert rows == [{"text": "A.", "seed": 3.0}, {"text": "B.", "id": "b"}]
+    items = bulk.plan(rows, fmt="wav", greedy=False, seed=11, base=tmp_path)
+    assert [(i.id, i.seed) for i in items] == [("line-0001", 3), ("b", bulk.derive_seed(11, "b"))]
+
+
+def test_a_saved_voice_replaced_between_runs_is_spoken_again(tmp_path):
+    """Resuming compares the voice's samples, not only its path: `voice add NAME --force` between two
+    runs makes that voice's items another voice's, and they are spoken again."""
+    from minicpm_cli.voices.reference import Voice
+    from minicpm_cli.voices.store import VoiceStore
+
+    store = VoiceStore(tmp_path / "voices")
+    store.add("anna", FIXTURES / "voice_ref_a.wav")
+    rows = [{"id": "v", "text": "Hi.", "voice": "anna"}, {"id": "n", "text": "Yo."}]
+    out = tmp_path / "out"
+    out.mkdir()
+    synth = FakeSynth()
+    speaker = bulk.Speaker(lambda: synth)
+
+    def run():
+        items = bulk.check_voices(bulk.plan(rows, fmt="wav", greedy=True, seed=None, base=tmp_path, store=store))
+        return bulk.run(items, out, lambda pending: [speaker(bulk._columns(pending))], progress=False)
+
+    assert run().spoken == 2
+    assert {e["id"]: e["voice_digest"] for e in entries(out)} == {"v": store.load("anna").digest, "n": None}
+    assert run().skipped == 2
+    samples, rate = sf.read(FIXTURES / "voice_ref_a.wav", dtype="float32")
+    sf.write(tmp_path / "quieter.wav", samples * 0.5, rate)
+    store.add("anna", tmp_path / "quieter.wav", force=True)
+    again = run()
+    assert (again.spoken, again.skipped) == (1, 1) and synth.calls[-1][0] == "Hi."
+    assert entries(out)[-1]["voice_digest"] == Voice.load(tmp_path / "quieter.wav").digest
+
+
+def test_voice_items_need_the_audio_encoder_before_anything_is_spoken(tmp_path):
+    """A checkpoint without an audio encoder: one error before any item, not each voice item failing
+    with advice to retry (a local directory is checked before loading; a model loaded from elsewhere
+    when the Speaker starts)."""
+    src = tmp_path / "items.jsonl"
+    src.write_text(json.dumps({"text": "Hi.", "voice": str(FIXTURES / "voice_ref_a.wav")}) + "\n"
+                   + json.dumps({"text": "Yo."}) + "\n")
+    out = tmp_path / "out"
+    one_line_error(minicpm("bulk", str(src), "--out", str(out), "--greedy", *MODEL, prelude=BLOCK_RAY),
+                   "has no audio encoder (apm.* tensors)")
+    assert not out.exists()
+
+    class NoEncoder(FakeSynth):
+        @property
+        def voices(self):
+            raise UsageError("voices need the checkpoint's audio encoder")
+
+    with pytest.raises(UsageError, match="audio encoder"):
+        bulk.Speaker(NoEncoder, voices=True)
+    bulk.Speaker(NoEncoder)  # (no voice items: nothing asked of it)
 
 
 def test_an_items_seed_with_greedy_is_a_conflict(tmp_path):

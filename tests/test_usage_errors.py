@@ -176,6 +176,22 @@ def test_bulk_input_that_is_not_a_file_is_one_line(tmp_path):
     assert_one_line_error(run("bulk", str(tmp_path / "none.txt"), "--out", out, *NO_MODEL), "no such file")
 
 
+def test_bench_refuses_what_it_cannot_honour_before_it_loads_anything(tmp_path):
+    """Each of these was refused (or lost) only after the model loaded and the runs ran: now before."""
+    assert_usage_error(run("bench", "--max-tokens", "0", *NO_MODEL), "--max-tokens must be at least 1")
+    assert_one_line_error(run("bench", "--json", str(tmp_path), *NO_MODEL), "is a directory")
+    assert_one_line_error(run("bench", "--json", str(tmp_path / "no" / "x.json"), *NO_MODEL),
+                          "output directory does not exist")
+    assert_one_line_error(run("bench", "--json", f"{UNWRITABLE}/x.json", *NO_MODEL), f"cannot write in {UNWRITABLE}")
+    assert_usage_error(run("bench", "--json", "-", *NO_MODEL), "--json writes a file")
+    for flags in (("--runs", "0"), ("--workload", "reply"), ("--max-tokens", "9"), ("--first-chunk", "5")):
+        assert_usage_error(run("bench", "--startup", "--model", str(tmp_path), *flags), flags[0], "cannot apply")
+    assert_usage_error(run("bench", "--voice", "default", *NO_MODEL), "the model's own voice")
+    assert_one_line_error(run("bench", "--voice", "nobody", *NO_MODEL, env={"XDG_DATA_HOME": str(tmp_path)}),
+                          "nobody")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bulk_invalid_values_exit_2(tmp_path):
     items = tmp_path / "items.txt"
     items.write_text("One.\n")

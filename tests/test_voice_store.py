@@ -62,6 +62,9 @@ def test_add_list_rm(tmp_path):
     p = minicpm("voice", "add", "bob_2", str(tone(tmp_path / "b.wav", 1.0, rate=22050)), data=data)
     assert p.returncode == 0, p.stderr.decode()
     assert listing(data) == ["alice.wav", "bob_2.wav"]  # (no temporary file left)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (data / "minicpm" / "voices" / "alice.wav").stat().st_mode & 0o777 == 0o666 & ~umask  # (not mkstemp's 0600)
 
     p = minicpm("voice", "list", data=data)
     assert p.returncode == 0 and p.stderr == b""
@@ -76,6 +79,7 @@ def test_add_list_rm(tmp_path):
     assert p.returncode == 0 and p.stdout == b""
     assert listing(data) == ["bob_2.wav"]
     one_line_error(minicpm("voice", "rm", "alice", data=data), "no saved voice 'alice'", "saved voices: bob_2")
+    one_line_error(minicpm("voice", "rm", "../bob_2", data=data), "'../bob_2' cannot name a voice", status=2)
 
 
 def test_a_saved_voice_is_the_reference_as_load_reference_reads_it(tmp_path):

@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -447,5 +445,3 @@ def table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_json(result: dict, path: str) -> None:
-    Path(path).write_text(json.dumps(result, indent=1) + "\n")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -119,12 +120,19 @@ class VoiceEncoder:
         return VoiceTurn(ids, embeds, at)
 
 
+def require_encoder(ckpt: Checkpoint | Path) -> None:
+    """A UsageError where the checkpoint (or its directory) has no audio encoder to clone voices with."""
+    if isinstance(ckpt, Path):
+        ckpt = Checkpoint(ckpt)
+    if not ckpt.keys("apm."):
+        raise UsageError(f"{ckpt.root} has no audio encoder (apm.* tensors): voice cloning needs a "
+                         "MiniCPM-o checkpoint that has one, such as openbmb/MiniCPM-o-2_6")
+
+
 def load_voice_encoder(ckpt: Checkpoint, config: dict, tok: Tokenizers, *, device, dtype,
                        features: FeatureConfig = FeatureConfig()) -> VoiceEncoder:
     """The audio encoder from the checkpoint's `apm.*` and `audio_projection_layer.*` tensors."""
-    if not ckpt.keys("apm."):
-        raise UsageError(f"{ckpt.root} has no audio encoder (apm.* tensors): voice cloning needs a "
-                              "MiniCPM-o checkpoint that has one, such as openbmb/MiniCPM-o-2_6")
+    require_encoder(ckpt)
     with torch.device("meta"):
         model = AudioEncoder(AudioEncoderConfig.from_hf(config))
     if model.config.n_mels != features.n_mels:

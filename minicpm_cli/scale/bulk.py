@@ -5,8 +5,8 @@ In: INPUT, read here (`read_items`): a text file (an item each non-empty line), 
 folder, `default`, or a saved voice's name), `seed`).
 Out, in DIR: a file per item, `<id>.wav` (or `.flac`), written to a temporary name and renamed when
 complete by the writer of `say -o FILE` (`audio.FileSink`), and `manifest.jsonl`: one JSON line per
-completed item (id, text, file, seconds, seed, voice, speed, bytes), appended and flushed to disk once its
-file is in place. Items without an id are named as `say --lines --dir` names its lines, by their
+completed item (id, text, file, seconds, seed, voice, voice_digest, speed, bytes), appended and
+flushed to disk once its file is in place. Items without an id are named as `say --lines --dir` names its lines, by their
 position among the items: `line-0001`, `line-0002`, ...
 
 Where an item runs changes nothing. Its audio depends only on the model, its text, its voice, its
@@ -15,9 +15,9 @@ seed and the run's `--speed`: `--greedy` draws nothing; `--seed S` gives each it
 its file is the one `minicpm say TEXT --seed SEED [--speed X] -o FILE` writes, whichever process, batch or run
 made it (each utterance has its own generator; the pipeline resets the model per utterance).
 
-Resume: a run skips the items that the manifest lists with their file in place (same text, voice,
-seed, file name and size) and speaks the rest. A crash loses at most the items in flight: no file is
-ever half-written, and no line names a file that is not complete.
+Resume: a run skips the items that the manifest lists with their file in place (same text, voice
+and its samples, seed, speed, file name and size) and speaks the rest. A crash loses at most the
+items in flight: no file is ever half-written, and no line names a file that is not complete.
 
 The synthesis: `Speaker` loads the model once (in `__init__`) and maps a batch of items to their
 audio; the one function that speaks a batch is `synthesize_batch`. The batches are the same wherever
@@ -44,7 +44,6 @@ import os
 import random
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ import numpy as np
 
 from .. import protocol, trace
 from ..errors import MinicpmError, OptionError, UsageError, VoiceError
+from ..files import write_whole
 from ..voices.store import VoiceStore, locate
 
 MANIFEST = "manifest.jsonl"
@@ -65,7 +65,10 @@ TASKS_PER_ACTOR = 2  # batches Ray Data hands an actor at once: the one it runs 
 # (Triton's, TorchInductor's, NVRTC's), so that every replica of a job reads and fills the same ones
 CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MINICPM_CACHE_DIR")
 SAMPLE_RATE = 24000  # (pipeline.SAMPLE_RATE; this module imports no torch)
-_ID = re.compile(r"\w[\w.\-]{0,199}")  # an id names a file: no separators, no leading dot
+_ID = re.compile(r"\w[\w.\-]*")  # an id names a file: no separators, no leading dot
+# its length in bytes: a file name holds 255 (NAME_MAX), and `.<id>.flac.<8 random>.partial`, the
+# name a file is written under, 23 more than the id
+MAX_ID_BYTES = 200
 
 
 def derive_seed(seed: int, item_id: str) -> int:
@@ -86,6 +89,7 @@ class Item:
     voice: str | None = None  # absolute path of a reference recording
     seed_given: bool = True  # False: drawn for this run (a finished item's recorded seed is as good)
     speed: float = 1.0  # the tempo (--speed)
+    voice_digest: str | None = None  # the voice's samples' hash (`Voice.digest`): a file replaced is another voice
 
 
 # -- reading INPUT ---------------------------------------------------------------------------------
@@ -99,7 +103,7 @@ def read_rows(path: Path) -> list[dict]:
     try:
         if suffix in (".jsonl", ".ndjson"):
             rows = []
-            with open(path, encoding="utf-8") as f:
+            with open(path, encoding="utf-8-sig") as f:  # (-sig: an editor's byte-order mark, as in every format)
                 for n, line in enumerate(f, 1):
                     if not line.strip():
                         continue
@@ -118,12 +122,16 @@ def read_rows(path: Path) -> list[dict]:
                 raise UsageError("reading Parquet needs pyarrow: pip install pyarrow (the ray extra has it: "
                                  "pip install 'minicpm-cli[ray]')") from None
             try:
-                return pq.read_table(path).to_pylist()
+                rows = pq.read_table(path).to_pylist()
             except Exception as e:  # (pyarrow's own error types)
                 raise UsageError(f"cannot read {path} as Parquet: {e}") from None
+            # a cell that pandas left empty is null or NaN (a column of ids or seeds with a gap is
+            # then of floats): the field is not given
+            return [{k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+                    for row in rows]
         if suffix in (".csv", ".tsv"):
             return _table_rows(path, "\t" if suffix == ".tsv" else ",")
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             return [{"text": line} for line in f if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read {path}: {e}") from None
@@ -140,9 +148,10 @@ def _table_rows(path: Path, delimiter: str) -> list[dict]:
         if "text" not in columns:
             raise UsageError(f"{path}: the first row names the columns, and none is 'text' (it has: "
                              f"{', '.join(repr(c) for c in columns) or 'nothing'})")
-        rows = []
+        rows, start = [], 2
         try:
             for row in reader:
+                start = reader.line_num + 1  # (where the next row begins: the one an error is in)
                 row = {k: v for k, v in row.items() if k is not None and v is not None and v.strip() != ""}
                 if not row:
                     continue  # (a blank line)
@@ -155,7 +164,7 @@ def _table_rows(path: Path, delimiter: str) -> list[dict]:
                 rows.append(row)
         except csv.Error as e:
             hint = " (a quote not closed?)" if "unexpected end of data" in str(e) else ""
-            raise UsageError(f"{path}, after line {reader.line_num}: {e}{hint}") from None
+            raise UsageError(f"{path}, the row from line {start}: {e}{hint}") from None
     return rows
 
 
@@ -174,18 +183,24 @@ def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base
         text = row.get("text")
         if not isinstance(text, str) or not text.strip():
             raise UsageError(f"{where} has no text")
+        problem = protocol.not_unicode(text, f"{where}'s text")  # (a JSON "\\ud800": no tokenizer reads it)
+        if problem:
+            raise UsageError(problem)
         raw_id = row.get("id")
         if raw_id is None or raw_id == "":
             item_id = f"line-{n:04d}"
-        elif isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and _ID.fullmatch(str(raw_id)):
+        elif (isinstance(raw_id, (str, int)) and not isinstance(raw_id, bool) and _ID.fullmatch(str(raw_id))
+              and len(str(raw_id).encode()) <= MAX_ID_BYTES):
             item_id = str(raw_id)
         else:
             raise UsageError(f"{where}: the id {raw_id!r} cannot name a file (letters, digits, '_', '.', '-'; "
-                             f"not starting with '.' or '-'; at most 200)")
+                             f"not starting with '.' or '-'; at most {MAX_ID_BYTES} bytes in UTF-8)")
         if item_id in seen:
             raise UsageError(f"{where}: the id '{item_id}' is also item {seen[item_id]}'s")
         seen[item_id] = n
         own = row.get("seed")
+        if isinstance(own, float) and own.is_integer():  # (42.0: a JSON number or a Parquet float column)
+            own = int(own)
         if own is not None:
             if isinstance(own, bool) or not isinstance(own, int):
                 raise UsageError(f"{where}: seed {own!r} is not an integer")
@@ -214,12 +229,16 @@ def plan(rows: Sequence[dict], *, fmt: str, greedy: bool, seed: int | None, base
     return items
 
 
-def check_voices(items: Iterable[Item]) -> None:
-    """Read every distinct reference once here, so that a bad one is an error before anything runs."""
+def check_voices(items: Sequence[Item]) -> list[Item]:
+    """`items` with their voices' digests: every distinct reference read once here, so that a bad one
+    is an error before anything runs, and so that resuming knows a voice whose file was replaced (a
+    saved voice added again with --force) from the one an item was spoken in."""
+    import dataclasses
+
     from ..voices.reference import Voice
 
-    for path in sorted({i.voice for i in items if i.voice is not None}):
-        Voice.load(path)
+    digests = {path: Voice.load(path).digest for path in sorted({i.voice for i in items if i.voice is not None})}
+    return [dataclasses.replace(i, voice_digest=digests[i.voice]) if i.voice is not None else i for i in items]
 
 
 # -- the manifest ----------------------------------------------------------------------------------
@@ -262,7 +281,7 @@ class Manifest:
         e = self.entries.get(item.id)
         if e is None or (e.get("text"), e.get("voice"), e.get("file")) != (item.text, item.voice, item.file):
             return False
-        if e.get("speed", 1.0) != item.speed:
+        if e.get("speed", 1.0) != item.speed or e.get("voice_digest") != item.voice_digest:
             return False
         if item.seed_given and e.get("seed") != item.seed:
             return False
@@ -277,14 +296,7 @@ class Manifest:
         """Rewrite the file as its entries, once, if a crash or a redone item left anything else."""
         if not self._dirty:
             return
-        fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".partial", dir=self.path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for entry in self.entries.values():
-                f.write(_line(entry))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, self.path)
+        write_whole(self.path, "".join(_line(e) for e in self.entries.values()).encode("utf-8"), sync=True)
         self._dirty = False
 
     def append(self, entry: dict) -> None:
@@ -300,12 +312,6 @@ class Manifest:
 
 def _line(entry: dict) -> str:
     return json.dumps(entry, ensure_ascii=False) + "\n"
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 @contextlib.contextmanager
@@ -361,12 +367,15 @@ class Speaker:
     loader: Callable[[], Any] | None = None  # (set by `speaker_class`)
     frames_per_token: int | None = None  # lengths forced (random weights)
 
-    def __init__(self, load: Callable[[], Any] | None = None, frames_per_token: int | None = None):
+    def __init__(self, load: Callable[[], Any] | None = None, frames_per_token: int | None = None,
+                 voices: bool = False):
         trace.mark("speaker_start")  # (on Ray: the actor's process is up, the model not yet loaded)
         self.synth = (load or self.loader)()
         self.voices: dict[str, Any] = {}
         if frames_per_token is not None:
             self.frames_per_token = frames_per_token
+        if voices:  # items have voices: the audio encoder now, so that a checkpoint without one is one
+            self.synth.voices  # error before anything is spoken, not each voice item's (a UsageError)
         rows = getattr(self.synth, "rows", 1)
         if rows > 1 and hasattr(self.synth, "warm_batches"):
             # the graphs a batch of `rows` captures (and the kernels they compile): now, as part of the
@@ -474,7 +483,7 @@ class RayOptions:
 def in_process(items: Sequence[Item], load: Callable[[], Any], batch: int,
                frames_per_token: int | None = None) -> Iterator[dict]:
     """The batches through one Speaker in this process, one after the other."""
-    speaker = Speaker(load, frames_per_token)
+    speaker = Speaker(load, frames_per_token, voices=any(i.voice is not None for i in items))
     for group in batches(items, batch):
         yield speaker(_columns(group))
 
@@ -580,7 +589,8 @@ def run(items: Sequence[Item], out: Path, results: Callable[[Sequence[Item]], It
                             raise
                         entry = {"id": item.id, "text": item.text, "file": item.file,
                                  "seconds": round(float(seconds), 4), "seed": item.seed,
-                                 "voice": item.voice, "speed": item.speed, "bytes": (out / item.file).stat().st_size}
+                                 "voice": item.voice, "voice_digest": item.voice_digest, "speed": item.speed,
+                                 "bytes": (out / item.file).stat().st_size}
                         if captions is not None:
                             entry["captions"] = f"{item.id}.{captions}"
                             cues = cc.utterance_cues(len(samples), [tuple(m) for m in json.loads(str(marks))])

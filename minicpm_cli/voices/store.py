@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import OptionError, VoiceError
+from ..files import new_file_mode
 from ..protocol import DEFAULT_VOICE, OPENAI_VOICES
 from .reference import SAMPLE_RATE, Voice, load_reference
 
@@ -149,6 +150,7 @@ class VoiceStore:
                 f.write(voice.samples)
             with open(tmp, "rb") as written:
                 os.fsync(written.fileno())
+            os.chmod(tmp, new_file_mode())  # (mkstemp's 0600 otherwise: a voice is a file like any other)
             if force:
                 os.replace(tmp, path)
             else:
@@ -159,7 +161,7 @@ class VoiceStore:
         return self.get(name)
 
     def remove(self, name: str) -> None:
-        path = self._existing(name)
+        path = self._existing(check_name(name))  # (a string that cannot be a name is the caller's mistake)
         try:
             path.unlink()
         except FileNotFoundError:

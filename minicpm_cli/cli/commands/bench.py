@@ -39,15 +39,33 @@ def bench(
         raise OptionError("--concurrency takes a number of streams of at least 1, and neither --startup nor --voice")
     if arrival_rate is not None and (concurrency is None or not arrival_rate > 0):
         raise OptionError("--arrival-rate takes requests a second above 0, with --concurrency N")
+    if max_tokens < 1:
+        raise OptionError("--max-tokens must be at least 1")
+    json_out = _json_target(json_out)
     if voice is not None:
         if startup or server is not None:
             raise OptionError("--voice times voice cloning on a model loaded here: not with --startup or --server")
         from ...voices.reference import Voice
+        from ...voices.store import locate
 
+        path = locate(voice)  # (as `say --voice` takes it: a recording, or a saved voice's name)
+        if path is None:
+            raise OptionError(f"--voice {voice} is the model's own voice: name a recording or a saved voice to time")
+        voice = str(path)
         Voice.load(voice)  # (a file that cannot be a voice is refused before anything loads)
     if startup:
         if model is None or random_weights or server is not None:
             raise OptionError("--startup needs --model DIR (a checkpoint directory), without --random-weights or --server")
+        given = [flag for flag, value in (("--workload", None if workload == "all" else workload),
+                                          ("--runs", None if runs == 5 else runs),
+                                          ("--warmup", None if warmup == 1 else warmup),
+                                          ("--max-tokens", None if max_tokens == 512 else max_tokens),
+                                          ("--first-chunk", first_chunk), ("--gguf", gguf),
+                                          ("--dtype", None if dtype == "auto" else dtype),
+                                          ("--batch-variant", batch_variant or None)) if value is not None]
+        if given:  # (it times fixed `say` commands: one of each kind, caches emptied and filled)
+            raise OptionError(f"--startup times one-shot `say` commands as a user runs them: {', '.join(given)} "
+                              f"cannot apply")
         names = tuple(b.strip() for b in backend.split(",") if b.strip()) if backend else \
             tuple(n for n, b in registry.REGISTRY.items() if b.available() and n != "gguf")
         for name in names:
@@ -56,7 +74,7 @@ def bench(
 
         runs_ = s.run(model, names, device)
         if json_out:
-            Path(json_out).write_text(json.dumps([vars(r) for r in runs_], indent=1) + "\n")
+            _write(json_out, json.dumps([vars(r) for r in runs_], indent=1) + "\n")
         sys.stdout.write(s.table(runs_, model))
         return
     if server is not None:  # the server's model, whatever it is: nothing here chooses or loads one
@@ -88,8 +106,6 @@ def bench(
         raise OptionError("--workload bulk runs here (say --lines --dir --batch); against --server use read or reply")
     if runs < 1 or warmup < 0:
         raise OptionError("--runs must be at least 1 and --warmup at least 0")
-    if json_out is not None and not Path(json_out).expanduser().resolve().parent.is_dir():
-        raise UsageError(f"output directory does not exist: {Path(json_out).parent}")
     from .. import bench as b
     from .. import bench_many
 
@@ -100,5 +116,32 @@ def bench(
                           arrival_rate=arrival_rate)
     result = b.run(opts) if concurrency is None else bench_many.concurrent(opts)
     if json_out:
-        b.write_json(result, json_out)
+        _write(json_out, json.dumps(result, indent=1) + "\n")
     sys.stdout.write(b.table(result) if concurrency is None else bench_many.concurrency_table(result))
+
+
+def _json_target(json_out: Optional[str]) -> Optional[str]:
+    """--json FILE checked before anything runs (a benchmark's minutes are not lost to its name)."""
+    if json_out is None:
+        return None
+    if json_out == "-":
+        raise OptionError("--json writes a file (the table is on stdout): give a file name")
+    path = Path(json_out).expanduser()
+    if path.is_dir():
+        raise UsageError(f"--json {json_out} is a directory: give a file name")
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"output directory does not exist: {path.parent}")
+    from ...audio import check_writable
+
+    check_writable(path.resolve().parent)  # (the file is written whole under a temporary name there)
+    return str(path)
+
+
+def _write(path: str, text: str) -> None:
+    """The JSON written whole (files.write_whole): an error is one line, not the run lost to a traceback."""
+    from ...files import write_whole
+
+    try:
+        write_whole(path, text.encode("utf-8"))
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None

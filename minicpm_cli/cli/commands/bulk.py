@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -68,12 +69,21 @@ def bulk(
         raise UsageError("bulk reads a file (its items are read again to resume): save standard input to one first")
     if path.is_dir():
         raise UsageError(f"{input} is a directory: bulk reads a file of items (.txt, .jsonl, .csv, .tsv, .parquet)")
-    if not path.is_file():
+    if not path.exists():
         raise UsageError(f"no such file: {input}")
+    if not path.is_file():  # (/dev/stdin, a named pipe: read once, and a rerun would find nothing)
+        raise UsageError(f"{input} is not a regular file: bulk reads its items again to resume, so save them "
+                         f"to a file first")
     items = b.plan(b.read_rows(path), fmt=fmt, greedy=greedy, seed=seed, base=path.resolve().parent, speed=speed)
     if not items:
         raise UsageError(f"no items in {input}")
-    b.check_voices(items)
+    items = b.check_voices(items)
+    if not random_weights and any(i.voice is not None for i in items) and model is not None \
+            and Path(model).expanduser().is_dir():  # (a hub model: checked where it loads)
+        from ...engine.cloning import require_encoder
+
+        require_encoder(Path(model).expanduser())
+    made = not Path(out).expanduser().exists()
     directory = audio.make_directory(out)
     if address is not None:
         model, gguf = absolute_if_here(model), absolute_if_here(gguf)
@@ -93,6 +103,11 @@ def bulk(
             return b.on_ray(pending, load, batch, opts, device, say, forced)
     try:
         summary = b.run(items, directory, results, progress=sys.stderr.isatty(), captions=captions)
+    except BaseException:
+        if made:  # (a run that failed before writing anything leaves no empty directory behind)
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
     finally:
         if address is not None:
             from ...scale.cluster import disconnect
