@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from .errors import OptionError, UsageError
-from .files import new_file_mode
+from .files import check_writable, new_file_mode  # noqa: F401 (check_writable: audio's name for it too)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -45,18 +45,6 @@ class Sink(Protocol):
 def check_pcm(pcm: str) -> None:
     if pcm not in PCM:
         raise OptionError(f"unknown --pcm '{pcm}' (use s16 or f32)")
-
-
-def check_writable(directory: str | os.PathLike) -> None:
-    """A directory this process can create files in, checked by creating (and removing) one, so that
-    a read-only file system, permissions or a missing directory are an error before any work is
-    done (`os.access` says yes to root on a read-only mount)."""
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".minicpm-probe.", dir=directory)
-    except OSError as e:
-        raise UsageError(f"cannot write in {directory}: {e.strerror or e}") from None
-    os.close(fd)
-    os.unlink(probe)
 
 
 def make_directory(directory: str | os.PathLike) -> Path:
@@ -82,6 +70,8 @@ def check_output(path: str, pcm: str, raw: bool = False, probe: bool = True) -> 
     new file (once, before any work: a sink's own temporary file is the check at opening)."""
     check_pcm(pcm)
     if path == "-":
+        if sys.stdout is None:  # (`>&-`: Python has no stdout to give)
+            raise UsageError("standard output is closed: give -o FILE")
         return
     target = Path(path).expanduser()
     if target.is_dir():

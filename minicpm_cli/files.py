@@ -9,6 +9,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .errors import UsageError
+
 
 def new_file_mode() -> int:
     """0o666 less the process's umask: the mode `open(path, "w")` gives a new file."""
@@ -22,10 +24,42 @@ def temporary(target: Path) -> tuple[int, str]:
     return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
 
 
+def check_writable(directory: str | os.PathLike) -> None:
+    """A directory this process can create files in, checked by creating (and removing) one, so that
+    a read-only file system, permissions or a missing directory are an error before any work is
+    done (`os.access` says yes to root on a read-only mount)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".minicpm-probe.", dir=directory)
+    except OSError as e:
+        raise UsageError(f"cannot write in {directory}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_target(path: str, option: str) -> None:
+    """A file that `option` names, checked before any work: not a directory, in a folder that exists
+    and takes a new file (a device or a pipe, such as /dev/stdout, is written in place)."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(f"{option} {path} is a directory: name a file in it")
+    if target.exists() and not target.is_file():
+        return
+    parent = target.resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"output directory does not exist: {target.parent}")
+    check_writable(parent)
+
+
 def write_whole(path: str | os.PathLike, data: bytes, *, sync: bool = False) -> None:
     """`data` as the file `path`, written under a temporary name and renamed (`sync`: flushed to the
-    disk first, for a file that records what is done). An OSError is the caller's to report."""
-    target = Path(path)
+    disk first, for a file that records what is done); a link's target is the file replaced, and a
+    device or a pipe (/dev/stdout) is written in place. An OSError is the caller's to report."""
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_file():
+        with open(target, "wb") as f:
+            f.write(data)
+        return
+    target = Path(os.path.realpath(target))
     fd, tmp = temporary(target)
     try:
         with os.fdopen(fd, "wb") as f:

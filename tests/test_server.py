@@ -746,6 +746,9 @@ SOCKET_BAD = [
     ([b"\x00\x01"], 4400, ["JSON text"]),
     ([{"type": "start"}, {"type": "speak", "text": "Hi."}], 4422, ["type"]),
     ([{"type": "start"}, {"type": "end", "text": "  "}], 4400, ["no text to speak"]),
+    # (JSON's "\ud800", which pydantic's parser calls not JSON: said as the speech endpoint says it)
+    ([{"type": "start"}, {"type": "end", "text": "Hi \ud800 there."}], 4400,
+     ["the text is not Unicode text: an unpaired surrogate, U+D800, at character 4"]),
     ([{"type": "start", "greedy": True}, {"type": "end", "text": "Hi."}, {"type": "text", "text": "More."}], 4400,
      ["ended"]),
 ]

@@ -65,6 +65,32 @@ def test_say_dir_is_made_when_missing(tiny_dir, tmp_path):
     assert (out / "line-0001.wav").is_file()
 
 
+def test_a_closed_or_full_output_is_one_line(tiny_dir, tmp_path):
+    """stdout closed (`>&-`) is said before loading; a full disk (/dev/full) when the audio or the
+    reply's text meets it: one line, exit 1, never a traceback."""
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1"}
+    env.pop("MINICPM_DEBUG", None)
+    tiny = ("--model", str(tiny_dir), "--device", "cpu", "--greedy")
+
+    def minicpm(*args, **streams):
+        p = subprocess.run([sys.executable, "-m", "minicpm_cli", *args], stdin=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, env=env, timeout=300, **streams)
+        p.stdout = p.stdout or b""  # (not captured where it is closed or full)
+        return p
+
+    for args in (("say", "Hi.", "-o", "-"), ("say", "Hi."), ("reply", "Hi.", "--text-out", "-", "-o", "x.wav")):
+        assert_one_line_error(minicpm(*args, *NO_MODEL, preexec_fn=lambda: os.close(1)), "standard output is closed")
+    with open("/dev/full", "wb") as full:
+        for args in (("say", "Hi.", "-o", "-"), ("say", "Hi.", "--raw", "-o", "-")):
+            assert_one_line_error(minicpm(*args, *tiny, stdout=full), "cannot write the output: No space left")
+    assert_one_line_error(run("reply", "Hi.", "--text-out", str(tmp_path), "-o", str(tmp_path / "x.wav"), *NO_MODEL),
+                          "--text-out", "is a directory")
+    p = minicpm("reply", "Hi.", "--text-out", "/dev/full", "--max-tokens", "4", "-o", str(tmp_path / "x.wav"), *tiny,
+                stdout=subprocess.PIPE)
+    assert_one_line_error(p, "cannot write the reply's text to /dev/full: No space left on device (it was: ")
+    assert (tmp_path / "x.wav").is_file()  # (the audio is written all the same)
+
+
 def test_say_dir_unwritable_is_refused_before_loading():
     assert_one_line_error(run("say", "--lines", "--dir", UNWRITABLE, *NO_MODEL, stdin=b"x\n"), "cannot write")
 

@@ -13,6 +13,7 @@ backends.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -77,6 +78,10 @@ app.add_typer(voice.voice_app, name="voice")
 app.command("backends")(list_backends)
 
 
+# what a write can meet that the user can act on (a full or read-only disk, a quota, a file too large)
+WRITE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, terminate)
     signal.signal(signal.SIGINT, interrupt)  # (typer turns the KeyboardInterrupt into exit status 130)
@@ -96,13 +101,26 @@ def main() -> None:
         print("minicpm: error: out of memory: use a smaller backend (--backend int4), fewer rows (--batch), or "
               "free memory held by other programs", file=sys.stderr)
         sys.exit(1)
-    except (ReaderGone, BrokenPipeError):
-        # The reader went away (e.g. `| head`): not an error. Point stdout at devnull so the
-        # interpreter's final flush does not complain.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        sys.exit(0)
+    except OSError as e:  # (BrokenPipeError is one: the reader gone, below)
+        if isinstance(e, BrokenPipeError):
+            _reader_gone()
+        if os.environ.get("MINICPM_DEBUG") or e.errno not in WRITE_ERRORS:
+            raise
+        print(f"minicpm: error: cannot write {e.filename or 'the output'}: {e.strerror}", file=sys.stderr)
+        if e.filename is None and sys.stdout is not None:  # (a write to stdout, or to an open file: what is
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # left in its buffer goes nowhere)
+        sys.exit(1)
+    except ReaderGone:
+        _reader_gone()
     finally:
         # The work is done or undone: an interrupt while the interpreter shuts down has nothing left
         # to stop, and Python's own handler would be back by then (killed by SIGINT, no message).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _reader_gone() -> None:
+    """The reader went away (e.g. `| head`): not an error. Point stdout at devnull so the
+    interpreter's final flush does not complain."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(0)

@@ -73,6 +73,8 @@ def _exit(code) -> None:
         print(code, file=sys.stderr)
         status = 1
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # (closed when we were started: `>&-`)
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # (a closed or broken stream: Python's own exit would fail there too)

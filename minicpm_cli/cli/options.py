@@ -139,6 +139,8 @@ def chunk_frames(frames: Optional[int]) -> int:
 def output_target(output: Optional[str]) -> str:
     """-o's target: stdout (-) when none is given and stdout is not a terminal."""
     if output is None:
+        if sys.stdout is None:  # (`>&-`)
+            raise UsageError("standard output is closed: give -o FILE")
         if sys.stdout.isatty():
             raise UsageError("refusing to write audio to a terminal: give -o FILE, or pipe the output (-o -)")
         return "-"

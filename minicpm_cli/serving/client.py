@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 from .. import protocol, trace
 from ..audio import PCM_BYTES, Pcm
-from ..errors import MinicpmError, UsageError
+from ..errors import MinicpmError, OptionError, UsageError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -482,7 +482,7 @@ def _base(url: str) -> str:
         base = "http://" + base
     parts = urlsplit(base)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError(f"not an http:// URL: {url}")
+        raise OptionError(f"not an http:// URL: {url}")
     return base[:-3] if base.endswith("/v1") else base
 
 

@@ -139,11 +139,29 @@ async def _first(ws: WebSocket, limit: float | None) -> str:
         raise _idle(limit) from None
 
 
-def _start(text: str) -> StreamStart:
+def _parse(model, text: str, what: str):
+    """A message as `model`, or the 422 naming the first field at fault. pydantic's JSON parser refuses
+    a JSON string holding an unpaired surrogate ("\\ud800") as not JSON; it is JSON, so such a message
+    is parsed by Python's and validated, and the text's own check says what is wrong with it (400), as
+    the speech endpoint says it."""
     try:
-        start = StreamStart.model_validate_json(text)
+        return model.model_validate_json(text)
     except ValidationError as e:
-        raise invalid(e.errors(), "the start message") from None
+        errors = e.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise invalid(errors, what) from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise invalid(e.errors(), what) from None
+    raise invalid(errors, what) from None
+
+
+def _start(text: str) -> StreamStart:
+    start = _parse(StreamStart, text, "the start message")
     check_size(len(text), start)
     return start
 
@@ -187,10 +205,10 @@ async def _read(ws: WebSocket, inbox: Inbox, job: Job, session: Session, limit: 
             if len(text) > protocol.MAX_BODY_BYTES:
                 raise ApiError(413, f"a message is larger than {protocol.MAX_BODY_BYTES} bytes",
                                code="request_too_large")
-            try:
-                message = StreamText.model_validate_json(text)
-            except ValidationError as e:
-                raise invalid(e.errors(), "the message") from None
+            message = _parse(StreamText, text, "the message")
+            problem = protocol.not_unicode(message.text, "the text")
+            if problem:
+                raise ApiError(400, problem, param="text")
             if ended:
                 raise ApiError(400, "the input has ended: nothing may follow the end message", param="type")
             received += len(message.text)

@@ -126,15 +126,10 @@ def _json_target(json_out: Optional[str]) -> Optional[str]:
         return None
     if json_out == "-":
         raise OptionError("--json writes a file (the table is on stdout): give a file name")
-    path = Path(json_out).expanduser()
-    if path.is_dir():
-        raise UsageError(f"--json {json_out} is a directory: give a file name")
-    if not path.resolve().parent.is_dir():
-        raise UsageError(f"output directory does not exist: {path.parent}")
-    from ...audio import check_writable
+    from ...files import check_target
 
-    check_writable(path.resolve().parent)  # (the file is written whole under a temporary name there)
-    return str(path)
+    check_target(json_out, "--json")
+    return json_out
 
 
 def _write(path: str, text: str) -> None:

@@ -16,6 +16,7 @@ import typer
 
 from ... import audio, captions as cc, trace
 from ...errors import OptionError, UsageError
+from ...files import check_target, write_whole
 from ..options import (CaptionsOpt, OutputOpt, SpeakerOptions, check_sampling, check_speed,
                        chunk_frames, output_target, with_speaker_options)
 from ..speaker import speaker as find_speaker
@@ -166,8 +167,10 @@ def reply(
         raise UsageError("no text to reply to")
     if text_out == "-" and output == "-":
         raise OptionError("--text-out - and the audio would both go to stdout: write one of them to a file")
-    if text_out not in (None, "-") and not Path(text_out).expanduser().resolve().parent.is_dir():
-        raise UsageError(f"output directory does not exist: {Path(text_out).parent}")
+    if text_out == "-" and sys.stdout is None:
+        raise UsageError("standard output is closed: give --text-out FILE")
+    if text_out not in (None, "-"):
+        check_target(text_out, "--text-out")
 
     check_sampling(opts.greedy, opts.seed)
     spk = find_speaker(opts)
@@ -199,4 +202,8 @@ def reply(
         shown.write("\n")
         shown.flush()
     else:
-        Path(text_out).expanduser().write_text("".join(said) + "\n", encoding="utf-8")
+        try:
+            write_whole(text_out, ("".join(said) + "\n").encode("utf-8"))
+        except OSError as e:  # (the audio is written: say what became of the text, in one line)
+            raise UsageError(f"cannot write the reply's text to {text_out}: {e.strerror or e} (it was: "
+                             f"{''.join(said)!r})") from None
