@@ -84,6 +84,8 @@ def test_say_stdin_to_stdout_streams_and_file_is_one_call(tiny_dir, goldens, cod
     expected = np.round(np.clip(_streamed(codec, goldens["read_short_codes"]), -1, 1) * 32767).astype(np.int16)
     assert len(audio) == len(expected)
     assert np.abs(audio.astype(np.int32) - expected).max() <= 1
+    dash = run("say", "-", "--model", str(tiny_dir), "--greedy", "--device", "cpu", "-o", "-", stdin=b"Hello world.\n")
+    assert dash.returncode == 0 and dash.stdout == p.stdout, dash.stderr.decode()  # (`say -`: stdin, as -f - reads it)
     flac = tmp_path / "x.flac"
     p = run("say", "Hello world.", "--model", str(tiny_dir), "--greedy", "--device", "cpu", "-o", str(flac))
     assert p.returncode == 0, p.stderr.decode()

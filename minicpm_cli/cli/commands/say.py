@@ -25,7 +25,7 @@ from ..streams import arriving, input_lines, play, progress, read_text
 
 @with_speaker_options
 def say(
-    text: Annotated[Optional[str], typer.Argument(help="Text to speak; read from -f FILE or stdin when omitted.", show_default=False)] = None,
+    text: Annotated[Optional[str], typer.Argument(help="Text to speak; read from -f FILE, or from stdin when omitted or -.", show_default=False)] = None,
     output: OutputOpt = None,
     file: Annotated[Optional[str], typer.Option("--file", "-f", help="Read the text from FILE (- for stdin).")] = None,
     lines: Annotated[bool, typer.Option("--lines", help="Speak each input line as soon as it arrives.")] = False,
@@ -44,6 +44,8 @@ def say(
     model here.
     """
     trace.mark("parsed")
+    if text == "-":  # (standard input, as -f - and -o - name it)
+        text = None
     if captions is not None:
         cc.check_target(captions)
         if directory is not None:
@@ -135,7 +137,7 @@ def say(
 
 @with_speaker_options
 def reply(
-    text: Annotated[Optional[str], typer.Argument(help="The user's message; read from stdin when omitted.", show_default=False)] = None,
+    text: Annotated[Optional[str], typer.Argument(help="The user's message; read from stdin when omitted or -.", show_default=False)] = None,
     output: OutputOpt = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most LLM tokens in the reply.")] = 512,
     text_out: Annotated[Optional[str], typer.Option("--text-out", help="Write the reply text to FILE (- for stdout) instead of stderr.")] = None,
@@ -149,6 +151,8 @@ def reply(
     The reply text goes to stderr as it is spoken (to stdout with --text-out -, or to --text-out FILE
     when the reply ends); audio goes where `say` would put it.
     """
+    if text == "-":  # (standard input)
+        text = None
     if captions is not None:
         cc.check_target(captions)
     frames = chunk_frames(opts.first_chunk)
