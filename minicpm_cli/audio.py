@@ -20,13 +20,12 @@ from __future__ import annotations
 import os
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 from .errors import OptionError, UsageError
-from .files import check_writable, new_file_mode  # noqa: F401 (check_writable: audio's name for it too)
+from .files import check_writable, new_file_mode, temporary
 
 if TYPE_CHECKING:
     import numpy as np
@@ -192,8 +191,7 @@ def _file_offset(stream: BinaryIO) -> int | None:
 class FileSink:
     def __init__(self, path: str, pcm: str, sample_rate: int, raw: bool = False):
         self.target = Path(path).expanduser()
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".partial",
-                                        dir=self.target.resolve().parent)
+        fd, self.tmp = temporary(self.target)
         os.close(fd)
         self.pcm, self.rate = pcm, None
         if takes_pcm(path, pcm, raw):

@@ -20,8 +20,9 @@ def new_file_mode() -> int:
 
 
 def temporary(target: Path) -> tuple[int, str]:
-    """(an open descriptor, the name) of a new temporary file beside `target`."""
-    return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+    """(an open descriptor, the name) of a new temporary file beside `target` (beside what a link
+    names)."""
+    return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.resolve().parent)
 
 
 def check_writable(directory: str | os.PathLike) -> None:

@@ -91,6 +91,23 @@ def test_a_closed_or_full_output_is_one_line(tiny_dir, tmp_path):
     assert (tmp_path / "x.wav").is_file()  # (the audio is written all the same)
 
 
+def test_files_written_whole_replace_a_links_target_and_write_a_device_in_place(tmp_path):
+    """files.write_whole (bench --json, reply --text-out, captions, the manifest): a link stays a link
+    to the new file, with a plain file's mode and no temporary left; a device (/dev/null, as
+    /dev/stdout may be) is written, never replaced by a file."""
+    from minicpm_cli.files import new_file_mode, write_whole
+
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    real.write_text("old")
+    link.symlink_to(real)
+    write_whole(link, b"new")
+    assert link.is_symlink() and real.read_bytes() == b"new"
+    assert real.stat().st_mode & 0o777 == new_file_mode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "real.json"]
+    write_whole("/dev/null", b"into the device")
+    assert Path("/dev/null").is_char_device()
+
+
 def test_say_dir_unwritable_is_refused_before_loading():
     assert_one_line_error(run("say", "--lines", "--dir", UNWRITABLE, *NO_MODEL, stdin=b"x\n"), "cannot write")
 
