@@ -99,7 +99,7 @@ class LLMLane:
 
 class CodecLane:
     """The synthesizer's codec as one stream of a batch sees it: its decodes go through `decoder`
-    (row, codes) -> audio, which runs those of a round together. A decode at another speed than 1
+    (row, codes) -> audio on the host, which runs those of a round together. A decode at another speed than 1
     runs alone, on the codec's eager halves, as the single stream runs it (`Codec.decode_at`), so a
     stream's audio at any speed is the one it has alone."""
 
@@ -344,16 +344,19 @@ class Engine:
             self.ready.append((self.tts_prefills.pop(r)[0], None))
 
     def _decode(self) -> None:
-        """The waiting codec decodes, one batched call per length (one alone: the codec's own decode)."""
+        """The waiting codec decodes, one batched call per length (one alone: the codec's own decode),
+        each call's audio brought to the host in one copy: the streams stitch and hand on host audio
+        (`StreamDecoder`), which would otherwise come over one stream at a time, each copy a wait for
+        the device."""
         by_len: dict[int, list[int]] = {}
         for r, (_, codes) in self.decodes.items():
             by_len.setdefault(len(codes), []).append(r)
         codec = self.synth.codec
         for rows in by_len.values():
             if len(rows) == 1:
-                out = [codec.decode(self.decodes[rows[0]][1])]
+                out = codec.decode(self.decodes[rows[0]][1]).cpu()[None]
             else:
-                out = codec.decode_batch(torch.stack([self.decodes[r][1] for r in rows]))
+                out = codec.decode_batch(torch.stack([self.decodes[r][1] for r in rows])).cpu()
             for r, wav in zip(rows, out):
                 self.ready.append((self.decodes.pop(r)[0], wav))
 

@@ -159,6 +159,12 @@ class StreamDecoder:
     whole number of mel hops, 2048 / speed give or take a hop), and that is the crossfade's length, so
     each chunk still crossfades with exactly the audio it decodes again.
 
+    The audio is stitched on the host: each window's samples come off the device in one copy (which
+    the caller needs anyway to play them), and the crossfade and joins of a few thousand samples cost
+    no launches there (on a GPU with many streams, five a stream and chunk, one after another, while
+    the device waited for the host). Each is an exactly rounded float32 multiply or add, on the host
+    as on a GPU.
+
     `reset(context)` starts a new segment (spec §4.5 step 7): nothing is held, there is no crossfade
     with the previous segment, and the last frames of `context` (frames already heard, e.g. carried
     over by a continuation) are decoded again as left context of the first chunk, so their audio
@@ -176,7 +182,7 @@ class StreamDecoder:
         """Start a segment, optionally with left context (n, num_vq). Unflushed audio is dropped."""
         empty = torch.zeros(0, self.codec.num_vq, dtype=torch.long, device=self.codec.device)
         self._context = empty if context is None else self._last(self._codes(context))
-        self._held = torch.zeros(0, device=self.codec.device)  # decoded audio not yet returned
+        self._held = torch.zeros(0)  # decoded audio not yet returned (on the host)
         self._begin = 0  # the next window's first frame in the segment (its context's first)
 
     def _codes(self, codes: Tensor) -> Tensor:
@@ -194,7 +200,8 @@ class StreamDecoder:
         if len(codes) == 0:
             return None
         window = torch.cat([self._context, self._codes(codes)])
-        wav = self.codec.decode_at(window, self.speed, self._begin)  # (speed 1: `decode` itself)
+        # (speed 1: `decode` itself; a batch's lane hands back host audio, one copy for the round's rows)
+        wav = self.codec.decode_at(window, self.speed, self._begin).cpu()
         overlap = self._span(len(self._context)) if len(self._held) else 0  # no crossfade at a segment start
         if overlap:
             head = crossfade(self._held[-overlap:], wav[:overlap])
