@@ -26,9 +26,10 @@ compile and int4 backends now run one kind of arithmetic at every batch size (do
 - int4's 4-bit projections run `q4_invariant` (kernels/q4.py): one split of K and one K-block for
   every token count, one token included;
 - the TTS step runs the tensor-core kernels (kernels/mma.py) for one row too;
-- the codec decodes every chunk in batches of exactly `CODEC_BATCH` rows (padding repeats a row):
-  cuDNN picks its convolution algorithms by batch size, and at one size a row's output does not
-  depend on its place or on the other rows;
+- the codec decodes streamed chunks and short segments in batches of exactly `CODEC_BATCH` rows
+  (padding repeats a row), and longer segments each row alone (compile.GraphCodec): cuDNN picks its
+  convolution algorithms by batch size, and at one size a row's output does not depend on its place
+  or on the other rows;
 - sampling draws from each stream's own generator, row by row, as before.
 
 The cost against the batch-variant kernels (`--batch-variant`) is in docs/benchmarks.md.

@@ -99,21 +99,27 @@ class FakeCodec:
 
 
 def test_invariant_codec_decodes_long_segments_row_by_row():
-    """Within the graphs' lengths every decode is a batch of CODEC_BATCH rows; past them (eager
-    batched convolutions, where a row's bits depended on its neighbours) each row alone, so that a
-    whole segment's audio is the same decoded alone or with others of its length."""
+    """Streamed chunks and short segments (up to SIDE_BY_SIDE_FRAMES) are decoded in batches of
+    CODEC_BATCH rows; a longer segment each row alone and eagerly, with or without others of its
+    length (its frames computed once, not padded to CODEC_BATCH rows, and no graph captured for a
+    length of its own), so that its audio is the same decoded alone or with others."""
     seen = []
 
     graphs = GraphCodec(FakeCodec(seen), invariant=True)
-    short, long = GraphCodec.MAX_FRAMES // CODEC_BATCH, GraphCodec.MAX_FRAMES // CODEC_BATCH + 1
-    codes = torch.randint(0, 100, (3, long, 4))
-    out = graphs.decode_batch(codes)
-    assert seen == [(1, long)] * 3 and torch.equal(out, codes.sum(2).float().repeat_interleave(2, 1))
+    chunk, short = GraphCodec.SIDE_BY_SIDE_FRAMES, GraphCodec.SIDE_BY_SIDE_FRAMES + 1
+    for long in (short, GraphCodec.MAX_FRAMES // CODEC_BATCH, GraphCodec.MAX_FRAMES // CODEC_BATCH + 1):
+        seen.clear()
+        codes = torch.randint(0, 100, (3, long, 4))
+        out = graphs.decode_batch(codes)
+        assert seen == [(1, long)] * 3 and torch.equal(out, codes.sum(2).float().repeat_interleave(2, 1))
+        seen.clear()
+        assert torch.equal(graphs.decode(codes[1]), out[1]) and seen == [(1, long)]
     seen.clear()
-    assert torch.equal(graphs.decode(codes[1]), out[1]) and seen == [(1, long)]
+    graphs.decode_batch(torch.zeros(3, chunk, 4, dtype=torch.long))
+    assert seen == [(CODEC_BATCH, chunk)]
     seen.clear()
-    graphs.decode_batch(torch.zeros(3, short, 4, dtype=torch.long))
-    assert seen == [(CODEC_BATCH, short)]
+    assert graphs.decode(torch.ones(chunk, 4, dtype=torch.long)).shape == (chunk * 2,) and seen == [(CODEC_BATCH, chunk)]
+    assert list(graphs.recent) == [(CODEC_BATCH, chunk)]  # (no graph for a segment's own length)
 
 
 def test_invariant_codec_runs_groups_side_by_side(monkeypatch):
@@ -136,8 +142,8 @@ def test_invariant_codec_runs_groups_side_by_side(monkeypatch):
     assert seen == [(CODEC_BATCH, t - 1)] * 2 and (2, t - 1) in graphs.inputs
     assert torch.equal(graphs.inputs[2, t - 1][CODEC_BATCH + 1 :], codes[:1, : t - 1].expand(CODEC_BATCH - 1, -1, -1))
     seen.clear()
-    graphs.decode_batch(torch.zeros(CODEC_BATCH + 1, t + 1, 4, dtype=torch.long))  # (longer: in turn)
-    assert seen == [(CODEC_BATCH, t + 1)] * 2 and (2, t + 1) not in graphs.inputs
+    graphs.decode_batch(torch.zeros(CODEC_BATCH + 1, t + 1, 4, dtype=torch.long))  # (longer: each row alone)
+    assert seen == [(1, t + 1)] * (CODEC_BATCH + 1) and (2, t + 1) not in graphs.inputs
     seen.clear()
     monkeypatch.setattr(GraphCodec, "SIDE_BY_SIDE", 4)  # (3 groups: a graph of 4, the 4th all padding)
     out = graphs.decode_batch(codes)
@@ -425,6 +431,20 @@ def test_codec_groups_side_by_side_are_each_row_alone_on_gpu(tiny_dir):
         together = synth.codec.decode_batch(codes)
         for i in range(n):
             assert torch.equal(together[i], synth.codec.decode(codes[i])), (n, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_codec_segments_alone_equal_batched_on_gpu(tiny_dir):
+    """Segments longer than SIDE_BY_SIDE_FRAMES are each decoded as a batch of one, eagerly: a row's
+    samples are the same decoded with others of its length as alone, to the bit."""
+    synth = Synthesizer.load(str(tiny_dir), device="cuda", dtype="float32", backend="compile", rows=4)
+    torch.manual_seed(0)
+    for t in (GraphCodec.SIDE_BY_SIDE_FRAMES + 1, 377, 600):
+        codes = torch.randint(0, 600, (3, t, synth.codec.num_vq), device="cuda")
+        together = synth.codec.decode_batch(codes)
+        for i in range(3):
+            assert torch.equal(together[i], synth.codec.decode(codes[i])), (t, i)
 
 
 @pytest.mark.gpu
