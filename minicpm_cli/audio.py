@@ -224,6 +224,8 @@ class FileSink:
             self.raw.stream.close()
         else:
             self.file.close()
+            if self.file.format == "WAV":
+                _unstamp_peak(self.tmp)
         os.chmod(self.tmp, new_file_mode())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(self.tmp, self.target)
 
@@ -232,6 +234,25 @@ class FileSink:
             (self.raw.stream if self.raw else self.file).close()
         finally:
             Path(self.tmp).unlink(missing_ok=True)
+
+
+def _unstamp_peak(path: str) -> None:
+    """Zero the write time libsndfile stamps into a float WAV's PEAK chunk (its version, then the time,
+    then each channel's peak), so that the same samples give the same file, byte for byte, whenever
+    they are written. The chunks before `data` are walked; a file without a PEAK chunk is left as is."""
+    with open(path, "r+b") as f:
+        at = 12  # (past "RIFF", its size and "WAVE")
+        while True:
+            f.seek(at)
+            head = f.read(8)
+            if len(head) < 8 or head[:4] == b"data":
+                return
+            size = struct.unpack("<I", head[4:])[0]
+            if head[:4] == b"PEAK" and size >= 8:
+                f.seek(at + 12)
+                f.write(bytes(4))
+                return
+            at += 8 + size + (size & 1)  # (chunks are padded to an even size)
 
 
 def open_sink(path: str, pcm: str, sample_rate: int, raw: bool = False) -> Sink:

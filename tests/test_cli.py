@@ -387,6 +387,33 @@ def test_a_16_bit_wav_is_written_as_libsndfile_writes_it(tmp_path):
             assert (tmp_path / "ours.wav").read_bytes() == theirs, (n, kind)
 
 
+def test_a_float_wav_is_the_same_bytes_whenever_it_is_written(tmp_path):
+    """libsndfile stamps the time of writing into a float WAV's PEAK chunk; FileSink zeroes it, so the
+    same samples written a second apart give the same file: libsndfile's with that stamp zeroed,
+    which reads back as written."""
+    import time
+
+    from minicpm_cli.audio import open_sink
+
+    samples = (np.random.default_rng(0).standard_normal(2401) * 0.6).astype(np.float32)
+    files = []
+    for i in range(2):
+        if i:
+            time.sleep(1.1)
+        sink = open_sink(str(tmp_path / f"{i}.wav"), "f32", 24000)
+        for part in np.array_split(samples, 3):
+            sink.write(part)
+        sink.close()
+        files.append((tmp_path / f"{i}.wav").read_bytes())
+    sf.write(tmp_path / "theirs.wav", samples, 24000, format="WAV", subtype="FLOAT")
+    theirs = (tmp_path / "theirs.wav").read_bytes()
+    at = theirs.find(b"PEAK", 12, 200)
+    assert at > 0 and theirs[at + 12 : at + 16] != bytes(4)  # (libsndfile's own file: stamped)
+    assert files[0] == files[1] == theirs[: at + 12] + bytes(4) + theirs[at + 16 :]
+    back, rate = sf.read(tmp_path / "0.wav", dtype="float32")
+    assert rate == 24000 and np.array_equal(back, samples)
+
+
 @pytest.mark.parametrize("code, status, stderr", [("None", 0, ""), ("3", 3, ""), ("'bye'", 1, "bye\n")])
 def test_leaving_without_teardown_keeps_the_status_and_the_output(code, status, stderr):
     """Without torch the CLI leaves by os._exit (entry._exit): sys.exit's status and everything written."""

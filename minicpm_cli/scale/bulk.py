@@ -73,7 +73,7 @@ MAX_ID_BYTES = 200
 
 def derive_seed(seed: int, item_id: str) -> int:
     """The seed of item `item_id` in a run with `--seed seed`: the first 8 bytes of SHA-256 of the
-    UTF-8 text "SEED:ID", big-endian, top bit cleared (0 <= result < 2**63)."""
+    UTF-8 text "SEED:ID", big-endian, shifted right by one bit (0 <= result < 2**63)."""
     digest = hashlib.sha256(f"{seed}:{item_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
 

@@ -2,7 +2,7 @@
 
 `app(args)` builds the Serve application from a dict of options (`ServeArgs.from_args`: model,
 backend, gguf, device, dtype, random_weights, batch, batch_variant, api_key, replicas "N" or
-"MIN-MAX", gpus, max_ongoing_requests, target_ongoing_requests), so that `serve run minicpm_cli.scale.ray_serve:app
+"MIN-MAX", gpus, max_ongoing_requests, target_ongoing_requests, socket_idle), so that `serve run minicpm_cli.scale.ray_serve:app
 model=DIR replicas=1-4` and a KubeRay RayService (`import_path: minicpm_cli.scale.ray_serve:app` with the
 same `args`) deploy it; `minicpm serve --ray ADDRESS` deploys it from the command line (`deploy`).
 
