@@ -637,34 +637,30 @@ class GraphTTSRunner(TTSRunner):
 
 
 class GraphCodec:
-    """Wraps a Codec so that each decode length replays a CUDA graph (the DVAE and Vocos launch
-    some hundred small kernels per chunk; in a graph they cost GPU time only).
+    """Wraps a Codec so that each decode length of up to GRAPH_FRAMES frames (streamed chunks, short
+    segments) replays a CUDA graph (the DVAE and Vocos launch some hundred small kernels per chunk; in
+    a graph they cost GPU time only). A longer decode, a segment decoded whole (`say` to a file, bulk),
+    runs eagerly: its frames keep the kernels busy (81 MFLOP a frame in float32), and a segment's
+    length is mostly its own, so a graph of it would cost two warm-up runs and a capture before its
+    one replay.
 
     In the invariant mode a row's decode depends on its length alone (cuDNN picks a convolution's
-    algorithm by the batch's size, so the length fixes the size). Streamed chunks and short segments,
-    up to SIDE_BY_SIDE_FRAMES, are decoded in batches of CODEC_BATCH rows; more rows than that run as
-    that many CODEC_BATCH-row decodes side by side, each on a stream of its own forked from the
-    caller's and joined back, in one graph (`_side_by_side`). Each is the same decode of the same rows
-    as one after another (the same bits); side by side their small kernels fill the GPU together,
-    where one after another each 8-row decode waited for its own launches' latency (128 rows: 16 of
-    them, about 30 ms on an H200 before the first audio of 128 replies).
-
-    A longer decode, a segment decoded whole (`say` to a file, bulk), runs each row alone and eagerly:
-    its own frames keep the convolutions busy (81 MFLOP a frame in float32; a 377-frame line 31 GFLOP
-    alone, 246 padded to CODEC_BATCH rows), and a segment's length is mostly its own, so a graph of
-    it would cost two warm-up runs and a capture before its one replay (three padded decodes for one
-    segment)."""
+    algorithm by the batch's size, so the length fixes the size). Decodes of up to GRAPH_FRAMES frames
+    are batches of CODEC_BATCH rows; more rows than that run as that many CODEC_BATCH-row decodes side
+    by side, each on a stream of its own forked from the caller's and joined back, in one graph
+    (`_side_by_side`). Each is the same decode of the same rows as one after another (the same bits);
+    side by side their small kernels fill the GPU together, where one after another each 8-row decode
+    waited for its own launches' latency (128 rows: 16 of them, about 30 ms on an H200 before the
+    first audio of 128 replies). A longer decode runs each row alone (a 377-frame line: 31 GFLOP,
+    where padded to CODEC_BATCH rows it was 246)."""
 
     MAX_FRAMES = 4096
     SIDE_BY_SIDE = 16  # CODEC_BATCH-row decodes at most in one graph side by side (more: graphs in turn)
-    # ... of streamed chunks (25 frames, 29 with context) and short segments: each graph keeps its
-    # output, up to 128 rows of these frames' samples (16.8 MB at 64); in the invariant mode longer
-    # decodes (segments decoded whole, in many lengths) run each row alone, eagerly
-    SIDE_BY_SIDE_FRAMES = 64
-    # A segment decoded whole (a file, bulk) has a length of its own: a graph each (the batch-variant
-    # mode's, and short segments') would hold its output for good (up to 8 rows x 512 frames x 512
-    # samples, 8.4 MB; some 2 GB over every length a server meets), so only the most recent lengths
-    # past a streamed chunk's keep their graphs.
+    # decodes in graphs: streamed chunks (25 frames, 29 with context) and short segments (each graph
+    # keeps its output: up to 128 rows of these frames' samples, 16.8 MB at 64)
+    GRAPH_FRAMES = 64
+    # Short segments come in lengths of their own: a graph each would hold its output for good, so
+    # only the most recent graphs past a streamed chunk's length are kept.
     KEPT_LENGTHS = 32
 
     def __init__(self, codec, invariant: bool = False):
@@ -692,9 +688,9 @@ class GraphCodec:
     @torch.inference_mode()
     def decode(self, codes: Tensor) -> Tensor:
         t = len(codes)
-        if self.invariant and t:  # (a batch of CODEC_BATCH rows, as every decode)
+        if self.invariant and t:  # (as a batch's row decodes)
             return self.decode_batch(codes[None])[0]
-        if t == 0 or t > self.MAX_FRAMES:
+        if t == 0 or t > self.GRAPH_FRAMES:
             return self.decode_eager(codes)
         self.codes[:t].copy_(codes)
         return self._run(t, t, lambda: self.decode_eager(self.codes[:t])).clone()
@@ -702,17 +698,19 @@ class GraphCodec:
     @torch.inference_mode()
     def decode_batch(self, codes: Tensor) -> Tensor:
         """(B, T, num_vq) -> (B, samples), one graph per (B rounded up to a power of two, T); the
-        padding rows repeat the first. Batch-invariant: up to SIDE_BY_SIDE_FRAMES frames in batches of
-        exactly CODEC_BATCH rows, longer ones each row alone and eagerly (batched, the eager
+        padding rows repeat the first; past GRAPH_FRAMES eagerly. Batch-invariant: up to GRAPH_FRAMES
+        frames in batches of exactly CODEC_BATCH rows, longer ones each row alone (batched, the eager
         convolutions gave a row other bits beside other rows than beside copies of itself: 2,050-frame
         segments, 1e-4 apart, H100)."""
         if self.invariant:
             rows = _invariant().CODEC_BATCH
-            if codes.shape[1] > self.SIDE_BY_SIDE_FRAMES:
+            if codes.shape[1] > self.GRAPH_FRAMES:
                 return torch.cat([self.batch_eager(row[None]) for row in codes])
             if len(codes) > rows:
                 return self._side_by_side(codes)
             return _invariant().fixed_batches(codes, self._decode_batch)
+        if codes.shape[1] > self.GRAPH_FRAMES:
+            return self.batch_eager(codes)
         return self._decode_batch(codes)
 
     def _side_by_side(self, codes: Tensor) -> Tensor:

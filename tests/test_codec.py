@@ -325,9 +325,10 @@ def test_istft_takes_dc_and_nyquist_as_real(device):
 
 @pytest.mark.parametrize("invariant", [False, True])
 def test_graph_codec_keeps_graphs_of_recent_segment_lengths_only(monkeypatch, invariant):
-    """compile's CUDA-graph codec: a graph for each decode length, but past a streamed chunk's lengths
-    (segments decoded whole, each of a length of its own) only the KEPT_LENGTHS most recently used
-    stay; the least recently used is dropped, and captured again when its length comes back."""
+    """compile's CUDA-graph codec: a graph for each decode length up to GRAPH_FRAMES, but past a
+    streamed chunk's lengths (short segments, each of a length of its own) only the KEPT_LENGTHS most
+    recently used stay; the least recently used is dropped, and captured again when its length comes
+    back. Longer segments run eagerly, with no graph."""
     pytest.importorskip("triton")
     from minicpm_cli.backends.compile import FRAMES_PER_CALL, GraphCodec
 
@@ -372,3 +373,5 @@ def test_graph_codec_keeps_graphs_of_recent_segment_lengths_only(monkeypatch, in
     decode(first)
     assert lengths() == [chunk, first, first + 1, first + 3]
     assert list(graphs.captures.values()).count(2) == 1  # (`first` captured again, nothing else)
+    decode(GraphCodec.GRAPH_FRAMES + 1)  # (a segment decoded whole: eagerly, no graph of its length)
+    assert lengths() == [chunk, first, first + 1, first + 3]

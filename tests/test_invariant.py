@@ -99,14 +99,14 @@ class FakeCodec:
 
 
 def test_invariant_codec_decodes_long_segments_row_by_row():
-    """Streamed chunks and short segments (up to SIDE_BY_SIDE_FRAMES) are decoded in batches of
+    """Streamed chunks and short segments (up to GRAPH_FRAMES) are decoded in batches of
     CODEC_BATCH rows; a longer segment each row alone and eagerly, with or without others of its
     length (its frames computed once, not padded to CODEC_BATCH rows, and no graph captured for a
     length of its own), so that its audio is the same decoded alone or with others."""
     seen = []
 
     graphs = GraphCodec(FakeCodec(seen), invariant=True)
-    chunk, short = GraphCodec.SIDE_BY_SIDE_FRAMES, GraphCodec.SIDE_BY_SIDE_FRAMES + 1
+    chunk, short = GraphCodec.GRAPH_FRAMES, GraphCodec.GRAPH_FRAMES + 1
     for long in (short, GraphCodec.MAX_FRAMES // CODEC_BATCH, GraphCodec.MAX_FRAMES // CODEC_BATCH + 1):
         seen.clear()
         codes = torch.randint(0, 100, (3, long, 4))
@@ -130,7 +130,7 @@ def test_invariant_codec_runs_groups_side_by_side(monkeypatch):
 
     monkeypatch.setattr(GraphCodec, "SIDE_BY_SIDE", 2)
     graphs = GraphCodec(FakeCodec(seen), invariant=True)
-    t = GraphCodec.SIDE_BY_SIDE_FRAMES
+    t = GraphCodec.GRAPH_FRAMES
     codes = torch.randint(0, 100, (2 * CODEC_BATCH + 3, t, 4))
     out = graphs.decode_batch(codes)
     assert torch.equal(out, codes.sum(2).float().repeat_interleave(2, 1))
@@ -436,11 +436,11 @@ def test_codec_groups_side_by_side_are_each_row_alone_on_gpu(tiny_dir):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_codec_segments_alone_equal_batched_on_gpu(tiny_dir):
-    """Segments longer than SIDE_BY_SIDE_FRAMES are each decoded as a batch of one, eagerly: a row's
+    """Segments longer than GRAPH_FRAMES are each decoded as a batch of one, eagerly: a row's
     samples are the same decoded with others of its length as alone, to the bit."""
     synth = Synthesizer.load(str(tiny_dir), device="cuda", dtype="float32", backend="compile", rows=4)
     torch.manual_seed(0)
-    for t in (GraphCodec.SIDE_BY_SIDE_FRAMES + 1, 377, 600):
+    for t in (GraphCodec.GRAPH_FRAMES + 1, 377, 600):
         codes = torch.randint(0, 600, (3, t, synth.codec.num_vq), device="cuda")
         together = synth.codec.decode_batch(codes)
         for i in range(3):
