@@ -50,6 +50,27 @@ def test_rows_from_the_memory_left():
         memory.rows_for("compile", free, 6)
     with pytest.raises(OptionError, match="try --backend int4"):
         memory.rows_for("compile", need.fixed - 1)
+    with pytest.raises(OptionError, match=r"^backend 'compile' needs about .*: try --backend int4$"):
+        memory.rows_for("compile", need.fixed - 1, 1)  # (`say`'s one row: no "--batch 1" it did not give)
+
+
+def test_what_does_not_fit_names_a_smaller_backend_only():
+    """Where not even one row fits, the hint is int4 only for a backend that needs more than int4;
+    int4 and gguf (smaller) are told to free memory or run on the CPU."""
+    for backend in ("int4", "gguf"):
+        with pytest.raises(OptionError) as e:
+            memory.rows_for(backend, memory.need(backend).fixed - 1, 1)
+        assert "--backend int4" not in str(e.value) and "--device cpu" in str(e.value), backend
+    free = memory.need("int4").fixed + 2 * memory.need("int4").per_row + 1
+    with pytest.raises(OptionError, match=r"use --batch 2$"):
+        memory.rows_for("int4", free, 3)
+
+
+def test_gguf_takes_one_row():
+    """gguf's LLM is one llama.cpp sequence: a batch over it has one row, whatever memory or --batch
+    would give (more rows would only hold TTS caches no stream uses)."""
+    assert memory.rows_for("gguf", 80 * GB) == 1 and memory.rows_for("gguf", 80 * GB, 8) == 1
+    assert memory.rows_for("gguf", None) == 1
 
 
 def test_memory_cap(monkeypatch):
@@ -57,9 +78,23 @@ def test_memory_cap(monkeypatch):
     assert memory.cap_bytes() is None
     monkeypatch.setenv(memory.CAP, "12")
     assert memory.cap_bytes() == 12 * GB
-    monkeypatch.setenv(memory.CAP, "lots")
-    with pytest.raises(OptionError, match="MINICPM_MEMORY_CAP"):
-        memory.cap_bytes()
+    for value in ("lots", "0", "-3", "nan", "inf", "1e400"):
+        monkeypatch.setenv(memory.CAP, value)
+        with pytest.raises(OptionError, match="MINICPM_MEMORY_CAP"):
+            memory.cap_bytes()
+
+
+def test_a_cuda_device_past_the_last_is_one_line(monkeypatch):
+    import torch
+
+    from minicpm_cli.engine.pipeline import resolve_device
+    from minicpm_cli.errors import DeviceError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1) and resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(DeviceError, match=r"^--device cuda:2: this machine has 2 CUDA devices \(cuda:0 to cuda:1\)$"):
+        resolve_device("cuda:2")
 
 
 def test_a_capped_gpu_is_what_auto_and_rows_see(monkeypatch):

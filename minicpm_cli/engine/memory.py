@@ -2,8 +2,9 @@
 chooses a backend by and `serve` its rows by, and the cap `MINICPM_MEMORY_CAP` puts on a process.
 
 `need(backend, rows)` estimates, in bytes, the full-size model's weights (the bf16 LLM 15.2 GB,
-int4's 4-bit layers 3.3 GB plus its bf16 embeddings and lm_head 2.2 GB; the TTS head and the codec
-0.6 GB; gguf's LLM is llama.cpp's, not counted), a fixed share for CUDA graph pools, a prefill's
+int4's 4-bit layers 3.3 GB plus its bf16 embeddings and lm_head 2.2 GB; the TTS head and the DVAE
+0.44 GB, twice their parameters, Vocos's 0.05 GB in float32 falling in the fixed share below; gguf's
+LLM is llama.cpp's, not counted), a fixed share for CUDA graph pools, a prefill's
 activations, workspaces and the allocator's slack (1.3 GB: with 1.0, 17 compile rows under a 24 GB
 cap and 12 int4 rows under 12 GB ran out of memory), and per row 0.417 GB: its KV caches (the
 LLM's 28 layers x 2 x 4 KV heads x 128 x 2 bytes x 4096 slots, 0.23 GB; the TTS's 20 x 2 x 768 x 2
@@ -22,6 +23,7 @@ No torch at import (the CLI's help imports the registry, which imports this lazi
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -92,7 +94,7 @@ def cap_bytes() -> int | None:
         gb = float(value)
     except ValueError:
         gb = -1.0
-    if gb <= 0:
+    if not math.isfinite(gb) or gb <= 0:
         raise OptionError(f"{CAP}={value!r}: give the GPU memory this process may use, in GB (e.g. 8)")
     return int(gb * GB)
 
@@ -132,23 +134,32 @@ def available(device: "torch.device") -> int | None:
 
 def rows_for(backend: str, free: int | None, want: int | None = None) -> int:
     """Rows to make an engine of: `want` (the user's --batch) where it fits, else a one-line error
-    saying what does; None: as many as fit, at most MAX_ROWS (8 where the memory is not known: a CPU)."""
+    saying what does; None: as many as fit, at most MAX_ROWS (8 where the memory is not known: a CPU).
+    gguf: one row (its LLM is one llama.cpp sequence: a batch's streams take turns on it, and more
+    rows would only hold TTS caches that no stream can use)."""
+    if backend == "gguf":
+        want = 1
     if free is None:
         return want or 8
     est = need(backend)
     fit = est.rows(free)
+    if fit < 1:
+        raise OptionError(too_small(backend, free))
     if want is None:
-        if fit < 1:
-            raise OptionError(too_small(backend, free))
         return min(fit, MAX_ROWS)
     if want > fit:
-        hint = f"--batch {fit}" if fit >= 1 else "--backend int4"
         raise OptionError(f"--batch {want} needs about {est.total(want) / GB:.1f} GB of GPU memory with backend "
-                          f"'{backend}' and {free / GB:.1f} GB are free: use {hint}"
-                          + (" or --backend int4" if backend != "int4" and fit >= 1 else ""))
+                          f"'{backend}' and {free / GB:.1f} GB are free: use --batch {fit}"
+                          + (" or --backend int4" if _smaller("int4", backend) else ""))
     return want
 
 
+def _smaller(other: str, backend: str) -> bool:
+    """Whether `other` needs less memory than `backend` (a hint worth giving)."""
+    return need(other).total(1) < need(backend).total(1)
+
+
 def too_small(backend: str, free: int) -> str:
+    hint = "try --backend int4" if _smaller("int4", backend) else "free GPU memory, or run on the CPU (--device cpu)"
     return (f"backend '{backend}' needs about {need(backend).total(1) / GB:.1f} GB of GPU memory and "
-            f"{free / GB:.1f} GB are free" + ("" if backend == "int4" else ": try --backend int4"))
+            f"{free / GB:.1f} GB are free: {hint}")

@@ -91,9 +91,13 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DeviceError("--device cuda: no CUDA device is available (use --device cpu)")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError:
         raise DeviceError(f"unknown device '{device}' (use auto, cuda or cpu)") from None
+    if dev.type == "cuda" and dev.index is not None and dev.index >= (count := torch.cuda.device_count()):
+        raise DeviceError(f"--device {device}: this machine has {count} CUDA device{'s' * (count != 1)} "
+                          f"(cuda:0 to cuda:{count - 1})")
+    return dev
 
 
 def free_memory(device: torch.device) -> int | None:
