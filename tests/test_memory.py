@@ -113,3 +113,31 @@ def test_a_capped_gpu_is_what_auto_and_rows_see(monkeypatch):
     assert free == 8 * GB and fractions == [(0.1, torch.device("cuda", 0))]
     assert registry.choose(None, "cuda", triton=True, free=free) == "int4"
     assert memory.rows_for("int4", free) == memory.need("int4").rows(free) >= 1
+
+
+def test_bulk_generates_at_most_its_batch_and_what_fits(tmp_path, monkeypatch):
+    """bulk's --batch left at its default (8 items a batch) generates as many at once as fit, at most
+    8, where a --batch given must fit (a one-line error otherwise): an 8 GB card runs bulk's
+    defaults with the rows it holds instead of refusing them."""
+    from typer.testing import CliRunner
+
+    from minicpm_cli.cli.app import app
+    from minicpm_cli.cli.commands import bulk as command
+
+    int4 = memory.need("int4")
+    assert memory.rows_for("int4", int4.fixed + 2 * int4.per_row + 1, None, most=8) == 2
+    assert memory.rows_for("compile", 80 * GB, None, most=8) == 8
+    assert memory.rows_for("compile", None, None, most=8) == 8  # (a CPU)
+    loads = []
+
+    def load_here(*args, **kwargs):
+        loads.append((args[6], kwargs["most_rows"]))
+        raise OptionError("stop here")
+
+    monkeypatch.setattr(command, "load_here", load_here)
+    src = tmp_path / "items.txt"
+    src.write_text("Hi.\nYo.\n")
+    for extra, want in (([], (None, 8)), (["--batch", "3"], (3, 3))):
+        r = CliRunner().invoke(app, ["bulk", str(src), "--out", str(tmp_path / "out"), "--device", "cpu", *extra])
+        assert isinstance(r.exception, OptionError) and str(r.exception) == "stop here", r.output
+        assert loads.pop() == want

@@ -19,14 +19,15 @@ from .options import SpeakerOptions, check_model_options
 
 
 def load_here(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None,
-              verbose: bool = False, rows: int = 1, batch_variant: bool = False, random_weights: bool = False):
-    """The model loaded in this process (a Synthesizer), `rows` streams at once (`batch_variant`:
-    the faster kernels whose rounding depends on the batch; `random_weights`: the full-size model
-    drawn on the device, for speed work)."""
+              verbose: bool = False, rows: Optional[int] = 1, batch_variant: bool = False,
+              random_weights: bool = False, most_rows: Optional[int] = None):
+    """The model loaded in this process (a Synthesizer), `rows` streams at once (None: as many as the
+    GPU's free memory holds, at most `most_rows`; `batch_variant`: the faster kernels whose rounding
+    depends on the batch; `random_weights`: the full-size model drawn on the device, for speed work)."""
     from ..engine import loading
 
     trace.mark("imported")
-    synth, backend, model = loading.load(model, backend, device, dtype, gguf, rows=rows,
+    synth, backend, model = loading.load(model, backend, device, dtype, gguf, rows=rows, most_rows=most_rows,
                                          batch_invariant=not batch_variant, random_weights=random_weights)
     trace.mark("loaded")
     if verbose:

@@ -59,10 +59,10 @@ def pick(model: Optional[str], backend: str, device: str, gguf: Optional[str]) -
 
 def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Optional[str] = None, *,
          rows: Optional[int] = 1, random_weights: bool = False,
-         batch_invariant: bool = True) -> tuple["Synthesizer", str, str]:
+         batch_invariant: bool = True, most_rows: Optional[int] = None) -> tuple["Synthesizer", str, str]:
     """(the loaded synthesizer, the backend name chosen, the model it was loaded from), `rows` streams
-    at once (0 or None: as many as the GPU's free memory holds, engine/memory.py; rows that do not
-    fit: a one-line error naming what does). With `random_weights` the full-size model is drawn on
+    at once (0 or None: as many as the GPU's free memory holds, at most `most_rows` (default
+    memory.MAX_ROWS), engine/memory.py; rows that do not fit: a one-line error naming what does). With `random_weights` the full-size model is drawn on
     the device (`model` unused); `batch_invariant`: see `Synthesizer.load`."""
     from . import warmstart
 
@@ -73,7 +73,7 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
     from . import memory
     from .pipeline import Synthesizer, resolve_device
 
-    rows = memory.rows_for(name, memory.available(resolve_device(device)), rows or None)
+    rows = memory.rows_for(name, memory.available(resolve_device(device)), rows or None, most_rows or memory.MAX_ROWS)
 
     synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
                              gguf=gguf, random_weights=random_weights, rows=rows, batch_invariant=batch_invariant)

@@ -132,21 +132,21 @@ def available(device: "torch.device") -> int | None:
     return free if cap is None else min(free, cap - torch.cuda.memory_reserved(device))
 
 
-def rows_for(backend: str, free: int | None, want: int | None = None) -> int:
+def rows_for(backend: str, free: int | None, want: int | None = None, most: int = MAX_ROWS) -> int:
     """Rows to make an engine of: `want` (the user's --batch) where it fits, else a one-line error
-    saying what does; None: as many as fit, at most MAX_ROWS (8 where the memory is not known: a CPU).
+    saying what does; None: as many as fit, at most `most` (8 where the memory is not known: a CPU).
     gguf: one row (its LLM is one llama.cpp sequence: a batch's streams take turns on it, and more
     rows would only hold TTS caches that no stream can use)."""
     if backend == "gguf":
         want = 1
     if free is None:
-        return want or 8
+        return want or min(8, most)
     est = need(backend)
     fit = est.rows(free)
     if fit < 1:
         raise OptionError(too_small(backend, free))
     if want is None:
-        return min(fit, MAX_ROWS)
+        return min(fit, most)
     if want > fit:
         raise OptionError(f"--batch {want} needs about {est.total(want) / GB:.1f} GB of GPU memory with backend "
                           f"'{backend}' and {free / GB:.1f} GB are free: use --batch {fit}"

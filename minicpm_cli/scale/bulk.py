@@ -59,6 +59,7 @@ from ..voices.store import VoiceStore, locate
 
 MANIFEST = "manifest.jsonl"
 FORMATS = ("wav", "flac")
+DEFAULT_BATCH = 8  # bulk --batch: items a batch (generated at once as far as the GPU's memory holds)
 MAX_BLOCKS = 2000  # blocks the items are cut into on Ray (each a whole number of batches)
 TASKS_PER_ACTOR = 2  # batches Ray Data hands an actor at once: the one it runs and the next
 # what the actors take from the driver's environment, where it is set: the compiled-kernel caches

@@ -26,7 +26,7 @@ def bulk(
     ray_address: RayOpt = None,
     replicas: ReplicasOpt = None,
     gpus_per_replica: GpusOpt = None,
-    batch: Annotated[int, typer.Option("--batch", help="Items per batch given to a model.")] = 8,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="Items per batch given to a model, generated at once [default: 8, generated as many at once as the GPU's free memory holds, at most 8].", show_default=False)] = None,
     fmt: Annotated[str, typer.Option("--format", help="Audio files: wav or flac (16-bit).")] = "wav",
     captions: Annotated[Optional[str], typer.Option("--captions", help="Also write DIR/<id>.srt or .vtt beside each audio file (named in the manifest): srt or vtt.", show_default=False)] = None,
     model: ModelOpt = None,
@@ -54,8 +54,10 @@ def bulk(
         raise OptionError(f"--format must be wav or flac, not '{fmt}'")
     if captions is not None and captions not in FORMATS:
         raise OptionError(f"--captions must be {' or '.join(FORMATS)}, not '{captions}'")
-    if batch < 1:
+    if batch is not None and batch < 1:
         raise OptionError("--batch must be at least 1")
+    rows = batch  # (a --batch given is generated at once, or a one-line error says what fits)
+    batch = batch or b.DEFAULT_BATCH
     check_sampling(greedy, seed)
     check_speed(speed)
     check_model_options(backend, device, dtype, gguf)
@@ -87,8 +89,8 @@ def bulk(
     directory = audio.make_directory(out)
     if address is not None:
         model, gguf = absolute_if_here(model), absolute_if_here(gguf)
-    load = functools.partial(load_here, model, backend, device, dtype, gguf, verbose, batch,  # (rows: a batch at once)
-                             batch_variant, random_weights)
+    load = functools.partial(load_here, model, backend, device, dtype, gguf, verbose, rows,  # (rows: a batch at once)
+                             batch_variant, random_weights, most_rows=batch)
     forced = None
     if random_weights:
         from ...engine.loading import FORCED_FRAMES_PER_TOKEN as forced
