@@ -141,11 +141,11 @@ def _described(module: str) -> tuple[str, str]:
 
 
 def choose(model: str | None, device_type: str, *, gguf: str | None = None,
-           triton: bool | None = None, free: int | None = None) -> str:
+           triton: bool | None = None, free: int | None = None, dtype: str = "bfloat16") -> str:
     """The backend `auto` stands for: gguf when given a GGUF file; int4 for a GPTQ checkpoint (a local
     directory with quantize_config.json, or a hub repo named like the official one, `...-int4`);
     otherwise, on a CUDA GPU with Triton, compile where the bf16 model and a row of caches fit the
-    `free` bytes (engine/memory.py's estimate; None: not known), else int4 (the official int4
+    `free` bytes (engine/memory.py's estimate in `dtype`; None: not known), else int4 (the official int4
     checkpoint, or a bf16 one quantized while loading), else a one-line error saying what fits;
     eager elsewhere."""
     if gguf is not None:
@@ -162,11 +162,13 @@ def choose(model: str | None, device_type: str, *, gguf: str | None = None,
             from ..engine import memory
 
             for name in ("compile", "int4"):
-                if memory.need(name).rows(free) >= 1:
+                if memory.need(name, dtype=dtype).rows(free) >= 1:
                     return name
-            raise BackendError(f"{free / memory.GB:.1f} GB of GPU memory are free: the bf16 model (compile) needs "
-                               f"about {memory.need('compile').total(1) / memory.GB:.0f} GB and the int4 one about "
-                               f"{memory.need('int4').total(1) / memory.GB:.0f} GB; free GPU memory, or run the LLM "
+            wide = memory.element_bytes(dtype) > 2
+            raise BackendError(f"{free / memory.GB:.1f} GB of GPU memory are free: the {'float32' if wide else 'bf16'} "
+                               f"model (compile) needs about {memory.need('compile', dtype=dtype).total(1) / memory.GB:.0f} "
+                               f"GB and the int4 one about {memory.need('int4', dtype=dtype).total(1) / memory.GB:.0f} GB; "
+                               f"free GPU memory{', or use --dtype bfloat16' if wide else ''}, or run the LLM "
                                "on llama.cpp (--backend gguf --gguf FILE) or on the CPU (--device cpu)")
     return "eager"
 

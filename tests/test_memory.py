@@ -31,6 +31,20 @@ def test_auto_chooses_by_free_memory(free_gb, want):
     assert registry.choose(None, "cuda", triton=True, free=int(free_gb * GB)) == want
 
 
+def test_float32_is_counted_at_four_bytes():
+    """--dtype float32 doubles the weights outside int4's 4-bit layers, and the caches: with 25 GB free
+    the bf16 model fits and the float32 one (30 GB of LLM alone) does not, so auto takes int4."""
+    wide, bf16 = memory.need("compile", dtype="float32"), memory.need("compile")
+    assert wide.fixed - memory.OVERHEAD == 2 * (bf16.fixed - memory.OVERHEAD) and wide.per_row > bf16.per_row
+    assert memory.need("compile", dtype="auto") == bf16
+    assert registry.choose(None, "cuda", triton=True, free=25 * GB) == "compile"
+    assert registry.choose(None, "cuda", triton=True, free=25 * GB, dtype="float32") == "int4"
+    with pytest.raises(BackendError, match="float32 model .* or use --dtype bfloat16"):
+        registry.choose(None, "cuda", triton=True, free=9 * GB, dtype="float32")
+    with pytest.raises(OptionError, match=r"^backend 'compile' needs about 3\d\.\d GB"):
+        memory.rows_for("compile", bf16.fixed + 4 * bf16.per_row + 1, 4, dtype="float32")
+
+
 def test_auto_says_what_fits_when_nothing_does():
     with pytest.raises(BackendError, match=r"4\.0 GB of GPU memory are free.*int4.*--backend gguf"):
         registry.choose(None, "cuda", triton=True, free=4 * GB)

@@ -37,7 +37,8 @@ def check_gguf(backend: str, gguf: Optional[str]) -> None:
         raise OptionError("--gguf is for --backend gguf")
 
 
-def pick(model: Optional[str], backend: str, device: str, gguf: Optional[str]) -> tuple[str, str]:
+def pick(model: Optional[str], backend: str, device: str, gguf: Optional[str],
+         dtype: str = "auto") -> tuple[str, str]:
     """(the backend `auto` stands for here, the model to load: the backend's default when none is given).
     On a GPU `auto` weighs what is free (engine/memory.py, MINICPM_MEMORY_CAP applied)."""
     check_gguf(backend, gguf)
@@ -47,9 +48,11 @@ def pick(model: Optional[str], backend: str, device: str, gguf: Optional[str]) -
 
         dev = resolve_device(device)
         free = memory.available(dev)
-        backend = registry.choose(model, dev.type, gguf=gguf, free=free)
-        if backend == "int4" and free is not None and memory.need("compile").rows(free) < 1 and model is None:
-            print(f"minicpm: {free / memory.GB:.1f} GB of GPU memory free, too little for the bf16 model: using "
+        backend = registry.choose(model, dev.type, gguf=gguf, free=free, dtype=dtype)
+        if backend == "int4" and free is not None and memory.need("compile", dtype=dtype).rows(free) < 1 \
+                and model is None:
+            print(f"minicpm: {free / memory.GB:.1f} GB of GPU memory free, too little for the "
+                  f"{'float32' if memory.element_bytes(dtype) > 2 else 'bf16'} model: using "
                   f"--backend int4 ({registry.get('int4').default_model}, about 6 GB, downloaded once)",
                   file=sys.stderr, flush=True)
     be = registry.get(backend)
@@ -68,12 +71,13 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
 
     be = registry.REGISTRY.get(backend)  # (None: auto, or a name that `pick` refuses)
     warmstart.begin(be.triton if be else backend == registry.AUTO and gguf is None, device)  # (before torch)
-    name, model_id = pick(model, backend, device, gguf)  # (auto imports torch; a named backend, nothing)
+    name, model_id = pick(model, backend, device, gguf, dtype)  # (auto imports torch; a named backend, nothing)
     _precompile(name, None if random_weights else model_id, device, dtype, batch_invariant, rows)  # (checked)
     from . import memory
     from .pipeline import Synthesizer, resolve_device
 
-    rows = memory.rows_for(name, memory.available(resolve_device(device)), rows or None, most_rows or memory.MAX_ROWS)
+    rows = memory.rows_for(name, memory.available(resolve_device(device)), rows or None, most_rows or memory.MAX_ROWS,
+                           dtype)
 
     synth = Synthesizer.load(model if random_weights else model_id, backend=name, device=device, dtype=dtype,
                              gguf=gguf, random_weights=random_weights, rows=rows, batch_invariant=batch_invariant)

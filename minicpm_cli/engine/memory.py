@@ -72,17 +72,23 @@ def _sizes() -> dict[str, int]:
             "kv": kv}
 
 
-def need(backend: str, rows: int = 1) -> Need:
-    """The estimate (module docstring) for `backend` (compile, eager, int4, gguf) in bfloat16."""
-    z = _sizes()
-    rest = 2 * z["tts"] + OVERHEAD  # the TTS head and codec (bf16), graphs, activations
+def element_bytes(dtype: str) -> int:
+    """Bytes a weight or cache element takes in `--dtype` (auto on a GPU: bfloat16)."""
+    return 4 if dtype in ("float32", "fp32") else 2
+
+
+def need(backend: str, rows: int = 1, dtype: str = "bfloat16") -> Need:
+    """The estimate (module docstring) for `backend` (compile, eager, int4, gguf) in `dtype` (float32
+    doubles the weights outside int4's 4-bit layers, and the KV caches)."""
+    z, b = _sizes(), element_bytes(dtype)
+    rest = b * z["tts"] + OVERHEAD  # the TTS head and codec, graphs, activations
     if backend == "int4":
-        llm = 2 * (z["llm"] - z["quantized"]) + z["quantized"] // 2 + z["quantized"] // 64  # (+ scales, zeros)
+        llm = b * (z["llm"] - z["quantized"]) + z["quantized"] // 2 + z["quantized"] // 64  # (+ scales, zeros)
     elif backend == "gguf":
         llm = 0  # (llama.cpp's memory: its own, from the GGUF file)
     else:
-        llm = 2 * z["llm"]
-    return Need(llm + rest, z["kv"] + ROW_WORK)
+        llm = b * z["llm"]
+    return Need(llm + rest, z["kv"] * b // 2 + ROW_WORK)
 
 
 def cap_bytes() -> int | None:
@@ -132,7 +138,8 @@ def available(device: "torch.device") -> int | None:
     return free if cap is None else min(free, cap - torch.cuda.memory_reserved(device))
 
 
-def rows_for(backend: str, free: int | None, want: int | None = None, most: int = MAX_ROWS) -> int:
+def rows_for(backend: str, free: int | None, want: int | None = None, most: int = MAX_ROWS,
+             dtype: str = "bfloat16") -> int:
     """Rows to make an engine of: `want` (the user's --batch) where it fits, else a one-line error
     saying what does; None: as many as fit, at most `most` (8 where the memory is not known: a CPU).
     gguf: one row (its LLM is one llama.cpp sequence: a batch's streams take turns on it, and more
@@ -141,25 +148,25 @@ def rows_for(backend: str, free: int | None, want: int | None = None, most: int 
         want = 1
     if free is None:
         return want or min(8, most)
-    est = need(backend)
+    est = need(backend, dtype=dtype)
     fit = est.rows(free)
     if fit < 1:
-        raise OptionError(too_small(backend, free))
+        raise OptionError(too_small(backend, free, dtype))
     if want is None:
         return min(fit, most)
     if want > fit:
         raise OptionError(f"--batch {want} needs about {est.total(want) / GB:.1f} GB of GPU memory with backend "
                           f"'{backend}' and {free / GB:.1f} GB are free: use --batch {fit}"
-                          + (" or --backend int4" if _smaller("int4", backend) else ""))
+                          + (" or --backend int4" if _smaller("int4", backend, dtype) else ""))
     return want
 
 
-def _smaller(other: str, backend: str) -> bool:
+def _smaller(other: str, backend: str, dtype: str = "bfloat16") -> bool:
     """Whether `other` needs less memory than `backend` (a hint worth giving)."""
-    return need(other).total(1) < need(backend).total(1)
+    return need(other, dtype=dtype).total(1) < need(backend, dtype=dtype).total(1)
 
 
-def too_small(backend: str, free: int) -> str:
-    hint = "try --backend int4" if _smaller("int4", backend) else "free GPU memory, or run on the CPU (--device cpu)"
-    return (f"backend '{backend}' needs about {need(backend).total(1) / GB:.1f} GB of GPU memory and "
-            f"{free / GB:.1f} GB are free: {hint}")
+def too_small(backend: str, free: int, dtype: str = "bfloat16") -> str:
+    hint = "try --backend int4" if _smaller("int4", backend, dtype) else "free GPU memory, or run on the CPU (--device cpu)"
+    return (f"backend '{backend}' needs about {need(backend, dtype=dtype).total(1) / GB:.1f} GB of GPU memory "
+            f"and {free / GB:.1f} GB are free: {hint}")

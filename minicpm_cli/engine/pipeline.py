@@ -239,7 +239,7 @@ class Synthesizer:
         dev = resolve_device(device)
         memory.apply_cap(dev)  # (MINICPM_MEMORY_CAP: this process as on a smaller GPU)
         if backend == backends.AUTO:
-            backend = backends.choose(model, dev.type, gguf=gguf, free=memory.available(dev))
+            backend = backends.choose(model, dev.type, gguf=gguf, free=memory.available(dev), dtype=dtype)
         be = backends.get(backend)
         be.check()
         dt = resolve_dtype(dtype, dev)
