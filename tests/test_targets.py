@@ -41,7 +41,9 @@ def test_limits_are_the_programming_guides():
         assert (lim.regs_thread, lim.regs_block, lim.threads_block) == (255, 65536, 1024)
     assert targets.limits((8, 7)).smem_block == 166912 and targets.limits((10, 0)).smem_block == 232448
     assert targets.limits((12, 1)).smem_block == 101376  # (not in the table: its major's row below it)
-    assert targets.limits((11, 0)).smem_block == 101376  # (no row of its major: the smallest)
+    assert targets.limits((11, 0)).smem_block == 65536  # (no row of its major: the smallest, Turing's)
+    assert targets.limits((7, 0)).smem_block == 98304 and targets.limits((7, 5)).smem_block == 65536
+    assert targets.limits((7, 2)).smem_block == 98304 and targets.limits((6, 1)).smem_block == 65536
 
 
 def test_capability_and_pdl_follow_the_plan():

@@ -40,10 +40,14 @@ class Limits:
 
 
 # The CUDA C++ Programming Guide, "Technical Specifications per Compute Capability": maximum
-# shared memory per thread block (opt-in) 163 KB on 8.0 and 8.7, 99 KB on 8.6 and 8.9, 227 KB on 9.0
-# and 10.0, 99 KB on 12.0; 255 registers per thread, 64 K registers per block, 1024 threads per
-# block on all of them. The cards only set the SM count a plan assumes.
+# shared memory per thread block (opt-in) 96 KB on 7.0, 64 KB on 7.5, 163 KB on 8.0 and 8.7, 99 KB
+# on 8.6 and 8.9, 227 KB on 9.0 and 10.0, 99 KB on 12.0; 255 registers per thread, 64 K registers
+# per block, 1024 threads per block on all of them. The cards only set the SM count a plan assumes.
+# (Volta and Turing have no bfloat16 tensor cores: there the kernels that need them fall back, loudly,
+# kernels/fallback.py; their rows keep the plans of the others within the block's shared memory.)
 LIMITS: dict[tuple[int, int], Limits] = {
+    (7, 0): Limits("sm_70", 96 * KB, sms=80, card="V100"),
+    (7, 5): Limits("sm_75", 64 * KB, sms=40, card="T4"),
     (8, 0): Limits("sm_80", 163 * KB, sms=108, card="A100"),
     (8, 6): Limits("sm_86", 99 * KB, sms=82, card="RTX 3090"),
     (8, 7): Limits("sm_87", 163 * KB, sms=16, card="Jetson AGX Orin"),
@@ -58,14 +62,14 @@ HOPPER = (9, 0)  # programmatic dependent launch (griddepcontrol) from here on
 
 def limits(cc: tuple[int, int] | None) -> Limits:
     """The limits of capability cc: its row; for one not in the table, the nearest row below it of
-    the same major version, else 8.6's (the smallest shared memory, so a plan that fits there fits);
-    None (no GPU) reads as sm_90."""
+    the same major version, else the row of the smallest shared memory (a plan that fits there
+    fits); None (no GPU) reads as sm_90."""
     if cc is None:
         return LIMITS[HOPPER]
     if cc in LIMITS:
         return LIMITS[cc]
     same = [k for k in LIMITS if k[0] == cc[0] and k <= cc]
-    row = LIMITS[max(same)] if same else LIMITS[(8, 6)]
+    row = LIMITS[max(same)] if same else min(LIMITS.values(), key=lambda r: r.smem_block)
     return Limits("sm_%d%d" % cc, row.smem_block, sms=row.sms, card="")
 
 
