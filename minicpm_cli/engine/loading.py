@@ -64,9 +64,10 @@ def load(model: Optional[str], backend: str, device: str, dtype: str, gguf: Opti
          rows: Optional[int] = 1, random_weights: bool = False,
          batch_invariant: bool = True, most_rows: Optional[int] = None) -> tuple["Synthesizer", str, str]:
     """(the loaded synthesizer, the backend name chosen, the model it was loaded from), `rows` streams
-    at once (0 or None: as many as the GPU's free memory holds, at most `most_rows` (default
-    memory.MAX_ROWS), engine/memory.py; rows that do not fit: a one-line error naming what does). With `random_weights` the full-size model is drawn on
-    the device (`model` unused); `batch_invariant`: see `Synthesizer.load`."""
+    at once (0 or None: as many as the GPU's free memory holds, at most `most_rows`, by default
+    memory.MAX_ROWS; rows that do not fit: a one-line error naming what does; engine/memory.py).
+    With `random_weights` the full-size model is drawn on the device (`model` unused);
+    `batch_invariant`: see `Synthesizer.load`."""
     from . import warmstart
 
     be = registry.REGISTRY.get(backend)  # (None: auto, or a name that `pick` refuses)
