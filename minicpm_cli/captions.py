@@ -17,7 +17,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import OptionError, UsageError
+from .errors import OptionError
+from . import files
 from .files import write_whole
 
 FORMATS = ("srt", "vtt")
@@ -125,10 +126,9 @@ def format_of(path: str) -> str:
 
 
 def check_target(path: str) -> str:
-    """A caption file that can be written (its folder exists) -> its format; before any work."""
+    """A caption file that can be written (files.check_target) -> its format; before any work."""
     fmt = format_of(path)
-    if not Path(path).expanduser().resolve().parent.is_dir():
-        raise UsageError(f"output directory does not exist: {Path(path).parent}")
+    files.check_target(path, "--captions")
     return fmt
 
 

@@ -216,3 +216,17 @@ def test_say_and_reply_captions_through_the_server_are_the_local_ones(served, sa
     assert a.returncode == b.returncode == 0, (a.stderr, b.stderr)
     assert (tmp_path / "y.srt").read_text() == (tmp_path / "x.srt").read_text()
     assert (tmp_path / "y.wav").read_bytes() == (tmp_path / "x.wav").read_bytes()
+
+
+def test_a_caption_target_is_checked_as_every_output_file_is(tmp_path):
+    """--captions FILE: its format, then files.check_target's checks (not a directory, a folder that
+    exists and takes a new file), before any work."""
+    from minicpm_cli import captions as cc
+    from minicpm_cli.errors import UsageError
+
+    assert cc.check_target(str(tmp_path / "a.srt")) == "srt"
+    (tmp_path / "d.vtt").mkdir()
+    with pytest.raises(UsageError, match="--captions .* is a directory"):
+        cc.check_target(str(tmp_path / "d.vtt"))
+    with pytest.raises(UsageError, match="output directory does not exist"):
+        cc.check_target(str(tmp_path / "no" / "a.srt"))
