@@ -33,18 +33,6 @@ def timed(fn, reps: int) -> tuple[float, float]:
     return statistics.median(total) * 1e3, statistics.median(host) * 1e3
 
 
-def graphed(fn, codes: torch.Tensor):
-    """(graph, output) of fn on a static copy of codes, after two warm-up runs (as backends' Graphs)."""
-    static = codes.clone()
-    for _ in range(2):
-        fn(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(static)
-    return graph, out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, nargs="+", default=[100, 300, 600])
@@ -52,6 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("codec_cost.py times CUDA decodes: no CUDA device here")
+    from minicpm_cli.backends.compile import Graphs
     from minicpm_cli.backends.invariant import CODEC_BATCH
     from minicpm_cli.engine.pipeline import Synthesizer
 
@@ -65,11 +54,12 @@ def main() -> None:
             group = torch.randint(0, 600, (CODEC_BATCH, t, nvq), device="cuda")
             many = torch.randint(0, 600, (16, t, nvq), device="cuda")
             e1 = timed(lambda: eager(one), args.reps)
-            g1, out1 = graphed(eager, one)
-            r1 = timed(g1.replay, args.reps)
+            graphs = Graphs(one.device)  # (the product's: two warm-up runs, a capture, then replays)
+            out1 = graphs.run("one", lambda: eager(one))
+            r1 = timed(lambda: graphs.run("one", lambda: eager(one)), args.reps)
             same = torch.equal(out1, eager(one))
-            g8, _ = graphed(eager, group)
-            r8 = timed(g8.replay, args.reps)
+            graphs.run("group", lambda: eager(group))  # (captured before it is timed)
+            r8 = timed(lambda: graphs.run("group", lambda: eager(group)), args.reps)
             e16 = timed(lambda: [eager(row[None]) for row in many], max(3, args.reps // 2))
             print(f"{t} frames: one row eager {e1[0]:.2f} [{e1[1]:.2f}], one-row graph {r1[0]:.2f} "
                   f"(the eager bits: {same}), {CODEC_BATCH}-row graph {r8[0]:.2f} ({r8[0] / CODEC_BATCH:.2f} a row), "
