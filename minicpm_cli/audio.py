@@ -1,8 +1,9 @@
 """Audio sinks: where the chunks of `Synthesizer.synthesize/reply` go, written as they arrive.
 
-- `FileSink`: a .wav or .flac file, written to a temporary name in the same directory and renamed
-  into place when complete, so an error, Ctrl-C or kill leaves no file or a complete one. 16-bit WAV
-  is written here (header and samples), FLAC and float WAV by libsndfile.
+- `FileSink`: a .wav or .flac file (where the name is a link, the file it points to), written to a
+  temporary name in the same directory and renamed into place when complete, so an error, Ctrl-C or
+  kill leaves no file or a complete one. 16-bit WAV is written here (header and samples), FLAC and
+  float WAV by libsndfile.
 - `WavStreamSink`: WAV to a byte stream (stdout): a header whose sizes say "unknown length"
   (0xFFFFFFFF, as streaming tools write it), written with the first samples (an error before them
   leaves nothing on the stream), then samples, flushed per chunk. Where the stream is a regular
@@ -190,7 +191,9 @@ def _file_offset(stream: BinaryIO) -> int | None:
 
 class FileSink:
     def __init__(self, path: str, pcm: str, sample_rate: int, raw: bool = False):
-        self.target = Path(path).expanduser()
+        # (a link's target is the file replaced, as files.write_whole does: the link stays, and the
+        # temporary file, made beside the target, is renamed within its own file system)
+        self.target = Path(os.path.realpath(Path(path).expanduser()))
         fd, self.tmp = temporary(self.target)
         os.close(fd)
         self.pcm, self.rate = pcm, None

@@ -108,6 +108,30 @@ def test_files_written_whole_replace_a_links_target_and_write_a_device_in_place(
     assert Path("/dev/null").is_char_device()
 
 
+def test_an_audio_file_named_by_a_link_is_written_where_it_points(tmp_path):
+    """-o LINK: the link's target is the file written, as files.write_whole writes one; the link stays
+    (the file was made beside the target and renamed onto the link: the link was replaced by a file,
+    and where the target lay on another file system the rename failed with a traceback)."""
+    import numpy as np
+    import soundfile as sf
+
+    from minicpm_cli.audio import open_sink
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name, kind in (("out.wav", False), ("out.flac", False), ("out.raw", True)):
+        real, link = elsewhere / name, tmp_path / f"link-{name}"
+        link.symlink_to(real)  # (dangling: the file is new)
+        for _ in range(2):  # (then replacing the file the link names)
+            sink = open_sink(str(link), "s16", 24000, raw=kind)
+            sink.write(np.zeros(2400, dtype=np.float32))
+            sink.close()
+            assert link.is_symlink() and real.is_file(), name
+            assert (real.stat().st_size if kind else sf.info(real).frames * 2) == 4800, name
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["out.flac", "out.raw", "out.wav"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "link-out.flac", "link-out.raw", "link-out.wav"]
+
+
 def test_say_dir_unwritable_is_refused_before_loading():
     assert_one_line_error(run("say", "--lines", "--dir", UNWRITABLE, *NO_MODEL, stdin=b"x\n"), "cannot write")
 
