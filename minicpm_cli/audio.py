@@ -10,6 +10,9 @@
   file (`say "Hi." > hi.wav`), its sizes are written into the header at the end, as a file's.
 - `RawSink`: headerless PCM (s16le or f32le), flushed per chunk.
 
+A target that exists and is neither a regular file nor a directory (a named pipe, a device such as
+/dev/stdout or /dev/null: `is_stream`) is written in place as stdout is, WAV or raw, never replaced.
+
 Float samples become 16-bit PCM here (clipped to [-1, 1], scaled by 32767, rounded), not in
 libsndfile, so the bytes do not depend on its settings. The raw, streaming and 16-bit WAV sinks also
 take `Pcm`: samples already converted by `to_pcm` (a server's, when the thin client asks it for the
@@ -65,6 +68,15 @@ def file_format(path: str) -> str:
     return fmt
 
 
+def is_stream(path: str) -> bool:
+    """Whether the output `path` is written as a stream, in place: stdout (-), or a file that exists
+    and is neither a regular file nor a directory (a named pipe, a device: /dev/stdout, /dev/null)."""
+    if path == "-":
+        return True
+    target = Path(path).expanduser()
+    return target.exists() and not target.is_file() and not target.is_dir()
+
+
 def check_output(path: str, pcm: str, raw: bool = False, probe: bool = True) -> None:
     """Validate an output target before any work is done; with `probe`, that its directory takes a
     new file (once, before any work: a sink's own temporary file is the check at opening)."""
@@ -79,6 +91,11 @@ def check_output(path: str, pcm: str, raw: bool = False, probe: bool = True) -> 
     if raw and target.suffix.lower() in FORMATS:
         raise OptionError(f"--raw writes headerless PCM, not {FORMATS[target.suffix.lower()]}: drop --raw, or name "
                           f"the file for what it holds (e.g. {target.with_suffix('.raw').name})")
+    if is_stream(path):  # (WAV or raw, whatever its name: /dev/stdout has none)
+        if not raw and target.suffix.lower() == ".flac":
+            raise OptionError(f"{path} is not a regular file: it takes WAV or --raw PCM written as a stream, "
+                              "not FLAC")
+        return
     if not raw and file_format(path) == "FLAC" and pcm == "f32":
         raise OptionError("FLAC stores integer samples: use --pcm s16, or a .wav file for float samples")
     parent = target.resolve().parent
@@ -91,7 +108,7 @@ def check_output(path: str, pcm: str, raw: bool = False, probe: bool = True) -> 
 def takes_pcm(path: str, pcm: str, raw: bool = False) -> bool:
     """Whether the sink `open_sink` opens for these writes `Pcm` as it is: raw, streamed, or a 16-bit
     WAV file (a server is asked for those bytes; FLAC and float WAV files go through libsndfile)."""
-    return raw or path == "-" or (file_format(path) == "WAV" and pcm == "s16")
+    return raw or is_stream(path) or (file_format(path) == "WAV" and pcm == "s16")
 
 
 def to_pcm(samples: np.ndarray, pcm: str) -> np.ndarray:
@@ -124,8 +141,9 @@ def wav_header(sample_rate: int, pcm: str, data_bytes: int = 0xFFFFFFFF) -> byte
 
 
 class RawSink:
-    def __init__(self, stream: BinaryIO, pcm: str):
+    def __init__(self, stream: BinaryIO, pcm: str, owned: bool = False):
         self.stream, self.pcm = stream, pcm
+        self.owned = owned  # (a stream the sink opened, and closes)
         self.written = 0  # sample bytes
 
     def write(self, samples: np.ndarray | Pcm) -> None:
@@ -141,14 +159,20 @@ class RawSink:
 
     def close(self) -> None:
         self.stream.flush()
+        if self.owned:
+            self.stream.close()
 
     def abort(self) -> None:
-        pass
+        if self.owned:
+            try:
+                self.stream.close()
+            except OSError:  # (what was left in its buffer has nowhere to go: the reader is gone)
+                pass
 
 
 class WavStreamSink(RawSink):
-    def __init__(self, stream: BinaryIO, pcm: str, sample_rate: int):
-        super().__init__(stream, pcm)
+    def __init__(self, stream: BinaryIO, pcm: str, sample_rate: int, owned: bool = False):
+        super().__init__(stream, pcm, owned)
         self.rate = sample_rate
         self.header_at: int | None = None  # the header's offset in a regular file, once written there
         self.started = False
@@ -159,11 +183,12 @@ class WavStreamSink(RawSink):
 
     def close(self) -> None:
         self._start()  # (no samples: an empty WAV)
-        super().close()
+        self.stream.flush()
         if self.header_at is not None and self.written <= 0xFFFFFFFF - 36:
             fd = self.stream.fileno()
             os.pwrite(fd, struct.pack("<I", 36 + self.written), self.header_at + 4)
             os.pwrite(fd, struct.pack("<I", self.written), self.header_at + 40)
+        super().close()
 
     def _start(self) -> None:
         if not self.started:
@@ -263,4 +288,7 @@ def open_sink(path: str, pcm: str, sample_rate: int, raw: bool = False) -> Sink:
     if path == "-":
         out = sys.stdout.buffer
         return RawSink(out, pcm) if raw else WavStreamSink(out, pcm, sample_rate)
+    if is_stream(path):  # (a named pipe or a device, written in place as stdout is)
+        out = open(Path(path).expanduser(), "wb")
+        return RawSink(out, pcm, owned=True) if raw else WavStreamSink(out, pcm, sample_rate, owned=True)
     return FileSink(path, pcm, sample_rate, raw)

@@ -232,6 +232,35 @@ def test_wav_on_stdout_into_a_file_gets_its_sizes(tiny_dir, tmp_path):
     assert g.read_bytes() == piped.stdout
 
 
+def test_a_named_pipe_or_a_device_is_written_in_place_as_stdout_is(tiny_dir, tmp_path):
+    """-o /dev/stdout or a named pipe (mkfifo): the bytes -o - writes, written in place (they were
+    taken for files: a pipe was replaced by a regular file made beside it, its reader left waiting,
+    and --raw -o /dev/null would have replaced /dev/null; /dev/stdout on a pipe was 'cannot write in
+    /proc/N/fd'). FLAC, which needs a file, is refused."""
+    from test_usage_errors import assert_usage_error
+
+    args = ("say", "Hi there.", "--model", str(tiny_dir), "--device", "cpu", "--greedy")
+    piped = run(*args, "-o", "-")
+    assert piped.returncode == 0 and piped.stdout[:4] == b"RIFF", piped.stderr.decode()
+    dev = run(*args, "-o", "/dev/stdout")
+    assert dev.returncode == 0 and dev.stdout == piped.stdout, dev.stderr.decode()
+    raw = run(*args, "--raw", "-o", "/dev/stdout")
+    assert raw.returncode == 0 and raw.stdout == piped.stdout[44:], raw.stderr.decode()
+    fifo = tmp_path / "pipe.wav"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    try:
+        p = run(*args, "-o", str(fifo))
+        got = reader.communicate(timeout=30)[0]
+    finally:
+        reader.kill()
+    assert p.returncode == 0 and p.stdout == b"", p.stderr.decode()
+    assert got == piped.stdout and fifo.is_fifo()
+    assert list(tmp_path.iterdir()) == [fifo]
+    os.mkfifo(tmp_path / "pipe.flac")
+    assert_usage_error(run(*args, "-o", str(tmp_path / "pipe.flac")), "not a regular file", "FLAC")
+
+
 def test_reply_text_to_stdout(tiny_dir, tmp_path):
     out = tmp_path / "r.wav"
     p = run("reply", "Hi", "--model", str(tiny_dir), "--device", "cpu", "--max-tokens", "12", "--seed", "3",

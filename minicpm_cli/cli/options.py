@@ -30,7 +30,7 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for 
 GreedyOpt = Annotated[bool, typer.Option("--greedy", help="Take the most likely code/token everywhere (deterministic).")]
 PcmOpt = Annotated[str, typer.Option("--pcm", help="Sample format: s16 (16-bit integer) or f32 (32-bit float, WAV only).")]
 CaptionsOpt = Annotated[Optional[str], typer.Option("--captions", help="Also write captions to FILE.srt or FILE.vtt: a cue per text piece, timed by the audio's samples.", show_default=False)]
-OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output .wav or .flac file, or - for stdout (the default when stdout is not a terminal).")]
+OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output .wav or .flac file, or - for stdout (the default when stdout is not a terminal); a named pipe or a device (/dev/stdout) is written as stdout is.")]
 RawOpt = Annotated[bool, typer.Option("--raw", help="Headerless PCM (s16le, or f32le with --pcm f32) instead of WAV.")]
 GgufOpt = Annotated[Optional[str], typer.Option("--gguf", help="With --backend gguf: a .gguf file, or REPO[:FILE] on the hub [default: openbmb/MiniCPM-o-2_6-gguf:Model-7.6B-Q4_K_M.gguf].", show_default=False)]
 ServerOpt = Annotated[Optional[str], typer.Option("--server", help=f"Speak through the minicpm server at URL (an error if none answers) [default: ${protocol.SERVER_ENV}, else {protocol.DEFAULT_URL} when a server answers there].", show_default=False)]

@@ -102,10 +102,10 @@ def say(
 
     try:
         if whole is not None:
-            speak(whole, output, output != "-" and not raw)
+            speak(whole, output, not audio.is_stream(output) and not raw)
             trace.mark("written")
         elif arrivals is not None:
-            to_file = output != "-" and not raw
+            to_file = not audio.is_stream(output) and not raw
             stream = spk.read_arriving(arrivals, greedy=opts.greedy, seed=opts.seed,
                                        decode="segment" if to_file else "stream", first_chunk=frames, speed=speed,
                                        pcm=pcm if audio.takes_pcm(output, pcm, raw) else None,
