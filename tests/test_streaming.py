@@ -199,6 +199,19 @@ def test_lines_into_files_and_into_one_stream(tiny_dir, tmp_path):
     assert len(q.stdout) == 2 * sum(lengths)
 
 
+def test_lines_into_one_file_are_the_lines_files_end_to_end(tiny_dir, tmp_path):
+    """--lines -o FILE: each line's segments decoded in one piece, as a file always is (`say LINE -o
+    FILE`, the line's file with --dir), laid end to end (it got the streamed decode of stdout)."""
+    common = ("--model", str(tiny_dir), "--greedy", "--device", "cpu")
+    lines = b"Hello world.\nGood morning!\n"
+    d = _run("say", "--lines", "-d", str(tmp_path / "d"), *common, stdin=lines)
+    one = _run("say", "--lines", "-o", str(tmp_path / "all.wav"), *common, stdin=lines)
+    assert d.returncode == 0 and one.returncode == 0, d.stderr.decode() + one.stderr.decode()
+    each = [sf.read(n, dtype="int16")[0] for n in d.stderr.decode().split()]
+    assert len(each) == 2
+    np.testing.assert_array_equal(sf.read(tmp_path / "all.wav", dtype="int16")[0], np.concatenate(each))
+
+
 def test_lines_in_a_batch_write_the_files_one_at_a_time_writes(tiny_dir, tmp_path):
     """--batch 3 generates the lines together (the longest of the last ones first): the same files,
     byte for byte, named in input order."""

@@ -124,8 +124,10 @@ def say(
                 play(line_chunks, audio.open_sink(path, pcm, spk.sample_rate, raw), advance)
                 print(path, file=sys.stderr, flush=True)
         else:
-            # every line into one stream, each line's chunks as soon as they exist
-            every = (chunk for line in texts for chunk in chunks(line, "stream", output))
+            # every line into one stream or file, each line's chunks as soon as they exist (a file's
+            # each segment decoded in one piece, as a file always is)
+            decode = "stream" if audio.is_stream(output) or raw else "segment"
+            every = (chunk for line in texts for chunk in chunks(line, decode, output))
             play(cc.timed(every, timeline), audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
         if captions is not None:
             timeline.finish()
