@@ -132,6 +132,18 @@ def test_an_audio_file_named_by_a_link_is_written_where_it_points(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "link-out.flac", "link-out.raw", "link-out.wav"]
 
 
+def test_lines_from_a_file_that_cannot_be_read_is_refused_before_loading(tmp_path):
+    """--lines -f FILE: a file that cannot be read is said before the model is looked for, as without
+    --lines (it was opened at the first line, after the model had loaded and --dir had been made)."""
+    out = tmp_path / "lines"
+    for source in (tmp_path / "none.txt", tmp_path):
+        assert_one_line_error(run("say", "--lines", "-f", str(source), "--dir", str(out), *NO_MODEL),
+                              f"cannot read {source}")
+        assert_one_line_error(run("say", "--lines", "-f", str(source), "-o", str(tmp_path / "x.wav"), *NO_MODEL),
+                              f"cannot read {source}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_say_dir_unwritable_is_refused_before_loading():
     assert_one_line_error(run("say", "--lines", "--dir", UNWRITABLE, *NO_MODEL, stdin=b"x\n"), "cannot write")
 

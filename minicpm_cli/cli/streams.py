@@ -75,22 +75,30 @@ def _arrivals(fd: int):
 
 
 def input_lines(file: Optional[str]):
-    """Input lines as they arrive (stdin is read line by line, not to the end first)."""
+    """Input lines as they arrive (stdin is read line by line, not to the end first). The file is
+    opened here, not at the first line: one that cannot be read, or no input to read, is said before
+    the model loads."""
     if file is not None and file != "-":
         try:
-            with open(file, "rb") as f:  # (each line decoded alone: an error names its line)
-                for n, line in enumerate(f, 1):
-                    try:
-                        yield line.decode("utf-8").replace("\r\n", "\n")
-                    except UnicodeDecodeError:
-                        raise UsageError(f"{file} is not UTF-8 text (line {n})") from None
+            f = open(file, "rb")
         except OSError as e:
             raise UsageError(f"cannot read {file}: {e}") from None
-        return
+        return _file_lines(f, file)
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("--lines reads standard input or -f FILE")
-    for n, line in enumerate(iter(sys.stdin.readline, ""), 1):
-        yield unicode_text(line, f"standard input's line {n}")
+    return (unicode_text(line, f"standard input's line {n}") for n, line in enumerate(iter(sys.stdin.readline, ""), 1))
+
+
+def _file_lines(f, file: str):
+    try:
+        with f:  # (each line decoded alone: an error names its line)
+            for n, line in enumerate(f, 1):
+                try:
+                    yield line.decode("utf-8").replace("\r\n", "\n")
+                except UnicodeDecodeError:
+                    raise UsageError(f"{file} is not UTF-8 text (line {n})") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {file}: {e}") from None
 
 
 def play(chunks, sink, on_chunk=None) -> None:

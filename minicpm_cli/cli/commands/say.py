@@ -64,12 +64,14 @@ def say(
         if output is not None:
             raise OptionError("give either -o or --dir, not both")
         audio.check_pcm(pcm)
-        audio.make_directory(directory)
     else:
         output = output_target(output)
         audio.check_output(output, pcm, raw)
     if lines and text is not None:
         raise OptionError("--lines reads standard input or -f FILE, not an argument")
+    read_lines = input_lines(file) if lines else None  # (opened now: before a directory is made or a model loaded)
+    if directory is not None:
+        audio.make_directory(directory)
     # standard input is spoken as it arrives (whole when it comes at once: `echo TEXT | minicpm say`)
     arrivals = arriving(file) if not lines and text is None and file in (None, "-") else None
     whole = None if lines or arrivals is not None else read_text(text, file).strip()
@@ -80,7 +82,7 @@ def say(
     spk = find_speaker(opts, rows=batch)
     texts = None
     if lines:  # (the first line waited for here, so that input without one is the error it is for an argument)
-        texts = (line for line in input_lines(file) if line.strip())
+        texts = (line for line in read_lines if line.strip())
         first = next(texts, None)
         if first is None:
             raise UsageError("no text to speak")
