@@ -144,6 +144,18 @@ def test_lines_from_a_file_that_cannot_be_read_is_refused_before_loading(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_output_that_is_the_voice_recording_is_refused_before_loading(tmp_path):
+    """say/reply --voice REF.wav -o REF.wav (or through a link): the recording would be replaced by
+    the speech, as it was; refused before any work, the recording kept."""
+    ref = tmp_path / "me.wav"
+    ref.write_bytes((Path(__file__).parent / "fixtures" / "voice_ref_a.wav").read_bytes())
+    (tmp_path / "link.wav").symlink_to(ref)
+    for command in ("say", "reply"):
+        for out in (ref, tmp_path / "link.wav"):
+            assert_usage_error(run(command, "Hi.", "--voice", str(ref), "-o", str(out), *NO_MODEL), "--voice recording")
+    assert ref.read_bytes() == (Path(__file__).parent / "fixtures" / "voice_ref_a.wav").read_bytes()
+
+
 def test_say_dir_unwritable_is_refused_before_loading():
     assert_one_line_error(run("say", "--lines", "--dir", UNWRITABLE, *NO_MODEL, stdin=b"x\n"), "cannot write")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,20 @@ def output_target(output: Optional[str]) -> str:
             raise UsageError("refusing to write audio to a terminal: give -o FILE, or pipe the output (-o -)")
         return "-"
     return output
+
+
+def check_not_voice(output: str, voice: Optional[str]) -> None:
+    """-o naming the very file --voice reads (the recording would be replaced by the speech): refused
+    before any work (exit 2)."""
+    if voice is None or output == "-":
+        return
+    try:
+        same = os.path.samefile(Path(output).expanduser(), Path(voice).expanduser())
+    except (OSError, ValueError):  # (either not there: no recording to lose)
+        return
+    if same:
+        raise OptionError(f"-o {output} is the --voice recording, which the speech would replace: "
+                          "write the audio to another file")
 
 
 def absolute_if_here(path: Optional[str]) -> Optional[str]:

@@ -17,7 +17,7 @@ import typer
 from ... import audio, captions as cc, trace
 from ...errors import OptionError, UsageError
 from ...files import check_target, write_whole
-from ..options import (CaptionsOpt, OutputOpt, SpeakerOptions, check_sampling, check_speed,
+from ..options import (CaptionsOpt, OutputOpt, SpeakerOptions, check_not_voice, check_sampling, check_speed,
                        chunk_frames, output_target, with_speaker_options)
 from ..speaker import speaker as find_speaker
 from ..streams import arriving, input_lines, play, progress, read_text
@@ -67,6 +67,7 @@ def say(
     else:
         output = output_target(output)
         audio.check_output(output, pcm, raw)
+        check_not_voice(output, opts.voice)
     if lines and text is not None:
         raise OptionError("--lines reads standard input or -f FILE, not an argument")
     read_lines = input_lines(file) if lines else None  # (opened now: before a directory is made or a model loaded)
@@ -163,6 +164,7 @@ def reply(
     speed = check_speed(opts.speed)
     output = output_target(output)
     audio.check_output(output, opts.pcm, opts.raw)
+    check_not_voice(output, opts.voice)
     if temperature is not None and opts.greedy:
         raise OptionError("--greedy takes no --temperature: greedy decoding draws nothing (give one or the other)")
     if temperature is not None and not 0 < temperature < float("inf"):
