@@ -64,7 +64,8 @@ def make_directory(directory: str | os.PathLike) -> Path:
 def file_format(path: str) -> str:
     fmt = FORMATS.get(Path(path).suffix.lower())
     if fmt is None:
-        raise OptionError(f"cannot tell the audio format of '{path}': use a .wav or .flac name, or - for stdout")
+        raise OptionError(f"cannot tell the audio format of '{path}': use a .wav or .flac name, --raw for "
+                          "headerless PCM, or - for stdout")
     return fmt
 
 

@@ -251,8 +251,9 @@ def test_every_invalid_option_value_exits_2(tmp_path, args, needle):
 
 
 def test_an_output_of_an_unknown_format_exits_2(tmp_path):
-    for name in ("x.mp3", "x.ogg", "x"):
-        assert_usage_error(run("say", "Hi.", "-o", str(tmp_path / name), *NO_MODEL), "cannot tell the audio format")
+    for name in ("x.mp3", "x.ogg", "x", "x.raw", "x.pcm"):
+        assert_usage_error(run("say", "Hi.", "-o", str(tmp_path / name), *NO_MODEL), "cannot tell the audio format",
+                           "--raw for headerless PCM")  # (a .raw or .pcm name was told of WAV and FLAC alone)
     assert list(tmp_path.iterdir()) == []
 
 
