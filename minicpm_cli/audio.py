@@ -11,7 +11,8 @@
 - `RawSink`: headerless PCM (s16le or f32le), flushed per chunk.
 
 A target that exists and is neither a regular file nor a directory (a named pipe, a device such as
-/dev/stdout or /dev/null: `is_stream`) is written in place as stdout is, WAV or raw, never replaced.
+/dev/null: `is_stream`) is written in place as stdout is, WAV or raw, never replaced; so is a
+descriptor's name (/dev/stdout, /dev/fd/N), through a copy of the descriptor, whatever it points to.
 
 Float samples become 16-bit PCM here (clipped to [-1, 1], scaled by 32767, rounded), not in
 libsndfile, so the bytes do not depend on its settings. The raw, streaming and 16-bit WAV sinks also
@@ -69,13 +70,27 @@ def file_format(path: str) -> str:
     return fmt
 
 
+def descriptor(path: str) -> int | None:
+    """The descriptor a name such as /dev/stdout or /dev/fd/3 stands for (written through a copy of
+    it, as `-o -` writes stdout, even where it is a regular file: `> f.wav`, `>> log`; opening the
+    name would truncate such a file), else None."""
+    name = {"/dev/stdout": "/dev/fd/1", "/dev/stderr": "/dev/fd/2"}.get(path, path)
+    for prefix in ("/dev/fd/", "/proc/self/fd/"):
+        if name.startswith(prefix) and name[len(prefix):].isdigit():
+            return int(name[len(prefix):])
+    return None
+
+
 def is_stream(path: str) -> bool:
-    """Whether the output `path` is written as a stream, in place: stdout (-), or a file that exists
-    and is neither a regular file nor a directory (a named pipe, a device: /dev/stdout, /dev/null)."""
+    """Whether the output `path` is written as a stream, in place: stdout (-), an open descriptor's
+    name, or a file that exists and is neither a regular file nor a directory (a named pipe, a
+    device)."""
     if path == "-":
         return True
     target = Path(path).expanduser()
-    return target.exists() and not target.is_file() and not target.is_dir()
+    if not target.exists() or target.is_dir():
+        return False
+    return not target.is_file() or descriptor(path) is not None
 
 
 def check_output(path: str, pcm: str, raw: bool = False, probe: bool = True) -> None:
@@ -289,7 +304,8 @@ def open_sink(path: str, pcm: str, sample_rate: int, raw: bool = False) -> Sink:
     if path == "-":
         out = sys.stdout.buffer
         return RawSink(out, pcm) if raw else WavStreamSink(out, pcm, sample_rate)
-    if is_stream(path):  # (a named pipe or a device, written in place as stdout is)
-        out = open(Path(path).expanduser(), "wb")
+    if is_stream(path):  # (a named pipe, a device or a descriptor, written in place as stdout is)
+        fd = descriptor(path)
+        out = open(Path(path).expanduser(), "wb") if fd is None else os.fdopen(os.dup(fd), "wb")
         return RawSink(out, pcm, owned=True) if raw else WavStreamSink(out, pcm, sample_rate, owned=True)
     return FileSink(path, pcm, sample_rate, raw)

@@ -259,6 +259,19 @@ def test_a_named_pipe_or_a_device_is_written_in_place_as_stdout_is(tiny_dir, tmp
     assert list(tmp_path.iterdir()) == [fifo]
     os.mkfifo(tmp_path / "pipe.flac")
     assert_usage_error(run(*args, "-o", str(tmp_path / "pipe.flac")), "not a regular file", "FLAC")
+    # stdout a regular file (here opened to append, `>> log`): /dev/stdout names the descriptor, written
+    # as -o - writes it (the file was taken by its name: no format, or with --raw replaced, not appended to)
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "HF_HUB_OFFLINE": "1", "MINICPM_SERVER": ""}
+    logs = []
+    for target in ("-", "/dev/stdout"):
+        log = tmp_path / f"log-{len(logs)}"
+        log.write_bytes(b"before")
+        with open(log, "ab") as out:
+            p = subprocess.run([sys.executable, "-m", "minicpm_cli", *args, "-o", target], stdout=out,
+                               stderr=subprocess.PIPE, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr.decode()
+        logs.append(log.read_bytes())
+    assert logs[0] == logs[1] == b"before" + piped.stdout
 
 
 def test_reply_text_to_stdout(tiny_dir, tmp_path):
