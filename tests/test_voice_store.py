@@ -23,11 +23,11 @@ from conftest import FIXTURES, pythonpath
 REF = FIXTURES / "voice_ref_a.wav"
 
 
-def minicpm(*args: str, data: Path, cwd: Path | None = None):
+def minicpm(*args: str, data: Path, cwd: Path | None = None, stdin: bytes | None = None):
     env = {**os.environ, "PYTHONPATH": pythonpath(), "XDG_DATA_HOME": str(data), "MINICPM_SERVER": ""}
     env.pop("MINICPM_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "minicpm_cli", *args], capture_output=True, env=env, cwd=cwd,
-                          timeout=120)
+                          timeout=120, input=stdin)
 
 
 def one_line_error(p, *needles: str, status: int = 1) -> str:
@@ -217,6 +217,23 @@ def test_what_voice_ref_names(tmp_path, monkeypatch):
         resolve("bob", VoiceStore(tmp_path / "empty"))
     with pytest.raises(VoiceError, match="is a directory"):
         resolve(str(tmp_path), store)
+
+
+def test_a_recording_from_a_pipe_is_read_once(tmp_path):
+    """`voice add me /dev/stdin < rec.wav`, `--voice <(ffmpeg ...)`: a pipe is read once, into memory,
+    giving the file's samples (soundfile read its header, then opened it again and found nothing:
+    "Format not recognised"; and --voice resolved the pipe's name to /proc/N/fd/pipe:[...], no file)."""
+    data = tmp_path / "data"
+    p = minicpm("voice", "add", "piped", "/dev/stdin", data=data, stdin=REF.read_bytes())
+    assert p.returncode == 0, p.stderr.decode()
+    saved = VoiceStore(data / "minicpm" / "voices")
+    np.testing.assert_array_equal(saved.load("piped").samples, load_reference(REF))
+    assert saved.get("piped").source == ""  # (no file's name to keep)
+    code = "from minicpm_cli.voices.store import resolve\nprint(resolve('/dev/stdin').digest)\n"
+    p = subprocess.run([sys.executable, "-c", code], input=REF.read_bytes(), capture_output=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": pythonpath(), "XDG_DATA_HOME": str(data)})
+    assert p.returncode == 0, p.stderr.decode()
+    assert p.stdout.decode().strip() == resolve(str(REF)).digest
 
 
 def test_a_damaged_saved_voice_is_one_line_naming_it(tmp_path):

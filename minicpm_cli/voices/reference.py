@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import os
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -102,6 +103,8 @@ def load_reference(source: str | os.PathLike | BinaryIO, name: str | None = None
             raise VoiceError(f"{name}: is a directory, not an audio file")
         if not os.access(path, os.R_OK):
             raise VoiceError(f"{name}: cannot read the file (permission denied)")
+        if not os.path.isfile(path):  # (a pipe, `<(ffmpeg ...)` or /dev/stdin: soundfile would read it twice)
+            source = _read_pipe(path, name)
     try:
         start = source.tell() if hasattr(source, "read") else None
         info = sf.info(source)
@@ -120,6 +123,22 @@ def load_reference(source: str | os.PathLike | BinaryIO, name: str | None = None
     if rate != SAMPLE_RATE and len(mono):
         mono = _resample(mono, rate)
     return check_samples(mono, name)
+
+
+PIPE_BYTES = 64 << 20  # what a pipe may hold: 30 s of 192 kHz stereo float is 46 MB
+
+
+def _read_pipe(path: str, name: str) -> io.BytesIO:
+    """All a pipe (or another file that is not a regular one) holds, read once, as a file in memory."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(PIPE_BYTES + 1)
+    except OSError as e:
+        raise VoiceError(f"{name}: cannot read it ({e.strerror or e})") from None
+    if len(data) > PIPE_BYTES:
+        raise VoiceError(f"{name}: more than {PIPE_BYTES >> 20} MiB of audio; a reference voice may be at most "
+                         f"{MAX_SECONDS:.0f} s (trim it)")
+    return io.BytesIO(data)
 
 
 def _resample(x: np.ndarray, rate: int) -> np.ndarray:

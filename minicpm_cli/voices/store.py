@@ -128,7 +128,8 @@ class VoiceStore:
             self._free(name)
         label = source_name or (os.fspath(source) if not hasattr(source, "read") else getattr(source, "name", ""))
         voice = Voice(load_reference(source, name=label or None))
-        return self.save(name, voice, force=force, source_name=Path(label).name if label else "")
+        piped = not (source_name or hasattr(source, "read") or os.path.isfile(source))  # (/dev/fd/63 names nothing)
+        return self.save(name, voice, force=force, source_name=Path(label).name if label and not piped else "")
 
     def save(self, name: str, voice: Voice, *, force: bool = False, source_name: str = "") -> SavedVoice:
         """Save checked samples as `name`: a temporary file in the directory, renamed into place (with
@@ -212,8 +213,8 @@ def locate(ref: str, store: VoiceStore | None = None, *, files: bool = True, ope
         path = Path(ref).expanduser()
         if base is not None:
             path = Path(base) / path
-        if path.exists():
-            return path.resolve()
+        if path.exists():  # (a pipe's name, `<(...)`, kept: resolving it names no file)
+            return path.resolve() if path.is_file() else path.absolute()
     if ref == DEFAULT_VOICE:
         return None
     store = store or VoiceStore()
