@@ -319,6 +319,21 @@ def test_text_that_is_not_utf8_is_one_line(tiny_dir, tmp_path):
     assert not (tmp_path / "x.wav").exists()
 
 
+def test_a_byte_order_mark_is_not_spoken(tiny_dir, tmp_path):
+    """A UTF-8 file that begins with a byte order mark (as Windows' Notepad saves one), read with -f,
+    --lines -f or on standard input: the text without the mark is spoken (the mark was given to the
+    model as text, and the audio differed from the same text's)."""
+    model = ("--model", str(tiny_dir), "--device", "cpu", "--greedy", "-o", "-")
+    plain = run("say", "Hello there.", *model)
+    assert plain.returncode == 0, plain.stderr.decode()
+    f = tmp_path / "notepad.txt"
+    f.write_bytes(b"\xef\xbb\xbfHello there.\r\n")
+    for args, stdin in ((("-f", str(f)), None), ((), f.read_bytes()), (("--lines", "-f", str(f)), None),
+                        (("--lines",), f.read_bytes())):
+        p = run("say", *args, *model, stdin=stdin)
+        assert p.returncode == 0 and p.stdout == plain.stdout, (args, p.stderr.decode())
+
+
 def test_an_empty_voice_is_one_line(tiny_dir, tmp_path):
     p = run("say", "Hi.", "--model", str(tiny_dir), "--device", "cpu", "--voice", "", "-o", str(tmp_path / "x.wav"))
     assert_one_line_error(p, "an empty voice")

@@ -13,6 +13,9 @@ from typing import Optional
 from ..errors import OptionError, UsageError, unicode_text
 
 
+BOM = "\ufeff"  # a byte order mark, as Windows' Notepad begins a UTF-8 file: not text to speak
+
+
 class ReaderGone(Exception):
     """The reader of our stdout closed the pipe (not an OSError, so click leaves it to `app.main`)."""
 
@@ -25,12 +28,12 @@ def read_text(text: Optional[str], file: Optional[str]) -> str:
         return unicode_text(text, "the text")
     if file is not None and file != "-":
         try:
-            return Path(file).read_text(encoding="utf-8")
+            return Path(file).read_text(encoding="utf-8-sig")  # (a byte order mark is not text)
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"cannot read {file}: {e}") from None
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("no text: give it as an argument, with -f FILE, or on standard input")
-    return unicode_text(sys.stdin.read(), "standard input")
+    return unicode_text(sys.stdin.read().removeprefix(BOM), "standard input")
 
 
 ARRIVAL_QUIET = 0.005  # s: after a read, more input within this long belongs to the same arrival
@@ -52,7 +55,7 @@ def _arrivals(fd: int):
     import codecs
     import select
 
-    utf8 = codecs.getincrementaldecoder("utf-8")()
+    utf8 = codecs.getincrementaldecoder("utf-8-sig")()  # (a byte order mark first is not text)
 
     def text(data: bytes, final: bool) -> str:
         try:
@@ -86,7 +89,8 @@ def input_lines(file: Optional[str]):
         return _file_lines(f, file)
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("--lines reads standard input or -f FILE")
-    return (unicode_text(line, f"standard input's line {n}") for n, line in enumerate(iter(sys.stdin.readline, ""), 1))
+    return (unicode_text(line.removeprefix(BOM) if n == 1 else line, f"standard input's line {n}")
+            for n, line in enumerate(iter(sys.stdin.readline, ""), 1))
 
 
 def _file_lines(f, file: str):
@@ -94,7 +98,7 @@ def _file_lines(f, file: str):
         with f:  # (each line decoded alone: an error names its line)
             for n, line in enumerate(f, 1):
                 try:
-                    yield line.decode("utf-8").replace("\r\n", "\n")
+                    yield line.decode("utf-8-sig" if n == 1 else "utf-8").replace("\r\n", "\n")
                 except UnicodeDecodeError:
                     raise UsageError(f"{file} is not UTF-8 text (line {n})") from None
     except OSError as e:
