@@ -243,6 +243,8 @@ def test_voice_add_to_an_unwritable_voices_folder_is_one_line(tmp_path):
     (("reply", "Hi.", "--greedy", "--temperature", "0.5"), "--greedy takes no --temperature"),
     (("say", "Hi.", "--seed", str(2**64)), "--seed must be between"),
     (("reply", "Hi.", "--seed", str(-2**63 - 1)), "--seed must be between"),
+    (("say", "Hi.", "--server", "http://127.0.0.1:99999"), "its port is not a number from 0 to 65535"),
+    (("reply", "Hi.", "--server", "localhost:port"), "not an http:// URL: localhost:port"),
 ])
 def test_every_invalid_option_value_exits_2(tmp_path, args, needle):
     p = run(*args, "-o" if args[0] in ("say", "reply") else "--model", *(

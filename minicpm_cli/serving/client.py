@@ -483,6 +483,10 @@ def _base(url: str) -> str:
     parts = urlsplit(base)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise OptionError(f"not an http:// URL: {url}")
+    try:
+        parts.port  # (raises for a port that is not a number from 0 to 65535)
+    except ValueError:
+        raise OptionError(f"not an http:// URL: {url} (its port is not a number from 0 to 65535)") from None
     return base[:-3] if base.endswith("/v1") else base
 
 
