@@ -1347,6 +1347,39 @@ def test_a_server_that_is_not_ours(tmp_path):
         assert p.returncode == 0 and sf.info(out).frames > 0, p.stderr.decode()
 
 
+@contextlib.contextmanager
+def not_http():
+    """Something listening that does not speak HTTP (an ssh daemon, a database) on a port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def test_a_listener_that_does_not_speak_http_is_not_a_server(tmp_path):
+    """--server naming a port where something else listens is a one-line error (was a traceback of
+    http.client's BadStatusLine); found at MINICPM_SERVER, it is passed by and the model is looked
+    for here."""
+    out = str(tmp_path / "x.wav")
+    with not_http() as url:
+        _one_line_error(minicpm("say", "Hi.", "-o", out, "--server", url), f"no minicpm server at {url}", "HTTP")
+        _one_line_error(minicpm("say", "Hi.", "-o", out, "--model", "/nonexistent/minicpm-model",
+                                env=_env(MINICPM_SERVER=url)), "model directory not found")
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- voices ---------------------------------------------------------------------------------------------
 
 REF = ROOT / "tests" / "fixtures" / "voice_ref_a.wav"

@@ -109,6 +109,10 @@ class Remote:
                 if explicit:
                     raise UsageError(f"no server answers at {url}: {_reason(e)}") from None
                 return None
+            except http.client.HTTPException:  # (something listens there that does not answer HTTP)
+                if explicit:
+                    raise UsageError(f"no minicpm server at {url} (what answers there does not speak HTTP)") from None
+                return None
             error = _error_of(body)
             if status == 503 and error.get("code") == "model_loading":
                 if not said:
