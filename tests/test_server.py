@@ -1246,6 +1246,20 @@ def test_speech_says_the_servers_time_to_first_audio():
             assert status == 200 and name == "first-chunk" and 200 <= float(dur.removeprefix("dur=")) < 5000, headers
 
 
+def test_a_body_that_is_not_a_json_object_says_what_it_must_be():
+    """`curl -d '{...}'` sends its JSON as a form: the 422 says to send JSON with its Content-Type, as
+    it does for an empty body or one that is not an object (it said "Input should be a valid
+    dictionary or object to extract fields from", or "Field required", naming nothing)."""
+    body = json.dumps({"input": "hello n=2"}).encode()
+    with in_process(FakeSynth()) as url:
+        for data, headers in ((body, {"Content-Type": "application/x-www-form-urlencoded"}),
+                              (body, {"Content-Type": "text/plain"}), (b"", {}), (b"[1, 2]", {})):
+            error = error_of(*call(url, "POST", "/v1/audio/speech", data, headers=headers)[::2], 422)
+            assert error["message"].startswith("the body must be a JSON object sent with Content-Type: "
+                                               "application/json ("), (data, headers, error)
+        assert call(url, "POST", "/v1/audio/speech", body)[0] == 200  # (sent as JSON: spoken)
+
+
 # -- the thin client against the in-process application ----------------------------------------------
 
 

@@ -76,7 +76,11 @@ def invalid(errors: list, what: str = "the body") -> ApiError:
         return ApiError(422, f"{what} is not valid JSON ({first.get('ctx', {}).get('error', 'invalid')})",
                         code="invalid_json")
     where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+    if where:
+        message = f"{where}: {first.get('msg', 'invalid request')}"
+    else:  # (the whole of it: empty, not an object, or a body sent as another type than JSON: `curl -d`)
+        how = " sent with Content-Type: application/json" if what == "the body" else ""
+        message = f"{what} must be a JSON object{how} ({first.get('msg', 'invalid request')})"
     return ApiError(422, one_line(message), param=where or None, code="invalid_request")
 
 
