@@ -1260,6 +1260,30 @@ def test_a_body_that_is_not_a_json_object_says_what_it_must_be():
         assert call(url, "POST", "/v1/audio/speech", body)[0] == 200  # (sent as JSON: spoken)
 
 
+def test_raw_samples_with_timestamps_are_a_json_response():
+    """`timestamps: true` on a `pcm` or `pcm_f32` request without stream_format: the JSON response,
+    its audio the raw samples (the timestamps were dropped, the bare samples sent)."""
+    from minicpm_cli.audio import to_pcm
+
+    class Marked(FakeSynth):
+        def synthesize(self, text, sampling, **kw):
+            for i, chunk in enumerate(super().synthesize(text, sampling, **kw)):
+                chunk.marks = [(240 * i, f"word{i} ")]  # (counted from the utterance's start)
+                yield chunk
+
+    expected = np.concatenate([np.full(240, value("said", i), np.float32) for i in range(3)])
+    with in_process(Marked()) as url:
+        for fmt, samples in (("pcm", to_pcm(expected, "s16").astype("<i2")), ("pcm_f32", expected.astype("<f4"))):
+            status, headers, data = call(url, "POST", "/v1/audio/speech",
+                                         {"input": "said n=3", "response_format": fmt, "timestamps": True})
+            assert status == 200 and headers["content-type"] == "application/json", (fmt, data[:100])
+            answer = json.loads(data)
+            assert base64.b64decode(answer["audio"]) == samples.tobytes()
+            assert (answer["response_format"], answer["samples"]) == (fmt, 720)
+            assert [(c["text"], c["start_sample"], c["end_sample"]) for c in answer["timestamps"]] == [
+                ("word0", 0, 240), ("word1", 240, 480), ("word2", 480, 720)]
+
+
 # -- the thin client against the in-process application ----------------------------------------------
 
 

@@ -9,8 +9,9 @@ Contract:
   `voice_samples` (a reference voice's 16 kHz float32 samples, base64: what the thin client sends)
   and `timestamps: true`: the captions' cues (`captions.Cue.timestamp`), as `speech.caption` events
   in an sse stream (each once the next starts, the last before `speech.audio.done`), or, for a whole
-  file, a JSON response `{"audio": base64 file, "response_format", "sample_rate", "samples",
-  "timestamps": [cues]}` (a raw audio stream has nowhere to put them: a 400).
+  file (`pcm` and `pcm_f32` without `stream_format` too), a JSON response `{"audio": base64 file,
+  "response_format", "sample_rate", "samples", "timestamps": [cues]}` (`stream_format: "audio"` has
+  nowhere to put them: a 400).
   OpenAI's `speed` (0.25-4) is the tempo, the pitch kept; the reply endpoint takes it too.
 - `POST /v1/audio/reply`: a spoken answer, as `minicpm reply`: server-sent events `reply.text.delta`,
   `reply.audio.delta`, then `reply.done` (the text; `usage`: `output_tokens`, the reply text's LLM
@@ -192,13 +193,14 @@ async def speech(req: SpeechRequest, request: Request, service: ServiceDep):
     # measure theirs (tools/serve_latency.py)
     timing = {"Server-Timing": f"first-chunk;dur={(time.perf_counter() - t0) * 1e3:.1f}"}
     rate = synth.sample_rate
-    if req.stream_format is None and fmt not in protocol.RAW_FORMATS:  # a whole file
+    # a whole file (raw samples too, with timestamps: the JSON response is where they go)
+    if req.stream_format is None and (fmt not in protocol.RAW_FORMATS or req.timestamps):
         try:
             chunks = [c async for c in _rest(job, first)]
         finally:
             end()
         samples = np.concatenate([c.samples for c in chunks]) if chunks else np.zeros(0, np.float32)
-        data = await asyncio.to_thread(encode, samples, fmt, rate)
+        data = raw(samples, fmt) if fmt in protocol.RAW_FORMATS else await asyncio.to_thread(encode, samples, fmt, rate)
         if req.timestamps:
             cues = captions.cues(chunks)
             return JSONResponse({"audio": _b64(data), "response_format": fmt, "sample_rate": rate,
