@@ -922,12 +922,14 @@ def test_socket_api_key(secured):
 def test_sigterm_lets_the_request_in_flight_finish(secured):
     """The HTTP request in flight and a speech socket whose input has ended finish their audio; a socket
     still waiting for text is told the server is shutting down (503, then 4503; uvicorn alone would
-    close every socket at once with 1012); the server exits 0."""
+    close every socket at once with 1012), one still waiting for its start message too (it got that
+    1012); the server exits 0."""
     text = " ".join(LONG.split(". ")[:50])
     host, port = secured.address
     auth = {"Authorization": f"Bearer {KEY}"}
     with connect(secured.url, additional_headers=auth) as waiting, \
-            connect(secured.url, additional_headers=auth) as ended:
+            connect(secured.url, additional_headers=auth) as ended, \
+            connect(secured.url, additional_headers=auth) as silent:
         waiting.send(json.dumps({"type": "start"}))
         waiting.send(json.dumps({"type": "text", "text": "Waiting for the rest"}))
         ended.send(json.dumps({"type": "start", "greedy": True, "response_format": "pcm"}))
@@ -940,15 +942,17 @@ def test_sigterm_lets_the_request_in_flight_finish(secured):
         started = hear(ended, until=lambda e: e["type"] == "speech.segment.started")
         # (read on as the server sends: a client that stops reading stops answering the server's pings,
         # and uvicorn drops it after 20 + 20 s, which under load cut this socket before it was read)
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
             heard = pool.submit(hear, ended, timeout=120)
             told = pool.submit(hear, waiting, timeout=60)
+            unstarted = pool.submit(hear, silent, timeout=60)
             secured.proc.send_signal(signal.SIGTERM)
             rest = resp.read()  # (IncompleteRead if the response were cut)
             conn.close()
-            heard, told = heard.result(), told.result()
+            heard, told, unstarted = heard.result(), told.result(), unstarted.result()
         assert len(first) + len(rest) > 24000 * 2 * 5
-        assert told.code == 4503 and told.of("error")[0]["error"]["code"] == "shutting_down", told
+        for t in (told, unstarted):
+            assert t.code == 4503 and t.of("error")[0]["error"]["code"] == "shutting_down", t
         assert heard.code == 1000 and heard.of("speech.audio.done"), heard.events[-3:]
         done = heard.of("speech.segment.done")
         assert " ".join(d["text"] for d in done).split() == text.split()

@@ -58,11 +58,18 @@ class Session:
     def __init__(self):
         self.ended = False
         self.stop = None  # (error) -> None, once its job runs
+        self.opening = None  # the wait for the start message (a task), until it has come
+        self.refused = None  # the error that ended that wait
 
     def end_with(self, error: ApiError) -> bool:
-        """End a socket still taking text with `error`; False if it has no job to end yet."""
+        """End a socket still taking text with `error` (one still waiting for its start message too);
+        False if it has nothing to end yet."""
         if self.stop is None:
-            return False
+            if self.opening is None or self.opening.done():
+                return False
+            self.refused = error
+            self.opening.cancel()
+            return True
         self.stop(error)
         return True
 
@@ -76,7 +83,14 @@ async def speech_stream(ws: WebSocket) -> None:
     service.sockets.add(session)
     try:
         ld = service.require_ready()
-        start = _start(await _first(ws, service.socket_idle))
+        session.opening = asyncio.ensure_future(_first(ws, service.socket_idle))
+        try:
+            first = await session.opening
+        except asyncio.CancelledError:
+            if session.refused is None:
+                raise
+            raise session.refused from None
+        start = _start(first)
         fmt = _check(start, ld, service)
         voice = await service.voice(start)
         synth, sampling, frames, speed = ld.synth, sampling_of(start), first_chunk_of(start), start.speed
