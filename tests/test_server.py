@@ -1354,6 +1354,36 @@ def test_read_and_reply_send_their_request_before_a_chunk_is_asked_for():
                 [np.full(240, value(name, i), np.float32) for i in range(2)]))
 
 
+def test_ctrl_c_stops_say_lines_in_a_batch_through_a_server(tmp_path):
+    """`say --lines --dir D --batch N` through a server: Ctrl-C leaves at once (130, one line, no file)
+    and the requests in flight stop on the server (it said "interrupted", then waited for them to
+    finish: minutes for long lines, the server generating all along)."""
+    synth, ok, cut = FakeSynth(), tmp_path / "ok", tmp_path / "cut"
+    with in_process(synth) as url:
+        done = minicpm("say", "--lines", "--dir", str(ok), "--batch", "2", "--server", url, stdin=b"a n=2\nb n=3\nc n=1\n")
+        assert done.returncode == 0, done.stderr.decode()
+        assert [sf.info(ok / f"line-000{k}.wav").frames for k in (1, 2, 3)] == [480, 720, 240]
+        p = subprocess.Popen([sys.executable, "-m", "minicpm_cli", "say", "--lines", "--dir", str(cut), "--batch",
+                              "2", "--server", url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=_env())
+        try:
+            p.stdin.write(b"one n=600 delay=0.05\ntwo n=600 delay=0.05\n")  # (30 s of work each)
+            p.stdin.close()
+            end = time.monotonic() + 60
+            while not synth.produced.get("one") and time.monotonic() < end:
+                time.sleep(0.02)
+            p.send_signal(signal.SIGINT)
+            assert p.wait(timeout=10) == 130
+            assert p.stderr.read() == b"minicpm: interrupted\n" and p.stdout.read() == b""
+        finally:
+            p.kill()
+            p.wait()
+        at_exit = synth.produced["one"]
+        time.sleep(1.0)
+        assert synth.produced["one"] <= at_exit + 2 and "two" not in synth.started, synth.produced
+    assert list(cut.iterdir()) == []
+
+
 @contextlib.contextmanager
 def not_minicpm():
     """Another HTTP server (404 for everything, as a web server on the default port would answer)."""

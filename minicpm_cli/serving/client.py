@@ -313,18 +313,19 @@ class Remote:
         text's chunks as a list, in input order."""
         from concurrent.futures import ThreadPoolExecutor
 
-        with ThreadPoolExecutor(batch, thread_name_prefix="minicpm-read") as pool:
-            pending: deque = deque()
-            try:
-                for text in texts:
-                    pending.append(pool.submit(lambda t: list(self.read(t, **options)), text))
-                    if len(pending) >= batch:
-                        yield pending.popleft().result()
-                while pending:
+        pool = ThreadPoolExecutor(batch, thread_name_prefix="minicpm-read")
+        pending: deque = deque()
+        try:
+            for text in texts:
+                pending.append(pool.submit(lambda t: list(self.read(t, **options)), text))
+                if len(pending) >= batch:
                     yield pending.popleft().result()
-            finally:
-                for f in pending:
-                    f.cancel()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            # (the requests in flight are not waited for: after Ctrl-C the command leaves at once, and
+            # the connections its exit closes stop their generation on the server)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def reply(self, message: str, *, greedy: bool, seed: int | None, temperature: float, max_tokens: int,
               first_chunk: int, speed: float = 1.0, pcm: str | None = None, timestamps: bool = False) -> Iterator[Chunk]:
