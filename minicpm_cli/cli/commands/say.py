@@ -91,32 +91,32 @@ def say(
     timeline = cc.Timeline()
     bar = progress()
     advance = (lambda c: bar.update(len(c.samples) / c.sample_rate)) if bar is not None else None
+    # a file gets each segment decoded in one piece; stdout, a pipe, a device and raw PCM as a stream
+    decode = "stream" if raw or (directory is None and audio.is_stream(output)) else "segment"
 
     def chunks(t: str, decode: str, target: str):
         # (a server sends the sink's own samples when it writes them as they are)
         return spk.read(t, greedy=opts.greedy, seed=opts.seed, decode=decode, first_chunk=frames, speed=speed,
                         pcm=pcm if audio.takes_pcm(target, pcm, raw) else None, timestamps=captions is not None)
 
-    def speak(t: str, target: str, to_file: bool) -> None:
+    def speak(t: str, target: str) -> None:
         # (the chunks are asked for before the sink is opened: a server starts on them while opening
         # it may load numpy and libsndfile)
-        stream = chunks(t, "segment" if to_file else "stream", target)
+        stream = chunks(t, decode, target)
         play(cc.timed(stream, timeline), audio.open_sink(target, pcm, spk.sample_rate, raw), advance)
 
     try:
         if whole is not None:
-            speak(whole, output, not audio.is_stream(output) and not raw)
+            speak(whole, output)
             trace.mark("written")
         elif arrivals is not None:
-            to_file = not audio.is_stream(output) and not raw
-            stream = spk.read_arriving(arrivals, greedy=opts.greedy, seed=opts.seed,
-                                       decode="segment" if to_file else "stream", first_chunk=frames, speed=speed,
+            stream = spk.read_arriving(arrivals, greedy=opts.greedy, seed=opts.seed, decode=decode,
+                                       first_chunk=frames, speed=speed,
                                        pcm=pcm if audio.takes_pcm(output, pcm, raw) else None,
                                        timestamps=captions is not None)
             play(cc.timed(stream, timeline), audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
             trace.mark("written")
         elif directory is not None:
-            decode = "stream" if raw else "segment"
             paths = (str(Path(directory) / f"line-{n:04d}{'.raw' if raw else '.wav'}") for n in itertools.count(1))
             if batch == 1:  # each line's chunks written as they come
                 spoken = ((path, chunks(t, decode, path)) for t, path in zip(texts, paths))
@@ -127,9 +127,7 @@ def say(
                 play(line_chunks, audio.open_sink(path, pcm, spk.sample_rate, raw), advance)
                 print(path, file=sys.stderr, flush=True)
         else:
-            # every line into one stream or file, each line's chunks as soon as they exist (a file's
-            # each segment decoded in one piece, as a file always is)
-            decode = "stream" if audio.is_stream(output) or raw else "segment"
+            # every line into one stream or file, each line's chunks as soon as they exist
             every = (chunk for line in texts for chunk in chunks(line, decode, output))
             play(cc.timed(every, timeline), audio.open_sink(output, pcm, spk.sample_rate, raw), advance)
         if captions is not None:
